@@ -1,0 +1,92 @@
+"""The training batch: named tensors that share a leading sample dimension.
+
+One ``Batch`` holds this rank's share of a step's responses. Keys used by the
+loop (N = responses on this rank, P = prompt length, R = response length):
+
+    input_ids       [N, P+R] int64   prompt (left-padded) + response (right-padded)
+    attention_mask  [N, P+R] int64
+    position_ids    [N, P+R] int64
+    response_mask   [N, R]   float32 1 on generated tokens
+    index           [N]      int64   global prompt id: the n responses of a prompt share it
+    scores          [N]      float32 sequence reward
+    token_rewards   [N, R]   float32 reward placed on the last response token (minus KL penalty)
+    old_logp, ref_logp, values, advantages, returns   [N, R] float32
+
+Lists of Python objects (``non_tensor``) ride along with the same leading size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+
+
+class Batch:
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None, non_tensor: dict[str, list] | None = None):
+        self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
+        self.non_tensor: dict[str, list] = dict(non_tensor or {})
+        self._check()
+
+    def _check(self) -> None:
+        sizes = {k: v.shape[0] for k, v in self.tensors.items()}
+        sizes.update({k: len(v) for k, v in self.non_tensor.items()})
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"batch fields disagree on the leading size: {sizes}")
+
+    def __len__(self) -> int:
+        for v in self.tensors.values():
+            return v.shape[0]
+        for v in self.non_tensor.values():
+            return len(v)
+        return 0
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.tensors:
+            return self.tensors[key]
+        return self.non_tensor[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self.tensors[key] = value
+        else:
+            self.non_tensor[key] = list(value)
+        self._check()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.non_tensor
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def keys(self) -> list[str]:
+        return list(self.tensors) + list(self.non_tensor)
+
+    def select(self, idx: torch.Tensor | Sequence[int] | slice) -> "Batch":
+        """Rows ``idx`` of every field (a slice keeps views; an index tensor copies)."""
+        if isinstance(idx, slice):
+            return Batch(
+                {k: v[idx] for k, v in self.tensors.items()}, {k: v[idx] for k, v in self.non_tensor.items()}
+            )
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        rows = idx_t.tolist()
+        return Batch(
+            {k: v.index_select(0, idx_t.to(v.device)) for k, v in self.tensors.items()},
+            {k: [v[i] for i in rows] for k, v in self.non_tensor.items()},
+        )
+
+    def split(self, size: int) -> Iterator["Batch"]:
+        """Consecutive chunks of ``size`` rows (the last may be shorter)."""
+        for start in range(0, len(self), size):
+            yield self.select(slice(start, start + size))
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensor)
+
+    @staticmethod
+    def cat(batches: Sequence["Batch"]) -> "Batch":
+        first = batches[0]
+        return Batch(
+            {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors},
+            {k: [x for b in batches for x in b.non_tensor[k]] for k in first.non_tensor},
+        )

@@ -1,0 +1,290 @@
+"""Typed configuration for one spmdrl run.
+
+Every section is a dataclass with defaults in code; a YAML file per experiment
+(``configs/*.yaml``) overrides them and ``--section.key value`` overrides that.
+jsonargparse does the parsing (unknown keys and wrong types are rejected there);
+``validate`` checks ranges and cross-field consistency before any distributed
+work starts. Leaf names follow verl where the concept is the same, so a verl
+user can read a config at a glance.
+
+    python -m spmdrl.train --config configs/grpo.yaml --actor.lr 1e-5
+    python -m spmdrl.train --config configs/grpo.yaml --print_config
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+
+@dataclass
+class DataConfig:
+    train_files: Union[str, list[str]] = "builtin:arith"
+    """Parquet file(s) in verl's layout, or ``builtin:<task>`` (generated on first use under the cache)."""
+    val_files: Union[str, list[str], None] = "builtin:arith"
+    """Validation parquet file(s), ``builtin:<task>``, or null for no validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a list of chat messages or a plain string."""
+    train_batch_size: int = 16
+    """Prompts per step over the whole world (each is sampled ``rollout.n`` times)."""
+    val_batch_size: int = 64
+    """Prompts per validation batch over the whole world."""
+    max_prompt_length: int = 64
+    """Prompt tokens after the chat template; longer prompts are filtered or truncated."""
+    max_response_length: int = 16
+    """New tokens generated per response."""
+    truncation: Literal["error", "left", "right", "filter"] = "filter"
+    """What to do with a prompt over max_prompt_length: fail, keep the right or left end, or drop it."""
+    shuffle: bool = True
+    """Shuffle the training set each epoch (seeded by trainer.seed and the epoch)."""
+    apply_chat_template: bool = True
+    """Wrap message-list prompts with the tokenizer's chat template."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """Hugging Face model folder, or ``builtin:tiny`` / ``builtin:small`` (built offline on first use)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer folder when it differs from model.path."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype in which the trained weights are kept (the master copy)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations of each decoder layer in the backward pass."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_shard: int = -1
+    """FSDP sharding degree of the training mesh; -1 means the rest of the world."""
+    dp_replicate: int = 1
+    """Replicated data-parallel degree (HSDP) of the training mesh."""
+    tp: int = 1
+    """Tensor-parallel degree of the training mesh."""
+    pp: int = 1
+    """Pipeline-parallel degree of the training mesh."""
+    rollout_tp: int = 1
+    """Tensor-parallel degree of the rollout mesh; rollout DP is world_size / rollout_tp."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "native"
+    """Rollout engine: native (pure torch), hf (transformers generate), vllm or sglang (GPU)."""
+    n: int = 8
+    """Responses sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 keeps all."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the rollout engine's weights and KV cache."""
+    max_num_seqs: int = 256
+    """Most sequences decoded at once; larger batches are generated in chunks."""
+    sleep_level: Literal[1, 2] = 1
+    """Sleep between rollouts: 1 frees the KV cache and offloads weights, 2 frees both."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory vLLM/SGLang may take (ignored by native and hf)."""
+    val_temperature: float = 0.0
+    """Temperature for validation rollouts (0: greedy)."""
+    val_n: int = 1
+    """Responses per prompt in validation."""
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"
+    """Training engine: fsdp2 (CPU and GPU) or megatron (GPU)."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping; the norm is reported either way)."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step over the whole world (times rollout.n responses)."""
+    ppo_micro_batch_size_per_gpu: int = 16
+    """Responses per forward/backward on one rank (gradient accumulation makes up the mini-batch)."""
+    log_prob_micro_batch_size_per_gpu: int = 32
+    """Responses per no-grad forward when computing old/ref log-probs."""
+    ppo_epochs: int = 1
+    """Passes over the batch per step."""
+    shuffle: bool = False
+    """Shuffle responses between mini-batches (seeded)."""
+    policy_loss: str = "vanilla"
+    """Policy loss: vanilla (PPO clip, dual clip), gspo, gpg."""
+    clip_ratio_low: float = 0.2
+    """Lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher sets it above clip_ratio_low)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound (> 1) on the loss of negative-advantage tokens."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become one number; see spmdrl.algos.losses.agg_loss for each mode's length bias."""
+    loss_scale_factor: Optional[float] = None
+    """Constant divisor for seq-mean-token-sum-norm (default: max_response_length)."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    use_kl_loss: bool = False
+    """Add a KL(actor || ref) term to the actor loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), and '+' variants (k2 gradient)."""
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """FSDP2 MixedPrecisionPolicy param_dtype (compute dtype)."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """FSDP2 MixedPrecisionPolicy reduce_dtype (gradient reduce-scatter dtype)."""
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: keep sharded params, grads and optimizer state on the CPU."""
+    offload_optimizer_during_rollout: bool = True
+    """Move optimizer state off the device while the rollout engine is awake (GPU only)."""
+
+
+@dataclass
+class RefConfig:
+    offload: bool = False
+    """Keep the frozen reference policy's shards on the CPU between uses."""
+    log_prob_micro_batch_size_per_gpu: int = 32
+    """Responses per no-grad forward of the reference policy."""
+
+
+@dataclass
+class CriticConfig:
+    model_path: Optional[str] = None
+    """Value model backbone folder (default: model.path); a scalar head is added."""
+    lr: float = 1e-3
+    """Peak learning rate of the critic's AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
+    max_grad_norm: float = 1.0
+    """Clip the critic's gradient norm to this (0 disables)."""
+    ppo_epochs: int = 1
+    """Passes over the batch per step."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per critic optimizer step over the whole world."""
+    ppo_micro_batch_size_per_gpu: int = 16
+    """Responses per forward/backward on one rank."""
+    cliprange_value: float = 0.5
+    """Value clipping range around the old values."""
+
+
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """Controller of the in-reward KL coefficient."""
+    kl_coef: float = 0.001
+    """Initial (or fixed) KL coefficient."""
+    target_kl: float = 0.1
+    """Target KL of the adaptive controller."""
+    horizon: int = 10000
+    """Horizon (in samples) of the adaptive controller."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more."""
+    max_num_gen_batches: int = 10
+    """Most generation batches per step before training on what was kept (0: no limit)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, gpg, opo."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group std (false gives Dr.GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty from the token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator for the in-reward penalty."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO overlong shaping: linear penalty over the last `len` tokens before max_response_length."""
+    len: int = 4
+    """Buffer length in tokens."""
+    penalty_factor: float = 1.0
+    """Penalty at max_response_length."""
+
+
+@dataclass
+class RewardConfig:
+    function: str = "builtin"
+    """``builtin`` (scorer chosen by each row's data_source) or ``path/to/file.py:function`` with verl's signature."""
+    num_workers: int = 0
+    """Scoring processes; 0 scores in-process (no timeout)."""
+    timeout_s: float = 10.0
+    """Seconds one score may take in a worker before it counts as 0."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "spmdrl"
+    """Project name (wandb project, output folder)."""
+    experiment_name: str = "grpo_tiny"
+    """Experiment name (wandb run, output folder)."""
+    output_dir: str = "outputs/{project_name}/{experiment_name}"
+    """Folder for everything a run writes; {project_name} and {experiment_name} are filled in."""
+    total_epochs: int = 1
+    """Passes over the training set (total_steps wins when set)."""
+    total_steps: Optional[int] = None
+    """Training steps; null means total_epochs worth."""
+    seed: int = 1
+    """Seed for data order, sampling and initialisation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device type; auto picks cuda when available."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks: console, jsonl, wandb, tensorboard."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: never)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep; older ones are deleted."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in output_dir), off, or a checkpoint folder."""
+    export_hf_on_save: bool = False
+    """Also write a Hugging Face folder of the actor at each save."""
+    test_freq: int = -1
+    """Validate every N steps (-1: never)."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    colocate: bool = True
+    """Sleep the rollout engine during training and offload training state during rollout."""
+    progress_bar: bool = True
+    """Show a tqdm bar on rank 0."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
