@@ -4,13 +4,15 @@ Importing the package fills the registries in ``spmdrl.algos.registry``; the
 loop looks every algorithm up there by its config name.
 """
 
-from spmdrl.algos import advantages  # noqa: F401  (imported to register)
+from spmdrl.algos import advantages, losses  # noqa: F401  (imported to register)
 from spmdrl.algos.registry import (
     ADVANTAGES,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     get_advantage,
+    get_loss_agg,
+    get_policy_loss,
 )
 
 __all__ = [
@@ -20,4 +22,7 @@ __all__ = [
     "POLICY_LOSSES",
     "advantages",
     "get_advantage",
+    "get_loss_agg",
+    "get_policy_loss",
+    "losses",
 ]

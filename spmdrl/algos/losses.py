@@ -1,0 +1,335 @@
+"""Token-loss aggregation, policy losses, the value loss, and log-prob / entropy helpers.
+
+A loss returns ``(loss, metrics)``. ``loss`` is this rank's *contribution*:
+a sum over the local rows divided by a global denominator (``global_tokens``
+or ``global_seqs`` from ``spmdrl.engines.base.LossScale``), so summing the
+contributions of every micro-batch and every DP rank gives the mini-batch
+loss, whatever the micro-batch size or DP degree. The engine multiplies by
+``dp_size`` itself to undo FSDP's gradient averaging; nothing here does.
+Without the global arguments the local counts are used, so a single batch
+gives plain means. Metrics are local means as Python floats.
+
+Policy losses share one signature so the loop picks one by name:
+
+    loss, metrics = get_policy_loss(cfg.actor.policy_loss)(
+        logp, old_logp, advantages, mask, loss_agg_mode=..., clip_ratio_low=..., clip_ratio_high=...,
+        clip_ratio_c=..., global_tokens=scale.global_tokens, global_seqs=scale.global_seqs, norm_len=...)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from spmdrl.algos.registry import get_loss_agg, register_loss_agg, register_policy_loss
+from spmdrl.algos.utils import masked_mean
+
+LossOut = tuple[torch.Tensor, dict[str, float]]
+
+# Log-ratios are clamped before exp so one wildly off-policy token cannot make
+# the ratio (or its gradient) overflow to inf and poison the step with NaN.
+LOG_RATIO_CLAMP = 20.0
+# Rows of the [rows, V] logits processed at once by the log-prob / entropy
+# helpers: bounds the float32 temporaries to about 256 MiB whatever the vocabulary.
+_CHUNK_ELEMENTS = 1 << 26
+
+
+def loss_denominators(mask: torch.Tensor) -> tuple[float, float]:
+    """Local (tokens, sequences) of ``mask`` [B, T], counted as ``agg_loss`` counts them.
+
+    A sequence is a row with at least one valid token: padding rows added to
+    even out ranks must not dilute the seq-mean modes. The loop all-reduces
+    these numbers to build ``global_tokens`` / ``global_seqs``.
+    """
+    m = mask.to(torch.float32)
+    return float(m.sum().item()), float((m.sum(-1) > 0).sum().item())
+
+
+def _denominator(local: torch.Tensor, global_value: Optional[float]) -> torch.Tensor:
+    # An empty micro-batch contributes 0 (its numerator is 0), not NaN.
+    value = local if global_value is None else torch.as_tensor(global_value, dtype=local.dtype, device=local.device)
+    return value.clamp(min=1)
+
+
+def _seq_mask(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.sum(-1) > 0).to(mask.dtype)  # [B]
+
+
+@register_loss_agg("token-mean")
+def _token_mean(
+    loss_mat: torch.Tensor, mask: torch.Tensor, *, global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None, norm_len: Optional[float] = None,
+) -> torch.Tensor:
+    return (loss_mat * mask).sum() / _denominator(mask.sum(), global_tokens)
+
+
+@register_loss_agg("seq-mean-token-sum")
+def _seq_mean_token_sum(
+    loss_mat: torch.Tensor, mask: torch.Tensor, *, global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None, norm_len: Optional[float] = None,
+) -> torch.Tensor:
+    seq_loss = (loss_mat * mask).sum(-1)  # [B]
+    return seq_loss.sum() / _denominator(_seq_mask(mask).sum(), global_seqs)
+
+
+@register_loss_agg("seq-mean-token-mean")
+def _seq_mean_token_mean(
+    loss_mat: torch.Tensor, mask: torch.Tensor, *, global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None, norm_len: Optional[float] = None,
+) -> torch.Tensor:
+    seq_loss = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]; empty rows give 0
+    return seq_loss.sum() / _denominator(_seq_mask(mask).sum(), global_seqs)
+
+
+@register_loss_agg("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(
+    loss_mat: torch.Tensor, mask: torch.Tensor, *, global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None, norm_len: Optional[float] = None,
+) -> torch.Tensor:
+    length = float(mask.shape[-1]) if norm_len is None else float(norm_len)
+    seq_loss = (loss_mat * mask).sum(-1) / length  # [B]
+    return seq_loss.sum() / _denominator(_seq_mask(mask).sum(), global_seqs)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,  # [B, T]
+    mask: torch.Tensor,  # [B, T]
+    mode: str,
+    *,
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    norm_len: Optional[float] = None,
+) -> torch.Tensor:
+    """Reduce per-token losses to this rank's contribution to the mini-batch loss.
+
+    ``mode`` (config key ``actor.loss_agg_mode``) decides how much each token weighs:
+
+    - ``"token-mean"`` (default): sum of token losses / number of valid tokens
+      in the global mini-batch (``global_tokens``). Every token weighs the same,
+      so a long response weighs in proportion to its length; there is no
+      per-sequence length normalisation and hence no bias towards short or long
+      answers. Introduced by DAPO to remove GRPO's length bias.
+    - ``"seq-mean-token-mean"``: each response's loss is its mean token loss,
+      then the mean over responses (``global_seqs``). The original GRPO
+      objective. Length-biased: a token of a short response weighs more than a
+      token of a long one, so short correct answers are pushed up harder and
+      long wrong answers are pushed down more weakly, which lets wrong answers
+      grow long.
+    - ``"seq-mean-token-sum"``: each response's loss is its token sum, then the
+      mean over responses. Long responses dominate the gradient and its scale
+      grows with length; a bias towards whatever long responses do.
+    - ``"seq-mean-token-sum-norm"``: each response's token sum divided by a
+      constant ``norm_len`` (the maximum response length, or
+      ``actor.loss_scale_factor``), then the mean over responses. Dr. GRPO's
+      fix: the constant is the same for every response, so there is no length
+      bias, at the price of a gradient scale that shrinks when responses are
+      much shorter than ``norm_len``. (verl's version of this mode does not
+      divide by the number of responses; ours does, as TRL's ``dr_grpo``.)
+
+    The denominators default to the local counts when ``global_tokens`` /
+    ``global_seqs`` are None; ``norm_len`` defaults to ``T``, the padded
+    response length. A sequence is a row with at least one valid token.
+    """
+    return get_loss_agg(mode)(
+        loss_mat, mask.to(loss_mat.dtype), global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
+    )
+
+
+def _pg_metrics(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_len: Optional[float], **fractions: torch.Tensor
+) -> dict[str, float]:
+    """Local metrics: the loss under local denominators, and masked means of the given indicators."""
+    with torch.no_grad():
+        metrics = {"actor/pg_loss": float(agg_loss(loss_mat, mask, mode, norm_len=norm_len).item())}
+        for name, value in fractions.items():
+            metrics[f"actor/{name}"] = float(masked_mean(value.to(mask.dtype), mask).item())
+    return metrics
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(
+    logp: torch.Tensor,  # [B, T]
+    old_logp: torch.Tensor,  # [B, T]
+    advantages: torch.Tensor,  # [B, T]
+    mask: torch.Tensor,  # [B, T]
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    norm_len: Optional[float] = None,
+) -> LossOut:
+    """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and dual clip.
+
+    The dual clip bounds the loss of a negative-advantage token at
+    ``-A * clip_ratio_c``: PPO's clip does not bound ratio * |A| from above when
+    A < 0, so a token that became much more likely could dominate the update.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (actor.clip_ratio_c), got {clip_ratio_c}")
+    mask = mask.to(logp.dtype)
+    log_ratio = logp - old_logp  # [B, T]
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)
+    loss3 = -advantages * clip_ratio_c
+    negative = advantages < 0
+    loss_mat = torch.where(negative, torch.minimum(clipped, loss3), clipped)  # [B, T]
+    loss = agg_loss(
+        loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
+    )
+    metrics = _pg_metrics(
+        loss_mat,
+        mask,
+        loss_agg_mode,
+        norm_len,
+        pg_clipfrac=loss2 > loss1,
+        pg_clipfrac_lower=(clipped > loss3) & negative,
+    )
+    metrics["actor/ppo_kl"] = float(masked_mean(-log_ratio.detach(), mask).item())
+    return loss, metrics
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(
+    logp: torch.Tensor,  # [B, T]
+    old_logp: torch.Tensor,  # [B, T]
+    advantages: torch.Tensor,  # [B, T]
+    mask: torch.Tensor,  # [B, T]
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    norm_len: Optional[float] = None,
+) -> LossOut:
+    """GSPO: one importance ratio per response, exp(mean token log-ratio), clipped like PPO (no dual clip).
+
+    Each token's ratio has the sequence ratio as its value and d/d logp_t = ratio,
+    via ``logp_t - sg(logp_t) + sg(mean_t(logp - old_logp))``. The loss is always
+    aggregated seq-mean-token-mean, the objective GSPO defines; ``loss_agg_mode``
+    and ``clip_ratio_c`` are accepted for the uniform signature and ignored.
+    """
+    mask = mask.to(logp.dtype)
+    log_ratio = logp - old_logp  # [B, T]
+    seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    token_log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)  # [B, T]
+    ratio = torch.exp(token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss_mat = torch.maximum(loss1, loss2)  # [B, T]
+    mode = "seq-mean-token-mean"
+    loss = agg_loss(loss_mat, mask, mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
+    metrics = _pg_metrics(
+        loss_mat, mask, mode, norm_len, pg_clipfrac=loss2 > loss1, pg_clipfrac_lower=torch.zeros_like(mask)
+    )
+    metrics["actor/ppo_kl"] = float(masked_mean(-log_ratio.detach(), mask).item())
+    return loss, metrics
+
+
+@register_policy_loss("gpg")
+def gpg_policy_loss(
+    logp: torch.Tensor,  # [B, T]
+    old_logp: torch.Tensor,  # [B, T]
+    advantages: torch.Tensor,  # [B, T]
+    mask: torch.Tensor,  # [B, T]
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    norm_len: Optional[float] = None,
+) -> LossOut:
+    """GPG: plain policy gradient -logp * A, no ratio and no clip (the clip arguments are ignored)."""
+    mask = mask.to(logp.dtype)
+    loss_mat = -logp * advantages  # [B, T]
+    loss = agg_loss(
+        loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
+    )
+    zeros = torch.zeros_like(mask)
+    metrics = _pg_metrics(loss_mat, mask, loss_agg_mode, norm_len, pg_clipfrac=zeros, pg_clipfrac_lower=zeros)
+    metrics["actor/ppo_kl"] = float(masked_mean((old_logp - logp).detach(), mask).item())
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,  # [B, T] current critic predictions
+    old_values: torch.Tensor,  # [B, T] predictions when the batch was collected
+    returns: torch.Tensor,  # [B, T]
+    mask: torch.Tensor,  # [B, T]
+    *,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    norm_len: Optional[float] = None,
+) -> LossOut:
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2), aggregated like the policy loss.
+
+    Taking the max makes the clip pessimistic: a prediction may move further
+    than ``cliprange_value`` from the old one only when that does not lower the loss.
+    """
+    mask = mask.to(values.dtype)
+    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)  # [B, T]
+    loss1 = (values - returns) ** 2
+    loss2 = (clipped - returns) ** 2
+    loss_mat = 0.5 * torch.maximum(loss1, loss2)  # [B, T]
+    loss = agg_loss(
+        loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
+    )
+    with torch.no_grad():
+        metrics = {
+            "critic/vf_loss": float(agg_loss(loss_mat, mask, loss_agg_mode, norm_len=norm_len).item()),
+            "critic/vf_clipfrac": float(masked_mean((loss2 > loss1).to(mask.dtype), mask).item()),
+            "critic/vpred_mean": float(masked_mean(values, mask).item()),
+        }
+    return loss, metrics
+
+
+def _row_chunks(flat: torch.Tensor) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, flat.shape[-1]))
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] for logits [..., V] and labels [...] -> float32 [...].
+
+    Computed as ``logit[label] - logsumexp(logits)`` in row chunks, so the full
+    [..., V] log-softmax is never materialised; low-precision logits are upcast
+    to float32 one chunk at a time.
+    """
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)  # [N, V]
+    flat_labels = labels.reshape(-1)  # [N]
+    rows = _row_chunks(flat)
+    out = []
+    for start in range(0, flat.shape[0], rows):
+        chunk = flat[start : start + rows].float()  # [n, V]
+        picked = chunk.gather(-1, flat_labels[start : start + rows].unsqueeze(-1)).squeeze(-1)  # [n]
+        out.append(picked - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(out).reshape(labels.shape) if out else flat.new_zeros(labels.shape, dtype=torch.float32)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) for logits [..., V] -> float32 [...].
+
+    ``logsumexp(l) - sum(softmax(l) * l)`` equals ``-sum(p log p)`` but never
+    takes the log of an underflowed probability, so it stays finite for very
+    peaked distributions. Row-chunked like ``logprobs_from_logits``.
+    """
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)  # [N, V]
+    rows = _row_chunks(flat)
+    out = []
+    for start in range(0, flat.shape[0], rows):
+        chunk = flat[start : start + rows].float()  # [n, V]
+        probs = torch.softmax(chunk, dim=-1)
+        out.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(-1))
+    return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)

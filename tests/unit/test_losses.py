@@ -1,0 +1,264 @@
+"""Loss aggregation, policy losses, value loss and log-prob / entropy helpers against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+import spmdrl.algos  # noqa: F401  (fills the registries)
+from spmdrl.algos import losses
+from spmdrl.algos.losses import (
+    agg_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+    loss_denominators,
+    value_loss,
+)
+from spmdrl.algos.registry import POLICY_LOSSES, get_policy_loss
+
+T = torch.tensor
+
+
+def close(actual, expected, atol=1e-5):
+    actual = torch.as_tensor(actual)
+    torch.testing.assert_close(actual, T(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+# --- agg_loss --------------------------------------------------------------------------------------
+
+LOSS = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+MASK = T([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the last row is an all-padding row
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", (1 + 2 + 4) / 3),
+        ("seq-mean-token-sum", (3 + 4) / 2),  # the empty row is not a sequence
+        ("seq-mean-token-mean", (1.5 + 4) / 2),
+        ("seq-mean-token-sum-norm", (3 / 3 + 4 / 3) / 2),  # norm_len defaults to T = 3
+    ],
+)
+def test_agg_loss_local_means(mode, expected):
+    close(agg_loss(LOSS, MASK, mode), expected)
+
+
+def test_agg_loss_global_denominators():
+    close(agg_loss(LOSS, MASK, "token-mean", global_tokens=7), 1.0)
+    close(agg_loss(LOSS, MASK, "seq-mean-token-sum", global_seqs=4), 7 / 4)
+    close(agg_loss(LOSS, MASK, "seq-mean-token-mean", global_seqs=4), 5.5 / 4)
+    close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", global_seqs=4, norm_len=10), (0.3 + 0.4) / 4)
+    # global_tokens does not touch the seq modes and global_seqs does not touch token-mean
+    close(agg_loss(LOSS, MASK, "seq-mean-token-mean", global_tokens=100), 2.75)
+    close(agg_loss(LOSS, MASK, "token-mean", global_seqs=100), 7 / 3)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_agg_loss_contributions_of_shards_sum_to_the_whole(mode):
+    # Two "ranks" (row shards) with the global counts: their contributions add up to the full-batch mean.
+    loss = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [0.5, 0.0, 0.0], [2.0, 2.0, 8.0]])
+    mask = T([[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1]])
+    tokens, seqs = loss_denominators(mask)
+    assert (tokens, seqs) == (7.0, 4.0)
+    parts = [
+        agg_loss(loss[rows], mask[rows], mode, global_tokens=tokens, global_seqs=seqs, norm_len=5)
+        for rows in (slice(0, 1), slice(1, 4))
+    ]
+    close(sum(parts), agg_loss(loss, mask, mode, norm_len=5).item())
+
+
+def test_loss_denominators_skip_empty_rows():
+    assert loss_denominators(MASK) == (3.0, 2.0)
+
+
+def test_unknown_agg_mode_lists_valid_ones():
+    with pytest.raises(ValueError) as err:
+        agg_loss(LOSS, MASK, "token-sum")
+    assert "actor.loss_agg_mode" in str(err.value)
+    assert "seq-mean-token-sum-norm" in str(err.value) and "token-mean" in str(err.value)
+
+
+def test_agg_loss_docstring_explains_each_mode():
+    for mode in ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]:
+        assert f'"{mode}"' in agg_loss.__doc__
+
+
+# --- policy losses ---------------------------------------------------------------------------------
+
+# Four valid tokens and one padded token with a huge advantage that must not count.
+ADV = T([[1.0, 1.0, -1.0, -1.0, 100.0]])
+RATIOS = [1.5, 0.5, 4.0, 0.5, 7.0]
+PG_MASK = T([[1.0, 1.0, 1.0, 1.0, 0.0]])
+
+
+def _logps(ratios):
+    old = T([[-1.0] * len(ratios)])
+    logp = (old + torch.log(T([ratios]))).requires_grad_(True)
+    return logp, old
+
+
+def test_vanilla_clip_and_dual_clip():
+    logp, old = _logps(RATIOS)
+    loss, metrics = get_policy_loss("vanilla")(logp, old, ADV, PG_MASK, clip_ratio_c=3.0)
+    # A=+1, r=1.5: max(-1.5, -1.2) = -1.2 (clipped)
+    # A=+1, r=0.5: max(-0.5, -0.8) = -0.5
+    # A=-1, r=4:   max(4, 1.2) = 4, dual clip min(4, 3) = 3 (hits the lower/dual clip)
+    # A=-1, r=0.5: max(0.5, 0.8) = 0.8 (clipped), min(0.8, 3) = 0.8
+    close(loss, (-1.2 - 0.5 + 3.0 + 0.8) / 4)
+    assert metrics["actor/pg_loss"] == pytest.approx(0.525, abs=1e-6)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(0.25)
+    # mean of old - logp = -(ln 1.5 + ln 0.5 + ln 4 + ln 0.5) / 4 = -ln(1.5) / 4
+    assert metrics["actor/ppo_kl"] == pytest.approx(-0.1013662770270411, abs=1e-6)
+    assert all(isinstance(v, float) for v in metrics.values())
+    loss.backward()
+    # only the unclipped token has a gradient: d(-A r)/d logp = -r = -0.5, over 4 tokens
+    close(logp.grad, [[0.0, -0.125, 0.0, 0.0, 0.0]])
+
+
+def test_vanilla_clip_higher():
+    logp, old = _logps(RATIOS)
+    loss, metrics = get_policy_loss("vanilla")(logp, old, ADV, PG_MASK, clip_ratio_low=0.2, clip_ratio_high=0.6)
+    # r=1.5 is now inside [0.8, 1.6]: -1.5; r=4 with A<0: max(4, 1.6) = 4 -> dual 3
+    close(loss, (-1.5 - 0.5 + 3.0 + 0.8) / 4)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.25)
+
+
+def test_vanilla_global_tokens_scales_the_loss_not_the_metric():
+    logp, old = _logps(RATIOS)
+    loss, metrics = get_policy_loss("vanilla")(logp, old, ADV, PG_MASK, global_tokens=8)
+    close(loss, 2.1 / 8)
+    assert metrics["actor/pg_loss"] == pytest.approx(2.1 / 4, abs=1e-6)
+
+
+def test_vanilla_seq_mean_token_mean():
+    old = T([[-1.0, -1.0], [-1.0, -1.0]])
+    logp = old + torch.log(T([[1.0, 1.0], [0.5, 1.0]]))
+    adv = T([[1.0, 2.0], [3.0, 3.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    loss, _ = get_policy_loss("vanilla")(logp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
+    # row 0: -1, -2 -> mean -1.5; row 1: A=3, r=0.5: max(-1.5, -2.4) = -1.5
+    close(loss, (-1.5 - 1.5) / 2)
+
+
+def test_vanilla_clamps_the_log_ratio_at_20():
+    old = T([[-30.0]])
+    logp = T([[-5.0]], requires_grad=True)  # log ratio 25
+    loss, metrics = get_policy_loss("vanilla")(logp, old, T([[-1.0]]), T([[1.0]]), clip_ratio_c=1e12)
+    # A=-1: max(r, 1.2) with r = exp(20), not exp(25) = 7.2e10; the huge dual clip does not bind
+    assert loss.item() == pytest.approx(485165195.4097903, rel=1e-6)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-25.0)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad.item() == 0.0
+
+
+def test_vanilla_rejects_dual_clip_at_or_below_one():
+    logp, old = _logps(RATIOS)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        get_policy_loss("vanilla")(logp, old, ADV, PG_MASK, clip_ratio_c=1.0)
+
+
+def test_gspo_sequence_ratio_and_gradient():
+    old = torch.zeros(2, 3)
+    # row 0: log ratios 0.1, 0.3 (+ a padded 50) -> mean 0.2, r = 1.2214 > 1.2; row 1: -0.3, 0, 0 -> mean -0.1
+    logp = T([[0.1, 0.3, 50.0], [-0.3, 0.0, 0.0]], requires_grad=True)
+    adv = T([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, metrics = get_policy_loss("gspo")(logp, old, adv, mask, loss_agg_mode="token-mean")
+    # row 0: A=1: max(-1.2214, -1.2) = -1.2 (clipped); row 1: A=-2: 2 * exp(-0.1) = 1.809675 (inside the clip)
+    # always seq-mean-token-mean: (-1.2 + 1.809675) / 2; token-mean would give 0.6058
+    close(loss, 0.30483741803595954)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 5)
+    assert metrics["actor/pg_clipfrac_lower"] == 0.0
+    assert metrics["actor/ppo_kl"] == pytest.approx(-(0.1 + 0.3 - 0.3) / 5, abs=1e-6)
+    loss.backward()
+    # each row-1 token: d/dlogp_t of (1/2)(1/3)(-A) r_seq = (1/6) * 2 * exp(-0.1) = 0.301612; row 0 clipped -> 0
+    g = 0.30161247267865315
+    close(logp.grad, [[0.0, 0.0, 0.0], [g, g, g]])
+
+
+def test_gpg_policy_loss():
+    logp = T([[-1.0, -2.0], [-0.5, -9.0]], requires_grad=True)
+    adv = T([[1.0, 1.0], [-2.0, 5.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    loss, metrics = get_policy_loss("gpg")(logp, logp.detach(), adv, mask)
+    # -logp * A = 1, 2, -1 -> token mean 2/3
+    close(loss, 2 / 3)
+    assert metrics["actor/pg_clipfrac"] == 0.0 and metrics["actor/ppo_kl"] == 0.0
+    loss.backward()
+    close(logp.grad, [[-1 / 3, -1 / 3], [2 / 3, 0.0]])
+
+
+def test_policy_losses_share_one_signature_and_unknown_names_list_valid_ones():
+    logp, old = _logps(RATIOS)
+    kwargs = dict(
+        loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+        global_tokens=None, global_seqs=None, norm_len=None,
+    )
+    for name in POLICY_LOSSES.names():
+        loss, metrics = get_policy_loss(name)(logp, old, ADV, PG_MASK, **kwargs)
+        assert loss.dim() == 0
+        assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"} <= set(metrics)
+    with pytest.raises(ValueError) as err:
+        get_policy_loss("ppo")
+    assert "gpg, gspo, vanilla" in str(err.value)
+
+
+# --- value loss ------------------------------------------------------------------------------------
+
+
+def test_value_loss_clip():
+    values = T([[1.0, 1.0, 0.2, 4.0]], requires_grad=True)
+    old = T([[0.0, 0.0, 0.0, 0.0]])
+    returns = T([[2.0, 0.0, 0.2, 0.0]])
+    mask = T([[1.0, 1.0, 1.0, 0.0]])
+    loss, metrics = value_loss(values, old, returns, mask, cliprange_value=0.5)
+    # tok 1: (1-2)^2 = 1 vs (0.5-2)^2 = 2.25 -> 2.25 (clipped); tok 2: 1 vs 0.25 -> 1; tok 3: 0
+    close(loss, 0.5 * (2.25 + 1.0 + 0.0) / 3)
+    assert metrics["critic/vf_loss"] == pytest.approx(0.5 * 3.25 / 3, abs=1e-6)
+    assert metrics["critic/vf_clipfrac"] == pytest.approx(1 / 3)
+    assert metrics["critic/vpred_mean"] == pytest.approx(2.2 / 3, abs=1e-6)
+    loss.backward()
+    # tok 1 takes the clipped branch (no gradient); tok 2: 0.5 * 2 * (1 - 0) / 3
+    close(values.grad, [[0.0, 1 / 3, 0.0, 0.0]])
+
+
+def test_value_loss_global_tokens():
+    values = T([[1.0, 3.0]])
+    loss, metrics = value_loss(values, values, torch.zeros(1, 2), torch.ones(1, 2), global_tokens=4)
+    close(loss, 0.5 * (1 + 9) / 4)
+    assert metrics["critic/vf_loss"] == pytest.approx(2.5)
+
+
+# --- log-probs and entropy -------------------------------------------------------------------------
+
+LOGITS = T([[[0.0, 0.0], [0.0, math.log(3.0)]], [[0.0, 1000.0], [-1000.0, 0.0]]])  # [2, 2, V=2]
+
+
+def test_entropy_from_logits():
+    # uniform over 2: ln 2; probs 1/4, 3/4: -(1/4 ln 1/4 + 3/4 ln 3/4); near one-hot: 0 and finite
+    close(entropy_from_logits(LOGITS), [[0.6931471805599453, 0.5623351446188083], [0.0, 0.0]])
+    close(entropy_from_logits(torch.zeros(4)), math.log(4))
+
+
+def test_logprobs_from_logits_and_gradient():
+    logits = LOGITS.clone().requires_grad_(True)
+    labels = T([[1, 1], [0, 1]])
+    lp = logprobs_from_logits(logits, labels)
+    close(lp, [[math.log(0.5), math.log(0.75)], [-1000.0, 0.0]])
+    lp[0, 1].backward()
+    # d log p_label / d logits = onehot - softmax = [0 - 1/4, 1 - 3/4]
+    close(logits.grad[0, 1], [-0.25, 0.25])
+
+
+def test_logprobs_and_entropy_in_chunks(monkeypatch):
+    monkeypatch.setattr(losses, "_CHUNK_ELEMENTS", 2)  # one row of V=2 per chunk
+    labels = T([[1, 0], [1, 1]])
+    close(logprobs_from_logits(LOGITS, labels), [[math.log(0.5), math.log(0.25)], [0.0, 0.0]])
+    close(entropy_from_logits(LOGITS), [[0.6931471805599453, 0.5623351446188083], [0.0, 0.0]])
+
+
+def test_logprobs_upcast_low_precision():
+    lp = logprobs_from_logits(LOGITS[0].to(torch.bfloat16), T([1, 1]))
+    assert lp.dtype == torch.float32
+    close(lp, [math.log(0.5), math.log(0.75)], atol=1e-2)
