@@ -1,0 +1,221 @@
+"""Command line: parse the config (jsonargparse), check it, and report bad input.
+
+Every mistake a user can make in a config ends here as one sentence naming the
+key, the value and what is allowed, with exit code 2 and no traceback (unless
+``--debug``), before any process group, model or data is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+import jsonargparse
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from spmdrl.config import Config
+
+# Estimators whose baseline is the group of n responses to one prompt.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "opo")
+LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
+STRATEGIES = ("fsdp2", "megatron")
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem: printed as one line, exit code 2."""
+
+
+def build_parser() -> ArgumentParser:
+    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = ArgumentParser(
+        prog="python -m spmdrl.train",
+        description="spmdrl: GRPO/PPO post-training as one SPMD torchrun program.",
+        exit_on_error=False,
+        default_env=False,
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of an experiment (configs/*.yaml).")
+    parser.add_argument("--debug", type=bool, default=False, help="Show tracebacks for configuration errors.")
+    parser.add_class_arguments(Config, nested_key=None)
+    return parser
+
+
+def _one_sentence(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    text = re.sub(r"<class '(\w+)'>", r"\1", text)
+    text = text.replace('Parser key "', 'config key "')
+    return text
+
+
+def parse_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, bool]:
+    """Parse argv into a ``Config``; returns (config, debug). Raises ConfigError on bad input."""
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(list(argv) if argv is not None else None)
+    except jsonargparse.ArgumentError as err:
+        raise ConfigError(_one_sentence(err)) from err
+    debug = bool(ns.pop("debug", False))
+    ns.pop("config", None)
+    ns = parser.instantiate(ns) if hasattr(parser, "instantiate") else parser.instantiate_classes(ns)
+    return Config(**{k: ns[k] for k in asdict(Config()).keys()}), debug
+
+
+def dump_config(cfg: Config) -> str:
+    """YAML of the resolved config (written next to the run's outputs)."""
+    import yaml
+
+    return yaml.safe_dump(asdict(cfg), sort_keys=False)
+
+
+def output_dir(cfg: Config) -> Path:
+    t = cfg.trainer
+    return Path(t.output_dir.format(project_name=t.project_name, experiment_name=t.experiment_name))
+
+
+def _files(spec) -> list[str]:
+    if spec is None:
+        return []
+    return [spec] if isinstance(spec, str) else list(spec)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Range and consistency checks that need no process group; raises ConfigError."""
+    from spmdrl.algos.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+    from spmdrl.parallel import ParallelDims
+    from spmdrl.rollout.base import ROLLOUT_ENGINES
+
+    import spmdrl.algos  # noqa: F401  (fills the registries)
+
+    d, r, a, c, alg, t = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm, cfg.trainer
+    # Ranges.
+    for key, value in (("actor.lr", a.lr), ("critic.lr", c.lr)):
+        _check(value > 0, f"{key} is {value}; the learning rate must be > 0")
+    for key in ("clip_ratio_low", "clip_ratio_high"):
+        value = getattr(a, key)
+        _check(value > 0, f"actor.{key} is {value}; clip ratios must be > 0")
+    _check(a.clip_ratio_c > 1, f"actor.clip_ratio_c is {a.clip_ratio_c}; the dual-clip bound must be > 1")
+    _check(c.cliprange_value > 0, f"critic.cliprange_value is {c.cliprange_value}; it must be > 0")
+    _check(r.temperature >= 0, f"rollout.temperature is {r.temperature}; it must be >= 0 (0 means greedy)")
+    _check(r.val_temperature >= 0, f"rollout.val_temperature is {r.val_temperature}; it must be >= 0")
+    _check(0 < r.top_p <= 1, f"rollout.top_p is {r.top_p}; it must be in (0, 1]")
+    _check(r.top_k == -1 or r.top_k > 0, f"rollout.top_k is {r.top_k}; it must be -1 (all tokens) or > 0")
+    for key, value in (
+        ("rollout.n", r.n),
+        ("rollout.val_n", r.val_n),
+        ("rollout.max_num_seqs", r.max_num_seqs),
+        ("data.train_batch_size", d.train_batch_size),
+        ("data.val_batch_size", d.val_batch_size),
+        ("data.max_prompt_length", d.max_prompt_length),
+        ("data.max_response_length", d.max_response_length),
+        ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+        ("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
+        ("actor.log_prob_micro_batch_size_per_gpu", a.log_prob_micro_batch_size_per_gpu),
+        ("actor.ppo_epochs", a.ppo_epochs),
+        ("critic.ppo_epochs", c.ppo_epochs),
+        ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size),
+        ("critic.ppo_micro_batch_size_per_gpu", c.ppo_micro_batch_size_per_gpu),
+        ("trainer.total_epochs", t.total_epochs),
+        ("trainer.keep_last", t.keep_last),
+    ):
+        _check(value >= 1, f"{key} is {value}; it must be an integer >= 1")
+    _check(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps is {t.total_steps}; it must be >= 1 or null")
+    for key in ("save_freq", "test_freq"):
+        value = getattr(t, key)
+        _check(value == -1 or value >= 1, f"trainer.{key} is {value}; it must be -1 (never) or >= 1")
+    _check(a.entropy_coeff >= 0, f"actor.entropy_coeff is {a.entropy_coeff}; it must be >= 0")
+    _check(a.kl_loss_coef >= 0, f"actor.kl_loss_coef is {a.kl_loss_coef}; it must be >= 0")
+    _check(0 <= alg.gamma <= 1, f"algorithm.gamma is {alg.gamma}; it must be in [0, 1]")
+    _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
+    _check(0 < r.gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
+
+    # Names that select components.
+    for key, value, valid in (
+        ("algorithm.adv_estimator", alg.adv_estimator, ADVANTAGES.names()),
+        ("actor.policy_loss", a.policy_loss, POLICY_LOSSES.names()),
+        ("actor.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES.names()),
+        ("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS.names()),
+        ("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS.names()),
+        ("rollout.engine", r.engine, sorted(ROLLOUT_ENGINES)),
+        ("actor.strategy", a.strategy, list(STRATEGIES)),
+    ):
+        _check(value in valid, f"{key} is {value!r}; valid values: {', '.join(valid)}")
+    for name in t.logger:
+        _check(name in LOGGERS, f"trainer.logger has {name!r}; valid loggers: {', '.join(LOGGERS)}")
+    _check(
+        not (alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2),
+        f"rollout.n is {r.n} but algorithm.adv_estimator {alg.adv_estimator!r} compares the responses of a "
+        f"prompt; it needs rollout.n >= 2",
+    )
+
+    # Sizes against each other and the world.
+    try:
+        dims = ParallelDims(world_size, **asdict(cfg.parallel))
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    _check(
+        a.ppo_mini_batch_size <= d.train_batch_size,
+        f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) is larger than data.train_batch_size "
+        f"({d.train_batch_size}); a mini-batch is a part of the batch",
+    )
+    _check(
+        d.train_batch_size % a.ppo_mini_batch_size == 0,
+        f"data.train_batch_size ({d.train_batch_size}) is not a multiple of actor.ppo_mini_batch_size "
+        f"({a.ppo_mini_batch_size})",
+    )
+    _check(
+        d.train_batch_size % dims.rollout_dp == 0,
+        f"data.train_batch_size x rollout.n = {d.train_batch_size} x {r.n} responses cannot be split over "
+        f"{dims.rollout_dp} data-parallel ranks with all n responses of a prompt on one rank; make "
+        f"data.train_batch_size a multiple of {dims.rollout_dp}",
+    )
+    _check(
+        (a.ppo_mini_batch_size * r.n) % world_size == 0 and a.ppo_mini_batch_size % dims.rollout_dp == 0,
+        f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size} x {r.n} does not split evenly over "
+        f"{world_size} ranks; make actor.ppo_mini_batch_size a multiple of {dims.rollout_dp}",
+    )
+    _check(
+        not (r.engine in ("native", "hf") and cfg.parallel.rollout_tp > 1),
+        f"parallel.rollout_tp is {cfg.parallel.rollout_tp} but rollout.engine {r.engine!r} runs one engine per "
+        f"rank; use rollout.engine vllm or sglang for rollout tensor parallelism",
+    )
+
+    # Things on disk.
+    for key, path in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
+                      ("critic.model_path", c.model_path)):
+        if path is None or path.startswith("builtin:"):
+            continue
+        _check(Path(path).is_dir(), f"{key} {path!r} is not a folder; give a Hugging Face model folder or builtin:tiny")
+        if key != "model.tokenizer_path":
+            _check((Path(path) / "config.json").is_file(), f"{key} {path!r} has no config.json; it is not a Hugging Face model folder")
+    for key in ("train_files", "val_files"):
+        for f in _files(getattr(d, key)):
+            if f.startswith("builtin:"):
+                continue
+            _check(Path(f).is_file(), f"data.{key} names {f!r}, which does not exist; give parquet files or builtin:<task>")
+    if cfg.reward.function != "builtin":
+        path, _, fn = cfg.reward.function.rpartition(":")
+        _check(
+            bool(path) and bool(fn) and path.endswith(".py"),
+            f"reward.function is {cfg.reward.function!r}; it must be 'builtin' or 'path/to/file.py:function'",
+        )
+        _check(Path(path).is_file(), f"reward.function names the file {path!r}, which does not exist")
+    if t.resume not in ("auto", "off"):
+        _check(Path(t.resume).is_dir(), f"trainer.resume is {t.resume!r}, which is not a folder; use auto, off or a checkpoint folder")
+
+
+def exit_with(err: BaseException, debug: bool) -> None:
+    """Print a user error as one line (or a traceback with --debug) and exit 2."""
+    if debug:
+        raise err
+    rank = os.environ.get("RANK")
+    where = f" (rank {rank})" if rank not in (None, "0") else ""
+    print(f"spmdrl.train: error{where}: {err}", file=sys.stderr)
+    sys.exit(2)

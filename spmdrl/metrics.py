@@ -1,0 +1,202 @@
+"""Phase timers, per-phase peak memory, and the metric sinks of rank 0.
+
+    timer = PhaseTimer(device)
+    with timer.phase("rollout"): ...
+    metrics.update(timer.pop())     # timing/rollout, memory/rollout_peak_gb, ...
+
+Peak memory per phase: on CUDA ``torch.cuda.max_memory_allocated`` (reset at
+phase start) plus NVML's device-wide figure when pynvml is importable; on CPU
+the process's peak resident set (VmHWM), reset at phase start through
+``/proc/self/clear_refs`` so each phase reports its own high-water mark.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+GB = 1024**3
+
+
+def _rss_peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PhaseTimer:
+    """Wall time and peak memory of each named phase of a step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._metrics: dict[str, float] = {}
+        self._overall_peak = 0.0
+
+    def _reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_rss_peak()
+
+    def _peak_gb(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / GB
+        return _rss_peak_bytes() / GB
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._reset_peak()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._metrics[f"timing/{name}"] = self._metrics.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+            peak = self._peak_gb()
+            key = f"memory/{name}_peak_gb"
+            self._metrics[key] = max(self._metrics.get(key, 0.0), peak)
+            self._overall_peak = max(self._overall_peak, peak)
+            if self.device.type == "cuda":
+                self._metrics[f"memory/{name}_nvml_gb"] = _nvml_used_gb(self.device)
+
+    def pop(self) -> dict[str, float]:
+        """Metrics since the last pop, plus the run's overall peak so far."""
+        out, self._metrics = self._metrics, {}
+        out["memory/overall_peak_gb"] = self._overall_peak
+        return out
+
+
+def _nvml_used_gb(device: torch.device) -> float:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used / GB
+    except Exception:  # NVML absent or unsupported: the torch figure stands alone
+        return float("nan")
+
+
+def reduce_metrics(metrics: dict[str, float], group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
+    """Mean over ranks for every key; ``*/max`` keys take the max and ``*/min`` keys the min.
+
+    Memory and timing keys take the max too (the slowest / largest rank matters).
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return dict(metrics)
+    keys = sorted(metrics)
+    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    is_max = torch.tensor([k.endswith("/max") or k.startswith(("memory/", "timing/")) for k in keys])
+    is_min = torch.tensor([k.endswith("/min") for k in keys])
+    summed, maxed, mined = vals.clone(), vals.clone(), vals.clone()
+    dist.all_reduce(summed, group=group)
+    dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(mined, op=dist.ReduceOp.MIN, group=group)
+    out = torch.where(is_max, maxed, torch.where(is_min, mined, summed / dist.get_world_size(group)))
+    return dict(zip(keys, out.tolist()))
+
+
+class MetricsSink:
+    """Rank 0 writes metrics: a console line, metrics.jsonl, tqdm, and wandb/tensorboard when chosen."""
+
+    CONSOLE_KEYS = (
+        ("reward/mean", "reward", "{:.3f}"),
+        ("response_length/mean", "len", "{:.1f}"),
+        ("actor/pg_loss", "pg", "{:+.4f}"),
+        ("actor/kl_loss", "kl", "{:.4f}"),
+        ("actor/entropy", "ent", "{:.3f}"),
+        ("actor/grad_norm", "gnorm", "{:.3f}"),
+        ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+        ("timing/step", "s", "{:.2f}"),
+    )
+
+    def __init__(
+        self,
+        out_dir: Path,
+        loggers: list[str],
+        total_steps: int,
+        *,
+        rank: int,
+        progress_bar: bool = True,
+        project: str = "spmdrl",
+        experiment: str = "run",
+        config: Optional[dict] = None,
+        initial_step: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.loggers = loggers
+        self._jsonl = None
+        self._bar = None
+        self._wandb = None
+        self._tb = None
+        if rank != 0:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if "jsonl" in loggers:
+            self._jsonl = open(out_dir / "metrics.jsonl", "a")
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="grpo", dynamic_ncols=True, file=sys.stderr)
+        if "wandb" in loggers:
+            import wandb
+
+            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(out_dir))
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.rank != 0:
+            return
+        row = {"step": step, **{k: float(v) for k, v in sorted(metrics.items())}}
+        if self._jsonl:
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+        if "console" in self.loggers:
+            parts = [f"step {step}"]
+            parts += [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in self.CONSOLE_KEYS if k in metrics]
+            line = " | ".join(parts)
+            if self._bar is not None:
+                self._bar.write(line)
+            else:
+                print(line, flush=True)
+        if self._bar is not None:
+            self._bar.update(1)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()

@@ -1,0 +1,176 @@
+"""Process group start-up and the two device meshes every rank builds once.
+
+Training mesh (FSDP2 / TP / PP), row-major over ranks, dims outermost first:
+
+    pp            pipeline stages; a stage is a contiguous block of ranks
+    dp_replicate  HSDP replicas: parameters replicated, gradients all-reduced
+    dp_shard      FSDP shards: parameters, gradients and optimizer state sharded
+    tp            tensor parallel: innermost so a TP group is ranks that are
+                  neighbours (same node, fastest link)
+
+Rollout mesh (generation), row-major:
+
+    dp            independent engines, each generating its own prompts
+    tp            engine-internal tensor parallelism; TP groups are contiguous
+                  rank blocks [0..tp-1], [tp..2tp-1], ... because vLLM's
+                  external launcher lays ranks out that way
+
+The data-parallel size of the loop is the rollout DP size: each rollout DP
+coordinate owns a disjoint share of the prompts, and after generation the
+ranks of a TP group each keep 1/tp of the group's outputs, so the batch is
+sharded over the whole world in rank order (see DESIGN.md, Meshes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def resolve_device_type(requested: str = "auto") -> str:
+    """``auto`` picks cuda when a GPU is visible, else cpu."""
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    return requested
+
+
+def init_distributed(device_type: str, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Start the default process group (nccl on GPU, gloo on CPU); returns (rank, world_size).
+
+    Plain ``python -m spmdrl.train`` (no torchrun) runs as a world of one: the
+    rendezvous variables torchrun would set are filled in for a single process.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device_for_rank(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class ParallelDims:
+    """The parallel degrees of one run, checked against the world size.
+
+    -1 for ``dp_shard`` means "whatever is left". Build meshes with ``build``.
+    """
+
+    world_size: int
+    dp_shard: int = -1
+    dp_replicate: int = 1
+    tp: int = 1
+    pp: int = 1
+    rollout_tp: int = 1
+    device_type: str = "cpu"
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for key in ("dp_replicate", "tp", "pp", "rollout_tp"):
+            value = getattr(self, key)
+            if value < 1:
+                raise ValueError(f"parallel.{key} is {value}; it must be an integer >= 1")
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.tp * self.pp
+            if self.world_size % rest:
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by parallel.dp_replicate x tp x pp = {rest}; "
+                    f"choose degrees whose product divides the number of ranks"
+                )
+            self.dp_shard = self.world_size // rest
+        elif self.dp_shard < 1:
+            raise ValueError(f"parallel.dp_shard is {self.dp_shard}; it must be >= 1 or -1 (the rest)")
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        if product != self.world_size:
+            raise ValueError(
+                f"parallel.pp x dp_replicate x dp_shard x tp = {self.pp} x {self.dp_replicate} x {self.dp_shard} x "
+                f"{self.tp} = {product}, but the world size is {self.world_size}; the product must equal it"
+            )
+        if self.world_size % self.rollout_tp:
+            raise ValueError(
+                f"parallel.rollout_tp is {self.rollout_tp}, which does not divide the world size {self.world_size}"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Training data-parallel degree (FSDP shards x HSDP replicas)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def rollout_dp(self) -> int:
+        return self.world_size // self.rollout_tp
+
+    def build(self) -> "ParallelDims":
+        """Create the named meshes (collective: every rank must call it)."""
+        self._meshes["train"] = init_device_mesh(
+            self.device_type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+        )
+        # One flattened DP dim for batch-wide all-reduces over the training data-parallel group.
+        self._meshes["train"]["dp_replicate", "dp_shard"]._flatten("dp")
+        self._meshes["rollout"] = init_device_mesh(
+            self.device_type, (self.rollout_dp, self.rollout_tp), mesh_dim_names=("dp", "tp")
+        )
+        return self
+
+    def _mesh(self, name: str) -> DeviceMesh:
+        if name not in self._meshes:
+            raise RuntimeError("ParallelDims.build() must be called before its meshes are used")
+        return self._meshes[name]
+
+    @property
+    def train_mesh(self) -> DeviceMesh:
+        return self._mesh("train")
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """Mesh FSDP2 shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP."""
+        mesh = self.train_mesh
+        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """Flattened training data-parallel mesh (for batch-wide statistics)."""
+        return self.train_mesh["dp"]
+
+    @property
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        return self.train_mesh["tp"] if self.tp > 1 else None
+
+    @property
+    def rollout_mesh(self) -> DeviceMesh:
+        return self._mesh("rollout")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank`` on both meshes (for the start-up summary line)."""
+        pp, rest = divmod(rank, self.dp_replicate * self.dp_shard * self.tp)
+        rep, rest = divmod(rest, self.dp_shard * self.tp)
+        shard, tp = divmod(rest, self.tp)
+        rdp, rtp = divmod(rank, self.rollout_tp)
+        return dict(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, rollout_dp=rdp, rollout_tp=rtp)

@@ -1,0 +1,52 @@
+"""Entry point: every rank runs this same program.
+
+    torchrun --standalone --nproc-per-node 2 -m spmdrl.train --config configs/grpo.yaml
+    python -m spmdrl.train --config configs/grpo.yaml            # a world of one
+    python -m spmdrl.train --config configs/grpo.yaml --print_config
+
+Parse and check the config (bad input exits 2 before any process group
+exists), start torch.distributed, build the meshes, then hand over to the loop
+in ``spmdrl.loop``. The process group is torn down in ``finally`` so a failing
+rank does not leave the others waiting on a dead store.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from spmdrl.cli import ConfigError, exit_with, parse_config, validate
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        cfg, debug = parse_config(argv)
+        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as err:
+        exit_with(err, debug)
+
+    from spmdrl.loop import run
+    from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
+
+    device_type = resolve_device_type(cfg.trainer.device)
+    rank, world_size = init_distributed(device_type)
+    try:
+        dims = ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build()
+        run(cfg, dims)
+    except ConfigError as err:
+        # Problems only visible once files are opened (a bad parquet column, say)
+        # are still user errors: one line, exit 2, on every rank that sees them.
+        exit_with(err, debug)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

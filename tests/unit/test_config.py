@@ -1,0 +1,113 @@
+"""Bad configs: each gives one clear sentence on stderr and exit code 2, before any distributed work."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmdrl.cli import output_dir, parse_config
+from spmdrl.train import main
+
+REPO = Path(__file__).resolve().parents[2]
+GRPO = str(REPO / "configs" / "grpo.yaml")
+
+
+def run_main(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    return exc.value.code, err
+
+
+BAD = [
+    # (extra argv, fragment expected in the message)
+    (["--actor.lr", "0"], "actor.lr is 0.0; the learning rate must be > 0"),
+    (["--critic.lr=-1e-3"], "critic.lr is -0.001"),
+    (["--actor.clip_ratio_low", "0"], "actor.clip_ratio_low is 0.0; clip ratios must be > 0"),
+    (["--actor.clip_ratio_c", "0.5"], "actor.clip_ratio_c is 0.5; the dual-clip bound must be > 1"),
+    (["--rollout.temperature", "-0.1"], "rollout.temperature is -0.1"),
+    (["--rollout.top_p", "1.5"], "rollout.top_p is 1.5; it must be in (0, 1]"),
+    (["--rollout.top_p", "0"], "rollout.top_p is 0.0"),
+    (["--rollout.n", "1"], "needs rollout.n >= 2"),
+    (["--actor.ppo_mini_batch_size", "32"], "is larger than data.train_batch_size"),
+    (["--data.train_batch_size", "12", "--actor.ppo_mini_batch_size", "8"], "not a multiple of actor.ppo_mini_batch_size"),
+    (["--model.path", "/nonexistent/model"], "model.path '/nonexistent/model' is not a folder"),
+    (["--data.train_files", "/nonexistent/train.parquet"], "data.train_files names '/nonexistent/train.parquet'"),
+    (["--algorithm.adv_estimator", "magic"], "algorithm.adv_estimator is 'magic'; valid values:"),
+    (["--actor.policy_loss", "nope"], "actor.policy_loss is 'nope'; valid values:"),
+    (["--rollout.engine", "trt"], "rollout.engine is 'trt'; valid values: hf, native, sglang, vllm"),
+    (["--actor.kl_loss_type", "k9"], "actor.kl_loss_type is 'k9'"),
+    (["--actor.loss_agg_mode", "mean"], "actor.loss_agg_mode is 'mean'"),
+    (["--actor.lr", "fast"], 'config key "actor.lr": Expected a float. Got value: fast'),
+    (["--actor.bogus", "1"], "unrecognized arguments: --actor.bogus"),
+    (["--rollout.sleep_level", "3"], "rollout.sleep_level"),
+    (["--trainer.logger", "[console,mlflow]"], "trainer.logger has 'mlflow'"),
+    (["--parallel.tp", "3"], "not divisible by parallel.dp_replicate x tp x pp = 3"),
+    (["--parallel.rollout_tp", "2", "--parallel.tp", "1"], "does not divide the world size 1"),
+    (["--reward.function", "rewards.txt"], "reward.function is 'rewards.txt'"),
+    (["--reward.function", "/nonexistent/r.py:score"], "names the file '/nonexistent/r.py'"),
+    (["--trainer.resume", "/nonexistent/ckpt"], "trainer.resume is '/nonexistent/ckpt'"),
+    (["--trainer.save_freq", "0"], "trainer.save_freq is 0"),
+]
+
+
+@pytest.mark.parametrize("extra,fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_config_exits_2_with_one_sentence(extra, fragment, capsys):
+    code, err = run_main(["--config", GRPO, *extra], capsys)
+    assert code == 2
+    assert fragment in err, err
+    assert err.startswith("spmdrl.train: error: ")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_keys_in_yaml_and_broken_yaml(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor:\n  lr: 1e-5\n  bogus: 3\n")
+    code, err = run_main(["--config", str(bad)], capsys)
+    assert code == 2 and "does not accept option 'bogus'" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("actor: [\n")
+    code, err = run_main(["--config", str(broken)], capsys)
+    assert code == 2 and "Problems parsing config" in err
+    code, err = run_main(["--config", str(tmp_path / "missing.yaml")], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_world_size_consistency(monkeypatch, capsys):
+    # 16 prompts cannot be split over 3 data-parallel ranks with groups kept whole.
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code, err = run_main(["--config", GRPO], capsys)
+    assert code == 2 and "make data.train_batch_size a multiple of 3" in err
+
+
+def test_overrides_and_output_dir():
+    cfg, debug = parse_config(["--config", GRPO, "--actor.lr", "2e-5", "--trainer.experiment_name", "x", "--debug", "true"])
+    assert cfg.actor.lr == 2e-5 and debug
+    assert str(output_dir(cfg)) == "outputs/spmdrl/x"
+    assert cfg.data.train_files == "builtin:arith"
+
+
+def test_debug_shows_traceback():
+    from spmdrl.cli import ConfigError
+
+    with pytest.raises(ConfigError):
+        main(["--config", GRPO, "--actor.lr", "0", "--debug", "true"])
+
+
+def test_cli_subprocess_help_and_error():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "spmdrl.train", "--help"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0
+    assert "--actor.clip_ratio_high" in out.stdout and "Peak learning rate of AdamW" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "spmdrl.train", "--config", GRPO, "--rollout.top_p", "2"],
+        capture_output=True, text=True, env=env,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == "spmdrl.train: error: rollout.top_p is 2.0; it must be in (0, 1]"
+    out = subprocess.run(
+        [sys.executable, "-m", "spmdrl.train", "--config", GRPO, "--print_config"], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 0 and "adv_estimator: grpo" in out.stdout
