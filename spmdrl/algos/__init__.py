@@ -4,13 +4,14 @@ Importing the package fills the registries in ``spmdrl.algos.registry``; the
 loop looks every algorithm up there by its config name.
 """
 
-from spmdrl.algos import advantages, losses  # noqa: F401  (imported to register)
+from spmdrl.algos import advantages, kl, losses  # noqa: F401  (imported to register)
 from spmdrl.algos.registry import (
     ADVANTAGES,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     get_advantage,
+    get_kl,
     get_loss_agg,
     get_policy_loss,
 )
@@ -22,7 +23,9 @@ __all__ = [
     "POLICY_LOSSES",
     "advantages",
     "get_advantage",
+    "get_kl",
     "get_loss_agg",
     "get_policy_loss",
+    "kl",
     "losses",
 ]
