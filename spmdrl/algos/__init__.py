@@ -4,7 +4,7 @@ Importing the package fills the registries in ``spmdrl.algos.registry``; the
 loop looks every algorithm up there by its config name.
 """
 
-from spmdrl.algos import advantages, kl, losses  # noqa: F401  (imported to register)
+from spmdrl.algos import advantages, dapo, kl, losses  # noqa: F401  (imported to register)
 from spmdrl.algos.registry import (
     ADVANTAGES,
     KL_ESTIMATORS,
@@ -22,6 +22,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "advantages",
+    "dapo",
     "get_advantage",
     "get_kl",
     "get_loss_agg",
