@@ -1,0 +1,345 @@
+"""Prompt data: verl-layout parquet in, this rank's share of each step's prompts out.
+
+    files = resolve_data_files(cfg.data.train_files, "train")      # builtin:arith -> cached parquet
+    ds = PromptDataset(files, tokenizer, max_prompt_length=64, truncation="filter")
+    loader = PromptLoader(ds, batch_size=16, rank=rank, world_size=world, seed=cfg.trainer.seed)
+    prompts = next(loader)        # list[PromptItem]: this rank's contiguous block of the global batch
+
+Rows follow verl's layout: ``prompt`` (a list of chat messages, or a plain
+string), ``data_source``, ``reward_model.ground_truth`` and ``extra_info``.
+Message lists go through the tokenizer's chat template with
+``add_generation_prompt=True``; plain strings are tokenised as they are.
+
+Every rank reads and tokenises the whole dataset (prompts are small next to a
+rollout) so that filtering and shuffling need no communication: the global
+order of epoch e is a shuffle seeded by (seed, e), and rank r of W takes the
+r-th contiguous block of each global batch. One rank and four ranks therefore
+train on the same global batches, and the n responses of a prompt stay on the
+rank that owns the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+
+from spmdrl.tools.make_task import resolve_builtin_data
+
+if TYPE_CHECKING:
+    from spmdrl.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right", "filter")
+
+
+@dataclass
+class PromptItem:
+    """One prompt as the loop sees it."""
+
+    index: int  # global prompt id (position in the dataset after filtering); unique within a run
+    prompt_ids: list[int]  # tokens after the chat template and truncation
+    raw_prompt: str  # the text that was tokenised (chat template applied)
+    data_source: Optional[str]
+    ground_truth: Any  # reward_model.ground_truth, passed to the scorer untouched
+    extra_info: dict = field(default_factory=dict)
+
+
+def resolve_data_files(files: Union[str, Sequence[str], None], split: str, seed: int = 0) -> list[str]:
+    """A list of parquet paths from a config value; ``builtin:<task>`` entries are built/cached first."""
+    if files is None:
+        return []
+    if isinstance(files, str):
+        files = [files]
+    return [resolve_builtin_data(f, split, seed) for f in files]
+
+
+def _read_rows(path: str, prompt_key: str) -> dict[str, list]:
+    import pyarrow.parquet as pq
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    try:
+        names = pq.read_schema(path).names
+    except Exception as e:
+        raise ValueError(f"cannot read {path!r} as parquet: {e}") from e
+    if prompt_key not in names:
+        raise ValueError(
+            f"data file {path!r} has no prompt column {prompt_key!r} (data.prompt_key); columns: {', '.join(names)}"
+        )
+    wanted = [c for c in (prompt_key, "data_source", "reward_model", "extra_info") if c in names]
+    try:
+        table = pq.read_table(path, columns=wanted)
+    except Exception as e:
+        raise ValueError(f"cannot read {path!r} as parquet: {e}") from e
+    n = table.num_rows
+    cols = {c: table.column(c).to_pylist() for c in wanted}
+    return {
+        "prompt": cols[prompt_key],
+        "data_source": cols.get("data_source", [None] * n),
+        "reward_model": cols.get("reward_model", [None] * n),
+        "extra_info": cols.get("extra_info", [None] * n),
+    }
+
+
+class PromptDataset:
+    """All prompts of one or more parquet files, tokenised and length-checked up front.
+
+    ``truncation`` decides what happens to a prompt over ``max_prompt_length``
+    tokens: ``error`` raises naming the file and row, ``left`` keeps the last
+    tokens (the end of the prompt, where the generation prompt sits), ``right``
+    keeps the first tokens, ``filter`` drops the row and counts it in
+    ``num_filtered``.
+    """
+
+    def __init__(
+        self,
+        files: Union[str, Path, Sequence[Union[str, Path]]],
+        tokenizer: Any,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 1024,
+        truncation: str = "error",
+        apply_chat_template: bool = True,
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation={truncation!r} is not one of {', '.join(TRUNCATION_MODES)}")
+        if max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length must be at least 1, got {max_prompt_length}")
+        files = [str(files)] if isinstance(files, (str, Path)) else [str(f) for f in files]
+        if not files:
+            raise ValueError("no data files given")
+        self.files = files
+        self.items: list[PromptItem] = []
+        self.num_filtered = 0
+        for path in files:
+            self._load(path, tokenizer, prompt_key, max_prompt_length, truncation, apply_chat_template)
+        if not self.items:
+            raise ValueError(
+                f"no prompts left in {', '.join(files)} after filtering {self.num_filtered} rows over "
+                f"data.max_prompt_length={max_prompt_length}"
+            )
+        if self.num_filtered:
+            log.warning("dropped %d prompts over data.max_prompt_length=%d from %s", self.num_filtered,
+                        max_prompt_length, ", ".join(files))
+
+    def _load(self, path: str, tokenizer: Any, prompt_key: str, max_len: int, truncation: str, chat: bool) -> None:
+        rows = _read_rows(path, prompt_key)
+        texts, templated = [], []
+        for i, prompt in enumerate(rows["prompt"]):
+            text, used_template = self._render(prompt, tokenizer, chat, path, i, prompt_key)
+            texts.append(text)
+            templated.append(used_template)
+        # Templated text already carries the model's special tokens (BOS, role
+        # markers); plain text gets them from the tokenizer as in pretraining.
+        ids: list[Optional[list[int]]] = [None] * len(texts)
+        for flag in (True, False):
+            rows_with = [i for i, t in enumerate(templated) if t is flag]
+            if rows_with:
+                enc = tokenizer([texts[i] for i in rows_with], add_special_tokens=not flag)["input_ids"]
+                for i, e in zip(rows_with, enc):
+                    ids[i] = list(e)
+        for i, tokens in enumerate(ids):
+            assert tokens is not None
+            if not tokens:
+                raise ValueError(f"prompt of row {i} in {path!r} is empty after tokenisation")
+            if len(tokens) > max_len:
+                if truncation == "error":
+                    raise ValueError(
+                        f"prompt of row {i} in {path!r} has {len(tokens)} tokens, over data.max_prompt_length="
+                        f"{max_len}; raise it or set data.truncation to left, right or filter"
+                    )
+                if truncation == "filter":
+                    self.num_filtered += 1
+                    continue
+                tokens = tokens[-max_len:] if truncation == "left" else tokens[:max_len]
+            reward_model = rows["reward_model"][i] or {}
+            self.items.append(
+                PromptItem(
+                    index=len(self.items),
+                    prompt_ids=tokens,
+                    raw_prompt=texts[i],
+                    data_source=rows["data_source"][i],
+                    ground_truth=reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
+                    extra_info=dict(rows["extra_info"][i] or {}),
+                )
+            )
+
+    @staticmethod
+    def _render(prompt: Any, tokenizer: Any, chat: bool, path: str, row: int, key: str) -> tuple[str, bool]:
+        if isinstance(prompt, str):
+            return prompt, False
+        if not (isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)):
+            raise ValueError(
+                f"column {key!r} of row {row} in {path!r} is neither a string nor a list of chat messages "
+                f"({{'role', 'content'}} dicts): {str(prompt)[:200]}"
+            )
+        if not chat:
+            return "\n".join(str(m["content"]) for m in prompt), False
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"row {row} in {path!r} holds chat messages but the tokenizer has no chat template; "
+                "set data.apply_chat_template=false or use a tokenizer with one"
+            )
+        # Parquet struct columns come back with every key of every message;
+        # drop the null ones so templates that test `'key' in message` behave.
+        messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text, True
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+
+def _share(n: int, rank: int, world_size: int) -> slice:
+    """Rank ``rank``'s contiguous block of ``n`` items (sizes differ by at most one)."""
+    return slice(rank * n // world_size, (rank + 1) * n // world_size)
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+
+
+class PromptLoader:
+    """Endless (or ``num_epochs``-long) stream of this rank's share of each training batch.
+
+    Each step takes the next ``batch_size`` prompts of the epoch's global order
+    (an incomplete last batch is dropped) and returns rank ``rank``'s
+    contiguous ``batch_size / world_size`` of them. ``state_dict`` records
+    (epoch, position); a loader restored from it continues with the same
+    prompts the original would have produced.
+    """
+
+    def __init__(
+        self,
+        dataset: PromptDataset,
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_epochs: Optional[int] = None,
+    ) -> None:
+        _check_rank(rank, world_size)
+        if batch_size < 1 or batch_size % world_size:
+            raise ValueError(
+                f"data.train_batch_size={batch_size} must be a positive multiple of the world size {world_size}"
+            )
+        if len(dataset) < batch_size:
+            raise ValueError(
+                f"data.train_batch_size={batch_size} is larger than the training set ({len(dataset)} prompts)"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_epochs = num_epochs
+        self.epoch = 0
+        self.position = 0  # next batch within the epoch
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if epoch != self._order_epoch:
+            order = list(range(len(self.dataset)))
+            if self.shuffle:
+                # A string seed is hashed deterministically (sha512), independent of the world size.
+                random.Random(f"spmdrl-data/{self.seed}/{epoch}").shuffle(order)
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
+    def global_indices(self, epoch: int, step: int) -> list[int]:
+        """Dataset positions of the whole world's batch ``step`` of ``epoch``."""
+        start = step * self.batch_size
+        return self._epoch_order(epoch)[start : start + self.batch_size]
+
+    def __iter__(self) -> "PromptLoader":
+        return self
+
+    def __next__(self) -> list[PromptItem]:
+        if self.position >= self.steps_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        if self.num_epochs is not None and self.epoch >= self.num_epochs:
+            raise StopIteration
+        batch = self.global_indices(self.epoch, self.position)
+        self.position += 1
+        return [self.dataset[i] for i in batch[_share(len(batch), self.rank, self.world_size)]]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_prompts": len(self.dataset), "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # A different dataset, batch size or seed would silently change the order; refuse instead.
+        for key, mine in (("num_prompts", len(self.dataset)), ("batch_size", self.batch_size), ("seed", self.seed)):
+            if key in state and int(state[key]) != mine:
+                raise ValueError(f"data loader checkpoint has {key}={state[key]}, but this run has {mine}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class ValidationLoader:
+    """Every prompt once, in file order, in global batches of ``batch_size``; each rank gets its block.
+
+    Nothing is dropped, so the last batch may be short and a rank's share may
+    be empty; every rank still sees the same number of batches, so collectives
+    inside a validation step stay matched.
+    """
+
+    def __init__(self, dataset: PromptDataset, *, batch_size: int, rank: int, world_size: int) -> None:
+        _check_rank(rank, world_size)
+        if batch_size < 1:
+            raise ValueError(f"data.val_batch_size must be at least 1, got {batch_size}")
+        self.dataset, self.batch_size, self.rank, self.world_size = dataset, batch_size, rank, world_size
+
+    def __len__(self) -> int:
+        return -(-len(self.dataset) // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[PromptItem]]:
+        n = len(self.dataset)
+        for start in range(0, n, self.batch_size):
+            batch = list(range(start, min(start + self.batch_size, n)))
+            yield [self.dataset[i] for i in batch[_share(len(batch), self.rank, self.world_size)]]
+
+
+def _dataset(cfg: "DataConfig", files: list[str], tokenizer: Any) -> PromptDataset:
+    return PromptDataset(
+        files, tokenizer, prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length,
+        truncation=cfg.truncation, apply_chat_template=cfg.apply_chat_template,
+    )
+
+
+def build_train_loader(
+    cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, seed: int, num_epochs: Optional[int] = None,
+    data_seed: int = 0,
+) -> PromptLoader:
+    """The training loader of ``cfg``; ``seed`` orders the prompts, ``data_seed`` generates builtin tasks."""
+    files = resolve_data_files(cfg.train_files, "train", data_seed)
+    return PromptLoader(
+        _dataset(cfg, files, tokenizer), batch_size=cfg.train_batch_size, rank=rank, world_size=world_size,
+        shuffle=cfg.shuffle, seed=seed, num_epochs=num_epochs,
+    )
+
+
+def build_val_loader(
+    cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, data_seed: int = 0
+) -> Optional[ValidationLoader]:
+    """The validation loader of ``cfg``, or None when ``data.val_files`` is null/empty."""
+    files = resolve_data_files(cfg.val_files, "val", data_seed)
+    if not files:
+        return None
+    return ValidationLoader(_dataset(cfg, files, tokenizer), batch_size=cfg.val_batch_size, rank=rank,
+                            world_size=world_size)
