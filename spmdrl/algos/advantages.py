@@ -42,7 +42,9 @@ def _group_sum(x: torch.Tensor, gid: torch.Tensor, num_groups: int) -> torch.Ten
     return torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, gid, x)  # [G]
 
 
-def _group_mean_std(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_mean_std(
+    scores: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-response group mean, unbiased group std and group size; a group of one gets mean 0, std 1."""
     gid, num_groups = _groups(index)
     count = _group_sum(torch.ones_like(scores), gid, num_groups)  # [G]

@@ -20,14 +20,16 @@ def overlong_penalty(
     buffer_len: int,
     penalty_factor: float,
 ) -> torch.Tensor:
-    """0 up to ``max_response_length - buffer_len`` tokens, then linear down to ``-penalty_factor`` at the max.
+    """0 up to ``max_response_length - buffer_len`` tokens, then linear down to ``-penalty_factor``
+    at ``max_response_length``.
 
     Returns float32 [B]. Lengths past the maximum (which generation should not
     produce) stay at ``-penalty_factor``.
     """
     if not 0 < buffer_len <= max_response_length:
         raise ValueError(
-            f"reward.overlong_buffer.len must be in (0, max_response_length={max_response_length}], got {buffer_len}"
+            f"reward.overlong_buffer.len must be in (0, max_response_length={max_response_length}], "
+            f"got {buffer_len}"
         )
     expected = max_response_length - buffer_len
     exceed = response_lengths.to(torch.float32) - expected  # [B]
@@ -44,9 +46,9 @@ def filter_groups(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tens
     _, gid = torch.unique(index, return_inverse=True)  # [B]
     num_groups = int(gid.max().item()) + 1 if gid.numel() else 0
     s = scores.to(torch.float64)
-    lo = torch.full((num_groups,), float("inf"), dtype=s.dtype, device=s.device).scatter_reduce(0, gid, s, "amin")  # [G]
-    hi = torch.full((num_groups,), float("-inf"), dtype=s.dtype, device=s.device).scatter_reduce(0, gid, s, "amax")  # [G]
-    size = torch.zeros(num_groups, dtype=torch.long, device=s.device).index_add_(0, gid, torch.ones_like(gid))  # [G]
+    lo = s.new_full((num_groups,), float("inf")).scatter_reduce(0, gid, s, "amin")  # [G]
+    hi = s.new_full((num_groups,), float("-inf")).scatter_reduce(0, gid, s, "amax")  # [G]
+    size = torch.zeros_like(hi, dtype=torch.long).index_add_(0, gid, torch.ones_like(gid))  # [G]
     keep_group = (hi > lo) | (size == 1)  # [G]
     kept = int(keep_group.sum().item())
     return keep_group[gid], {"kept_groups": kept, "dropped_groups": num_groups - kept}

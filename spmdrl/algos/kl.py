@@ -117,13 +117,17 @@ class AdaptiveKLController:
 KLController = Union[FixedKLController, AdaptiveKLController]
 
 
-def build_kl_controller(type: str, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000) -> KLController:
+def build_kl_controller(
+    type: str, kl_coef: float, target_kl: float = 0.1, horizon: int = 10000
+) -> KLController:
     """Controller from ``algorithm.kl_ctrl`` (its fields are exactly these arguments)."""
     if type == "fixed":
         return FixedKLController(kl_coef)
     if type == "adaptive":
         return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"unknown KL controller {type!r} (config key algorithm.kl_ctrl.type); valid names: adaptive, fixed")
+    raise ValueError(
+        f"unknown KL controller {type!r} (config key algorithm.kl_ctrl.type); valid names: adaptive, fixed"
+    )
 
 
 @torch.no_grad()

@@ -48,8 +48,9 @@ def loss_denominators(mask: torch.Tensor) -> tuple[float, float]:
 
 def _denominator(local: torch.Tensor, global_value: Optional[float]) -> torch.Tensor:
     # An empty micro-batch contributes 0 (its numerator is 0), not NaN.
-    value = local if global_value is None else torch.as_tensor(global_value, dtype=local.dtype, device=local.device)
-    return value.clamp(min=1)
+    if global_value is None:
+        return local.clamp(min=1)
+    return torch.as_tensor(global_value, dtype=local.dtype, device=local.device).clamp(min=1)
 
 
 def _seq_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -131,13 +132,17 @@ def agg_loss(
     ``global_seqs`` are None; ``norm_len`` defaults to ``T``, the padded
     response length. A sequence is a row with at least one valid token.
     """
-    return get_loss_agg(mode)(
-        loss_mat, mask.to(loss_mat.dtype), global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
-    )
+    fn = get_loss_agg(mode)
+    mask = mask.to(loss_mat.dtype)
+    return fn(loss_mat, mask, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
 
 
 def _pg_metrics(
-    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, norm_len: Optional[float], **fractions: torch.Tensor
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    norm_len: Optional[float],
+    **fractions: torch.Tensor,
 ) -> dict[str, float]:
     """Local metrics: the loss under local denominators, and masked means of the given indicators."""
     with torch.no_grad():
@@ -225,7 +230,9 @@ def gspo_policy_loss(
     loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     loss_mat = torch.maximum(loss1, loss2)  # [B, T]
     mode = "seq-mean-token-mean"
-    loss = agg_loss(loss_mat, mask, mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
+    loss = agg_loss(
+        loss_mat, mask, mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
+    )
     metrics = _pg_metrics(
         loss_mat, mask, mode, norm_len, pg_clipfrac=loss2 > loss1, pg_clipfrac_lower=torch.zeros_like(mask)
     )
@@ -272,7 +279,8 @@ def value_loss(
     global_seqs: Optional[float] = None,
     norm_len: Optional[float] = None,
 ) -> LossOut:
-    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2), aggregated like the policy loss.
+    """Clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2)``, aggregated like
+    the policy loss.
 
     Taking the max makes the clip pessimistic: a prediction may move further
     than ``cliprange_value`` from the old one only when that does not lower the loss.
@@ -314,7 +322,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
         chunk = flat[start : start + rows].float()  # [n, V]
         picked = chunk.gather(-1, flat_labels[start : start + rows].unsqueeze(-1)).squeeze(-1)  # [n]
         out.append(picked - torch.logsumexp(chunk, dim=-1))
-    return torch.cat(out).reshape(labels.shape) if out else flat.new_zeros(labels.shape, dtype=torch.float32)
+    if not out:
+        return flat.new_zeros(labels.shape, dtype=torch.float32)
+    return torch.cat(out).reshape(labels.shape)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -332,4 +342,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         chunk = flat[start : start + rows].float()  # [n, V]
         probs = torch.softmax(chunk, dim=-1)
         out.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(-1))
-    return torch.cat(out).reshape(logits.shape[:-1]) if out else flat.new_zeros(logits.shape[:-1], dtype=torch.float32)
+    if not out:
+        return flat.new_zeros(logits.shape[:-1], dtype=torch.float32)
+    return torch.cat(out).reshape(logits.shape[:-1])

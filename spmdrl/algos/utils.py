@@ -41,9 +41,13 @@ def all_reduce_sum(local: torch.Tensor, group: Optional[dist.ProcessGroup] = Non
 
 
 def masked_sum(
-    x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None, *, group: Optional[dist.ProcessGroup] = None
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    dim: Optional[int] = None,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """Sum of ``x`` where ``mask`` is set; over ``dim`` (rank-local) or everything (optionally over ``group``)."""
+    """Sum of ``x`` where ``mask`` is set: over ``dim`` (rank-local), or over everything and ``group``."""
     masked = x * mask.to(x.dtype)
     if dim is not None:
         if group is not None:
@@ -53,7 +57,11 @@ def masked_sum(
 
 
 def masked_mean(
-    x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None, *, group: Optional[dist.ProcessGroup] = None
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    dim: Optional[int] = None,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Mean of ``x`` over the positions where ``mask`` is set; 0 where nothing is set (not NaN)."""
     m = mask.to(x.dtype)

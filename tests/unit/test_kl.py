@@ -40,7 +40,8 @@ def test_k3_value_clamp_at_10():
 
 
 def test_k3_log_ratio_clamp_keeps_the_gradient_finite():
-    # d = 100: without the +-20 clamp exp(d) is inf in float32 and the value clamp back-propagates 0 * inf = NaN
+    # d = 100: without the +-20 clamp exp(d) is inf in float32, and the value clamp
+    # back-propagates 0 * inf = NaN
     logp = T([[-100.0, -1.0]], requires_grad=True)
     ref = T([[0.0, -1.5]])
     kl = get_kl("k3")(logp, ref)

@@ -53,7 +53,10 @@ def test_agg_loss_global_denominators():
     close(agg_loss(LOSS, MASK, "token-mean", global_seqs=100), 7 / 3)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_agg_loss_contributions_of_shards_sum_to_the_whole(mode):
     # Two "ranks" (row shards) with the global counts: their contributions add up to the full-batch mean.
     loss = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [0.5, 0.0, 0.0], [2.0, 2.0, 8.0]])
@@ -79,7 +82,7 @@ def test_unknown_agg_mode_lists_valid_ones():
 
 
 def test_agg_loss_docstring_explains_each_mode():
-    for mode in ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]:
+    for mode in MODES:
         assert f'"{mode}"' in agg_loss.__doc__
 
 
@@ -118,7 +121,9 @@ def test_vanilla_clip_and_dual_clip():
 
 def test_vanilla_clip_higher():
     logp, old = _logps(RATIOS)
-    loss, metrics = get_policy_loss("vanilla")(logp, old, ADV, PG_MASK, clip_ratio_low=0.2, clip_ratio_high=0.6)
+    loss, metrics = get_policy_loss("vanilla")(
+        logp, old, ADV, PG_MASK, clip_ratio_low=0.2, clip_ratio_high=0.6
+    )
     # r=1.5 is now inside [0.8, 1.6]: -1.5; r=4 with A<0: max(4, 1.6) = 4 -> dual 3
     close(loss, (-1.5 - 0.5 + 3.0 + 0.8) / 4)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(0.25)
@@ -172,7 +177,8 @@ def test_gspo_sequence_ratio_and_gradient():
     assert metrics["actor/pg_clipfrac_lower"] == 0.0
     assert metrics["actor/ppo_kl"] == pytest.approx(-(0.1 + 0.3 - 0.3) / 5, abs=1e-6)
     loss.backward()
-    # each row-1 token: d/dlogp_t of (1/2)(1/3)(-A) r_seq = (1/6) * 2 * exp(-0.1) = 0.301612; row 0 clipped -> 0
+    # each row-1 token: d/dlogp_t of (1/2)(1/3)(-A) r_seq = (1/6) * 2 * exp(-0.1) = 0.301612
+    # row 0 is clipped -> 0
     g = 0.30161247267865315
     close(logp.grad, [[0.0, 0.0, 0.0], [g, g, g]])
 
@@ -198,7 +204,8 @@ def test_policy_losses_share_one_signature_and_unknown_names_list_valid_ones():
     for name in POLICY_LOSSES.names():
         loss, metrics = get_policy_loss(name)(logp, old, ADV, PG_MASK, **kwargs)
         assert loss.dim() == 0
-        assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"} <= set(metrics)
+        expected = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
+        assert expected <= set(metrics)
     with pytest.raises(ValueError) as err:
         get_policy_loss("ppo")
     assert "gpg, gspo, vanilla" in str(err.value)
