@@ -32,8 +32,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, queue, args: tup
 def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank (gloo, 127.0.0.1); returns results in rank order.
 
-    ``fn`` must be a module-level function; results travel through a queue, so
-    return tensors or plain Python values.
+    ``fn`` must be a module-level function. Results travel through a queue
+    after the rank has exited, so return plain Python values or numpy arrays
+    (a torch tensor would be shared through a file descriptor that dies with the rank).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
