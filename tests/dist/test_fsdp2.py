@@ -109,12 +109,37 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     out["fsdp_metrics"] = eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
     out["fsdp"] = _export(eng)
     dcp.save(eng.state_dict(), checkpoint_id=ckpt_dir)
+    eng.offload()  # around a rollout: the state leaves the device and comes back unchanged
+    eng.onload()
     eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
     state = _engine(model_dir, dims).state_dict()  # a fresh engine's state is the load template
     dcp.load(state, checkpoint_id=ckpt_dir)
     eng.load_state_dict(state)
     out["restored_step"] = eng.global_step
     out["restored"] = _export(eng)
+    del eng
+
+    # --- Activation checkpointing recomputes the same gradients.
+    eng = _engine(model_dir, dims, gradient_checkpointing=True)
+    eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
+    out["ac"] = _export(eng)
+    del eng
+
+    # --- Frozen reference, CPU-offloaded: same log-probs, no training.
+    ref = _engine(model_dir, dims, role="ref", cpu_offload=True)
+    out["ref_logp_err"] = float((ref.forward_no_grad(mine, micro_batch_size=4)["logp"] - ref_logp).abs().max())
+    try:
+        ref.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
+        out["ref_train_error"] = None
+    except ValueError as err:
+        out["ref_train_error"] = str(err)
+    del ref
+
+    # --- bf16 compute and bf16 gradient reduce-scatter over gloo.
+    eng = _engine(model_dir, dims, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    out["bf16_logp_err"] = float((eng.forward_no_grad(mine, micro_batch_size=4)["logp"] - ref_logp).abs().max())
+    out["bf16_metrics"] = eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
+    out["bf16"] = _export(eng)
     del eng
 
     # --- HSDP: 2 replicas of 1 shard.
@@ -194,6 +219,27 @@ def test_checkpoint_round_trip(runs):
     two = runs["two"]
     assert two["restored_step"] == 1
     assert _max_diff(two["restored"], two["fsdp"]) == 0.0
+
+
+def test_activation_checkpointing_same_update(runs):
+    assert _max_diff(runs["two"]["ac"], runs["two"]["fsdp"]) < 1e-5
+
+
+def test_frozen_offloaded_reference(runs):
+    two = runs["two"]
+    assert two["ref_logp_err"] < 1e-5
+    assert two["ref_train_error"] is not None and "frozen" in two["ref_train_error"]
+
+
+def test_bf16_mixed_precision_on_gloo(runs):
+    two = runs["two"]
+    assert two["bf16_logp_err"] < 0.1  # bf16 logits: ~3 significant digits
+    assert two["bf16_metrics"]["actor/grad_norm"] == pytest.approx(runs["one"]["metrics4"]["actor/grad_norm"], rel=0.05)
+    # Master weights stay fp32 and take nearly the fp32 step.
+    assert all(v.dtype == torch.float32 for v in two["bf16"].values())
+    # Adam's first step is ~lr·sign(g): bf16 may flip the sign of tiny gradients, but only of a few.
+    far = sum(int(((two["bf16"][k] - v).abs() > LR / 2).sum()) for k, v in runs["one"]["micro4"].items())
+    assert far / sum(v.numel() for v in two["bf16"].values()) < 0.01
 
 
 def test_critic_step(runs):

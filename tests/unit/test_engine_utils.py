@@ -1,0 +1,98 @@
+"""Engine helpers without a process group: LR schedule, optimizer groups, clipping, log-probs, registry."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from spmdrl.engines import engine_class
+from spmdrl.engines.fsdp2 import entropy_from_logits, logprobs_from_logits
+from spmdrl.engines.weights import WarmupSchedule, build_optimizer, build_scheduler, clip_grad_norm_, iter_full_state
+
+
+def test_warmup_then_constant():
+    s = WarmupSchedule(4, "constant", 0.0, None)
+    assert [s(i) for i in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_warmup_then_cosine_to_floor():
+    s = WarmupSchedule(2, "cosine", 0.1, 12)
+    assert s(0) == 0.5 and s(1) == 1.0
+    assert s(2) == pytest.approx(1.0)  # cosine starts at the peak
+    assert s(7) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert s(12) == pytest.approx(0.1) and s(50) == pytest.approx(0.1)
+
+
+def test_schedule_errors_name_the_value():
+    with pytest.raises(ValueError, match="total_steps"):
+        WarmupSchedule(0, "cosine", 0.0, None)
+    with pytest.raises(ValueError, match="'linear'"):
+        WarmupSchedule(0, "linear", 0.0, 10)  # type: ignore[arg-type]
+
+
+def test_scheduler_drives_optimizer_lr():
+    model = nn.Linear(3, 3)
+    opt = build_optimizer(model, lr=1.0, weight_decay=0.1, betas=(0.9, 0.99))
+    sched = build_scheduler(opt, 2, "constant", 0.0, None)
+    lrs = []
+    for _ in range(3):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == [0.5, 1.0, 1.0]
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and [p.dim() for p in decay["params"]] == [2]
+    assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 3
+
+
+def test_clip_grad_norm_reports_pre_clip_norm_and_clips():
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    assert clip_grad_norm_([a, b], max_norm=1.0) == pytest.approx(5.0)
+    assert torch.cat([a.grad, b.grad]).norm().item() == pytest.approx(1.0, rel=1e-5)
+    assert clip_grad_norm_([a, b], max_norm=0.0) == pytest.approx(1.0, rel=1e-5)  # 0: report only
+
+
+def test_logprobs_and_entropy_match_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 7, generator=g) * 30  # large logits: the stable forms must not overflow
+    tokens = torch.randint(0, 7, (2, 3), generator=g)
+    ls = torch.log_softmax(logits, -1)
+    assert torch.allclose(logprobs_from_logits(logits, tokens), ls.gather(-1, tokens[..., None]).squeeze(-1),
+                          atol=1e-5)
+    assert torch.allclose(entropy_from_logits(logits), -(ls.exp() * ls).sum(-1), atol=1e-4)
+
+
+def test_iter_full_state_skips_tied_duplicates_and_checkpoint_prefix():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(5, 2)
+            self.block = checkpoint_wrapper(nn.Linear(2, 2))
+            self.head = nn.Linear(2, 5, bias=False)
+            self.head.weight = self.embed.weight
+            self.register_buffer("scale", torch.ones(1))
+            self.register_buffer("cache", torch.ones(1), persistent=False)
+
+    names = [n for n, _ in iter_full_state(Tied(), torch.bfloat16)]
+    assert names == ["embed.weight", "block.weight", "block.bias", "scale"]
+    assert all(t.dtype == torch.bfloat16 for _, t in iter_full_state(Tied(), torch.bfloat16))
+
+
+def test_engine_registry_errors():
+    with pytest.raises(ValueError, match="valid: fsdp2, megatron"):
+        engine_class("deepspeed")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA GPU with megatron-core"):
+            engine_class("megatron")
+    assert engine_class("fsdp2").__name__ == "FSDP2Engine"
