@@ -31,8 +31,12 @@ ENGINES: dict[str, str] = {
 def engine_class(strategy: str) -> type[TrainEngine]:
     """The engine class of ``strategy`` (``actor.strategy`` in the config), imported on demand."""
     if strategy not in ENGINES:
-        raise ValueError(f"unknown training strategy {strategy!r} (actor.strategy); valid: {', '.join(ENGINES)}")
-    if strategy == "megatron" and (not torch.cuda.is_available() or importlib.util.find_spec("megatron") is None):
+        raise ValueError(
+            f"unknown training strategy {strategy!r} (actor.strategy); valid: {', '.join(ENGINES)}"
+        )
+    if strategy == "megatron" and (
+        not torch.cuda.is_available() or importlib.util.find_spec("megatron") is None
+    ):
         raise ValueError(
             "actor.strategy='megatron' needs a CUDA GPU with megatron-core installed "
             "(pip install 'spmdrl[megatron]'); use actor.strategy='fsdp2' on this machine"
@@ -50,12 +54,19 @@ def build_engine(
     device: torch.device,
     total_steps: int | None = None,
 ) -> TrainEngine:
-    """The ``role`` engine of the run on this rank's share of the training mesh (collective: call on every rank)."""
+    """The ``role`` engine on this rank's share of the training mesh (collective: call on every rank)."""
     cls = engine_class(cfg.actor.strategy)
     if cfg.actor.strategy == "fsdp2" and dims.pp > 1:
-        raise ValueError(f"parallel.pp={dims.pp} needs actor.strategy='megatron'; the fsdp2 engine has no pipeline")
+        raise ValueError(
+            f"parallel.pp={dims.pp} needs actor.strategy='megatron'; the fsdp2 engine has no pipeline"
+        )
     return cls.from_config(  # type: ignore[attr-defined]
-        cfg, role, model_path=model_path, dp_mesh=dims.fsdp_mesh, tp_mesh=dims.tp_mesh, device=device,
+        cfg,
+        role,
+        model_path=model_path,
+        dp_mesh=dims.fsdp_mesh,
+        tp_mesh=dims.tp_mesh,
+        device=device,
         total_steps=total_steps,
     )
 

@@ -31,7 +31,7 @@ no-grad forwards, then keeps this rank's rows of the result).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,7 @@ def to_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 class ValueModel(nn.Module):
-    """HF backbone + scalar value head, laid out like HF's ``*ForTokenClassification`` (``model``, ``score``)."""
+    """HF backbone + scalar value head, named like HF's ``*ForTokenClassification`` (``model``, ``score``)."""
 
     def __init__(self, backbone: nn.Module, seed: int):
         super().__init__()
@@ -73,14 +73,19 @@ class ValueModel(nn.Module):
         self.model = backbone
         hidden = self.config.hidden_size
         self.score = nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
-        # Small seeded weights: values start near 0 on every rank identically, yet the backbone gets a gradient.
+        # Small seeded weights: values start near 0, equal on every rank, and the backbone gets a gradient.
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             self.score.weight.copy_(torch.randn(1, hidden, generator=gen) / (hidden * math.sqrt(hidden)))
             self.score.bias.zero_()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                values_to_keep: int) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        values_to_keep: int,
+    ) -> torch.Tensor:
         hidden = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # [n, P+R, H]
@@ -151,7 +156,9 @@ class FSDP2Engine(TrainEngine):
         if role not in ("actor", "ref", "critic"):
             raise ValueError(f"engine role {role!r} is not valid; valid: actor, ref, critic")
         if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts score at temperature 1)")
+            raise ValueError(
+                f"temperature={temperature} must be > 0 (greedy rollouts score at temperature 1)"
+            )
         self.role = role
         self.dp_mesh = dp_mesh
         self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
@@ -163,7 +170,9 @@ class FSDP2Engine(TrainEngine):
         dtype = to_dtype(dtype)
         # A policy dtype equal to the master dtype is no cast at all: pass None so FSDP skips the copies.
         mp_param = None if param_dtype is None or to_dtype(param_dtype) == dtype else to_dtype(param_dtype)
-        mp_reduce = None if reduce_dtype is None or to_dtype(reduce_dtype) == dtype else to_dtype(reduce_dtype)
+        mp_reduce = (
+            None if reduce_dtype is None or to_dtype(reduce_dtype) == dtype else to_dtype(reduce_dtype)
+        )
 
         self.model = self._load(model_path, role, dtype, seed)
         if role == "ref":
@@ -180,7 +189,9 @@ class FSDP2Engine(TrainEngine):
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if role != "ref":
             self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
-            self.scheduler = build_scheduler(self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps)
+            self.scheduler = build_scheduler(
+                self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps
+            )
 
     @staticmethod
     def _load(model_path: str, role: Role, dtype: torch.dtype, seed: int) -> nn.Module:
@@ -206,8 +217,14 @@ class FSDP2Engine(TrainEngine):
         """Build a role's engine from the run config (``model_path`` already resolved from ``builtin:``)."""
         a, m = cfg.actor, cfg.model
         common = dict(
-            role=role, dp_mesh=dp_mesh, tp_mesh=tp_mesh, device=device, dtype=m.dtype,
-            param_dtype=a.param_dtype, reduce_dtype=a.reduce_dtype, seed=cfg.trainer.seed,
+            role=role,
+            dp_mesh=dp_mesh,
+            tp_mesh=tp_mesh,
+            device=device,
+            dtype=m.dtype,
+            param_dtype=a.param_dtype,
+            reduce_dtype=a.reduce_dtype,
+            seed=cfg.trainer.seed,
             temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         )
         if role == "ref":
@@ -215,15 +232,29 @@ class FSDP2Engine(TrainEngine):
         if role == "critic":
             c = cfg.critic
             return cls(
-                c.model_path or model_path, cpu_offload=a.cpu_offload,
-                gradient_checkpointing=m.enable_gradient_checkpointing, lr=c.lr, weight_decay=c.weight_decay,
-                lr_warmup_steps=c.lr_warmup_steps, total_steps=total_steps, max_grad_norm=c.max_grad_norm, **common,
+                c.model_path or model_path,
+                cpu_offload=a.cpu_offload,
+                gradient_checkpointing=m.enable_gradient_checkpointing,
+                lr=c.lr,
+                weight_decay=c.weight_decay,
+                lr_warmup_steps=c.lr_warmup_steps,
+                total_steps=total_steps,
+                max_grad_norm=c.max_grad_norm,
+                **common,
             )
         return cls(
-            model_path, cpu_offload=a.cpu_offload, gradient_checkpointing=m.enable_gradient_checkpointing,
-            lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas), lr_warmup_steps=a.lr_warmup_steps,
-            lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio, total_steps=total_steps,
-            max_grad_norm=a.max_grad_norm, **common,
+            model_path,
+            cpu_offload=a.cpu_offload,
+            gradient_checkpointing=m.enable_gradient_checkpointing,
+            lr=a.lr,
+            weight_decay=a.weight_decay,
+            betas=tuple(a.betas),
+            lr_warmup_steps=a.lr_warmup_steps,
+            lr_scheduler=a.lr_scheduler,
+            min_lr_ratio=a.min_lr_ratio,
+            total_steps=total_steps,
+            max_grad_norm=a.max_grad_norm,
+            **common,
         )
 
     def num_params(self) -> int:
@@ -243,7 +274,7 @@ class FSDP2Engine(TrainEngine):
         return torch.device("cpu") if self.dp_mesh.device_type == "cpu" else self.device
 
     def _check_rows(self, n: int) -> None:
-        """Every rank must run the same number of forwards, or FSDP's collectives hang: fail loudly instead."""
+        """Every rank must run the same number of forwards, or FSDP's collectives hang: fail loudly."""
         t = torch.tensor([n, -n], dtype=torch.int64, device=self._comm_device())
         self._dp_all_reduce(t, op=dist.ReduceOp.MAX)
         if self.tp_mesh is not None:
@@ -271,8 +302,15 @@ class FSDP2Engine(TrainEngine):
         for key, v in batch.tensors.items():
             if v.dim() >= 2 and v.shape[1] == total:
                 pad_p, pad_r = p_max - (total - resp), r_max - resp
-                v = torch.cat([v.new_zeros(v.shape[0], pad_p, *v.shape[2:]), v[:, : total - resp],
-                               v[:, total - resp:], v.new_zeros(v.shape[0], pad_r, *v.shape[2:])], dim=1)
+                v = torch.cat(
+                    [
+                        v.new_zeros(v.shape[0], pad_p, *v.shape[2:]),
+                        v[:, : total - resp],
+                        v[:, total - resp :],
+                        v.new_zeros(v.shape[0], pad_r, *v.shape[2:]),
+                    ],
+                    dim=1,
+                )
             elif v.dim() >= 2 and v.shape[1] == resp:
                 v = torch.cat([v, v.new_zeros(v.shape[0], r_max - resp, *v.shape[2:])], dim=1)
             v = v.contiguous().to(dev)
@@ -283,7 +321,9 @@ class FSDP2Engine(TrainEngine):
 
     def _loss_scale(self, mini: Batch) -> LossScale:
         counts = torch.tensor(
-            [float(mini["response_mask"].sum()), float(len(mini))], dtype=torch.float64, device=self._comm_device()
+            [float(mini["response_mask"].sum()), float(len(mini))],
+            dtype=torch.float64,
+            device=self._comm_device(),
         )
         self._dp_all_reduce(counts)
         return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]), dp_size=self.dp_size)
@@ -294,7 +334,9 @@ class FSDP2Engine(TrainEngine):
         """Per-response-token outputs of one micro-batch (on ``self.device``)."""
         ids = micro["input_ids"]  # [n, P+R]
         resp = micro["response_mask"].shape[1]
-        kwargs = dict(input_ids=ids, attention_mask=micro["attention_mask"], position_ids=micro["position_ids"])
+        kwargs = dict(
+            input_ids=ids, attention_mask=micro["attention_mask"], position_ids=micro["position_ids"]
+        )
         if self.role == "critic":
             values = self.model(**kwargs, values_to_keep=resp + 1)  # [n, R+1]
             return {"values": values[:, :-1].float()}
@@ -308,8 +350,13 @@ class FSDP2Engine(TrainEngine):
             out["entropy"] = entropy_from_logits(logits)
         return out
 
-    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """{"logp", optional "entropy"} (actor/ref) or {"values"} (critic), each [N, R] float32 on the batch's device."""
+    def forward_no_grad(
+        self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """{"logp", optional "entropy"} (actor/ref) or {"values"} (critic).
+
+        Each is [N, R] float32 on the batch's device, for this rank's rows.
+        """
         self._check_rows(len(batch))
         full = self._gather_tp(batch)
         self.model.eval()
@@ -323,7 +370,7 @@ class FSDP2Engine(TrainEngine):
         if self.tp_mesh is not None:
             start = self.tp_mesh.get_local_rank() * len(batch)
             resp = batch["response_mask"].shape[1]
-            out = {k: v[start: start + len(batch), :resp] for k, v in out.items()}
+            out = {k: v[start : start + len(batch), :resp] for k, v in out.items()}
         return {k: v.to(batch["input_ids"].device) for k, v in out.items()}
 
     # ------------------------------------------------------------------ training
@@ -347,7 +394,9 @@ class FSDP2Engine(TrainEngine):
         ``loss_fn`` must return the same metric keys on every rank.
         """
         if self.optimizer is None:
-            raise ValueError(f"the {self.role} engine is frozen and has no optimizer; train_step needs actor or critic")
+            raise ValueError(
+                f"the {self.role} engine is frozen and has no optimizer; train_step needs actor or critic"
+            )
         self._check_rows(len(batch))
         self.model.train()
         sums: dict[str, float] = {}
@@ -376,7 +425,9 @@ class FSDP2Engine(TrainEngine):
                 self.scheduler.step()
                 self.global_step += 1
         keys = sorted(sums)
-        t = torch.tensor([sums[k] for k in keys] + [float(n_micro)], dtype=torch.float64, device=self._comm_device())
+        t = torch.tensor(
+            [sums[k] for k in keys] + [float(n_micro)], dtype=torch.float64, device=self._comm_device()
+        )
         self._dp_all_reduce(t)
         out = {k: float(t[i] / t[-1]) for i, k in enumerate(keys)}
         prefix = "critic" if self.role == "critic" else "actor"
@@ -411,14 +462,15 @@ class FSDP2Engine(TrainEngine):
         if self.optimizer is not None:
             self._move_optimizer_state(lambda p: p.device)
 
-    def _move_optimizer_state(self, where) -> None:
+    def _move_optimizer_state(self, where: Callable[[nn.Parameter], torch.device]) -> None:
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 state = self.optimizer.state.get(p, {})
                 for k, v in state.items():
                     # Adam's "step" is a CPU scalar by design (non-capturable): leave it where it is.
+                    # Blocking copies: a non-blocking D2H copy may be read before it lands.
                     if isinstance(v, torch.Tensor) and k != "step":
-                        state[k] = v.to(where(p), non_blocking=True)
+                        state[k] = v.to(where(p))
 
     def state_dict(self) -> dict:
         """Sharded model (+ optimizer, scheduler, step) for ``torch.distributed.checkpoint.save/load``.

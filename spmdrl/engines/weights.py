@@ -53,7 +53,9 @@ class WarmupSchedule:
         if kind not in ("constant", "cosine"):
             raise ValueError(f"lr_scheduler={kind!r} is not supported; valid: constant, cosine")
         if kind == "cosine" and not total_steps:
-            raise ValueError("lr_scheduler='cosine' needs total_steps (optimizer steps of the run), got None/0")
+            raise ValueError(
+                "lr_scheduler='cosine' needs total_steps (optimizer steps of the run), got None/0"
+            )
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
         self.warmup_steps = max(0, warmup_steps)

@@ -33,8 +33,17 @@ def make_batch(vocab: int) -> "Batch":
     resp_mask = attn[:, P:].float()  # [N, R]
     adv = torch.randn(N, 1, generator=g).expand(N, R).contiguous()  # [N, R]
     position_ids = (attn.cumsum(1) - 1).clamp(min=0)
-    return Batch(dict(input_ids=ids, attention_mask=attn, position_ids=position_ids, response_mask=resp_mask,
-                      advantages=adv, returns=torch.randn(N, R, generator=g), values=torch.zeros(N, R)))
+    return Batch(
+        dict(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=position_ids,
+            response_mask=resp_mask,
+            advantages=adv,
+            returns=torch.randn(N, R, generator=g),
+            values=torch.zeros(N, R),
+        )
+    )
 
 
 def pg_loss(outputs, mb, scale):
@@ -52,8 +61,17 @@ def vf_loss(outputs, mb, scale):
 def _engine(model_dir: str, dims, **kw):
     from spmdrl.engines.fsdp2 import FSDP2Engine
 
-    return FSDP2Engine(model_dir, role=kw.pop("role", "actor"), dp_mesh=dims.fsdp_mesh, tp_mesh=dims.tp_mesh,
-                       device="cpu", lr=LR, max_grad_norm=1.0, seed=0, **kw)
+    return FSDP2Engine(
+        model_dir,
+        role=kw.pop("role", "actor"),
+        dp_mesh=dims.fsdp_mesh,
+        tp_mesh=dims.tp_mesh,
+        device="cpu",
+        lr=LR,
+        max_grad_norm=1.0,
+        seed=0,
+        **kw,
+    )
 
 
 def _export(engine) -> dict[str, torch.Tensor]:
@@ -85,7 +103,9 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     from spmdrl.parallel import ParallelDims
 
     batch = make_batch(2048)
-    mine = batch.select(slice(rank * N // 2, (rank + 1) * N // 2))  # this rank's rows, as the loop shards them
+    mine = batch.select(
+        slice(rank * N // 2, (rank + 1) * N // 2)
+    )  # this rank's rows, as the loop shards them
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out: dict = {}
 
@@ -94,8 +114,15 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     eng = _engine(model_dir, dims)
     got = eng.forward_no_grad(mine, micro_batch_size=3, with_entropy=True)
     with torch.no_grad():
-        logits = hf(input_ids=mine["input_ids"], attention_mask=mine["attention_mask"],
-                    position_ids=mine["position_ids"]).logits[:, P - 1: P + R - 1].float()  # [n, R, V]
+        logits = (
+            hf(
+                input_ids=mine["input_ids"],
+                attention_mask=mine["attention_mask"],
+                position_ids=mine["position_ids"],
+            )
+            .logits[:, P - 1 : P + R - 1]
+            .float()
+        )  # [n, R, V]
     ref_logp = torch.log_softmax(logits, -1).gather(-1, mine["input_ids"][:, P:, None]).squeeze(-1)
     ref_ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     out["logp_err"] = float((got["logp"] - ref_logp).abs().max())
@@ -127,7 +154,9 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
 
     # --- Frozen reference, CPU-offloaded: same log-probs, no training.
     ref = _engine(model_dir, dims, role="ref", cpu_offload=True)
-    out["ref_logp_err"] = float((ref.forward_no_grad(mine, micro_batch_size=4)["logp"] - ref_logp).abs().max())
+    out["ref_logp_err"] = float(
+        (ref.forward_no_grad(mine, micro_batch_size=4)["logp"] - ref_logp).abs().max()
+    )
     try:
         ref.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
         out["ref_train_error"] = None
@@ -137,7 +166,9 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
 
     # --- bf16 compute and bf16 gradient reduce-scatter over gloo.
     eng = _engine(model_dir, dims, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    out["bf16_logp_err"] = float((eng.forward_no_grad(mine, micro_batch_size=4)["logp"] - ref_logp).abs().max())
+    out["bf16_logp_err"] = float(
+        (eng.forward_no_grad(mine, micro_batch_size=4)["logp"] - ref_logp).abs().max()
+    )
     out["bf16_metrics"] = eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
     out["bf16"] = _export(eng)
     del eng
@@ -162,7 +193,9 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     cfg = Config()
     cfg.critic.lr = LR
     dims = ParallelDims(world).build()
-    critic = build_engine(cfg, model_dir, role="critic", dims=dims, device=torch.device("cpu"), total_steps=10)
+    critic = build_engine(
+        cfg, model_dir, role="critic", dims=dims, device=torch.device("cpu"), total_steps=10
+    )
     values = critic.forward_no_grad(mine, micro_batch_size=4)["values"]
     out["values_shape"] = tuple(values.shape)
     out["critic_metrics"] = critic.train_step(mine, vf_loss, mini_batch_size=N // 2, micro_batch_size=2)
@@ -199,7 +232,9 @@ def test_one_rank_equals_two_ranks_fsdp_and_hsdp(runs):
     assert _max_diff(one["micro4"], two["fsdp"]) < 1e-5
     assert _max_diff(one["micro4"], two["hsdp"]) < 1e-5
     # fp32 norms of 4.5M entries summed in a different order (per shard, then across ranks).
-    assert two["fsdp_metrics"]["actor/grad_norm"] == pytest.approx(one["metrics4"]["actor/grad_norm"], rel=1e-4)
+    assert two["fsdp_metrics"]["actor/grad_norm"] == pytest.approx(
+        one["metrics4"]["actor/grad_norm"], rel=1e-4
+    )
 
 
 def test_forward_no_grad_matches_transformers(runs):
@@ -234,7 +269,9 @@ def test_frozen_offloaded_reference(runs):
 def test_bf16_mixed_precision_on_gloo(runs):
     two = runs["two"]
     assert two["bf16_logp_err"] < 0.1  # bf16 logits: ~3 significant digits
-    assert two["bf16_metrics"]["actor/grad_norm"] == pytest.approx(runs["one"]["metrics4"]["actor/grad_norm"], rel=0.05)
+    assert two["bf16_metrics"]["actor/grad_norm"] == pytest.approx(
+        runs["one"]["metrics4"]["actor/grad_norm"], rel=0.05
+    )
     # Master weights stay fp32 and take nearly the fp32 step.
     assert all(v.dtype == torch.float32 for v in two["bf16"].values())
     # Adam's first step is ~lr·sign(g): bf16 may flip the sign of tiny gradients, but only of a few.

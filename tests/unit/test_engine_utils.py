@@ -10,7 +10,13 @@ import torch.nn as nn
 
 from spmdrl.engines import engine_class
 from spmdrl.engines.fsdp2 import entropy_from_logits, logprobs_from_logits
-from spmdrl.engines.weights import WarmupSchedule, build_optimizer, build_scheduler, clip_grad_norm_, iter_full_state
+from spmdrl.engines.weights import (
+    WarmupSchedule,
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm_,
+    iter_full_state,
+)
 
 
 def test_warmup_then_constant():
@@ -66,8 +72,9 @@ def test_logprobs_and_entropy_match_log_softmax():
     logits = torch.randn(2, 3, 7, generator=g) * 30  # large logits: the stable forms must not overflow
     tokens = torch.randint(0, 7, (2, 3), generator=g)
     ls = torch.log_softmax(logits, -1)
-    assert torch.allclose(logprobs_from_logits(logits, tokens), ls.gather(-1, tokens[..., None]).squeeze(-1),
-                          atol=1e-5)
+    assert torch.allclose(
+        logprobs_from_logits(logits, tokens), ls.gather(-1, tokens[..., None]).squeeze(-1), atol=1e-5
+    )
     assert torch.allclose(entropy_from_logits(logits), -(ls.exp() * ls).sum(-1), atol=1e-4)
 
 
