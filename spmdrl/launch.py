@@ -109,7 +109,9 @@ def _expand_pattern(pattern: str, spec: str) -> list[str]:
     for index, piece in enumerate(pieces):
         if index % 2 == 0:
             if not _NAME_CHARS.match(piece):
-                raise LaunchError(f"invalid character in host pattern {pattern!r} of Slurm node list {spec!r}.")
+                raise LaunchError(
+                    f"invalid character in host pattern {pattern!r} of Slurm node list {spec!r}."
+                )
             names = [name + piece for name in names]
         else:
             names = [name + suffix for name in names for suffix in _expand_brackets(piece, pattern, spec)]
@@ -201,9 +203,8 @@ def slurm_nproc_per_node(env: Mapping[str, str]) -> int:
             if count > 0:
                 return count
     if env.get("SLURM_NTASKS_PER_NODE"):
-        return _positive_int(
-            re.sub(r"\(x\d+\)$", "", env["SLURM_NTASKS_PER_NODE"]), "SLURM_NTASKS_PER_NODE", "the Slurm environment"
-        )
+        tasks = re.sub(r"\(x\d+\)$", "", env["SLURM_NTASKS_PER_NODE"])
+        return _positive_int(tasks, "SLURM_NTASKS_PER_NODE", "the Slurm environment")
     raise LaunchError(
         "cannot tell how many processes to start per node: set one of SLURM_GPUS_ON_NODE, "
         "SLURM_GPUS_PER_NODE (sbatch --gpus-per-node), SLURM_NTASKS_PER_NODE or NPROC_PER_NODE."
@@ -223,7 +224,9 @@ def _require(env: Mapping[str, str], *names: str) -> tuple[str, str]:
     )
 
 
-def _resolve_max_restarts(env: Mapping[str, str], max_restarts: Optional[int], default: Optional[int]) -> Optional[int]:
+def _resolve_max_restarts(
+    env: Mapping[str, str], max_restarts: Optional[int], default: Optional[int]
+) -> Optional[int]:
     if max_restarts is not None:
         if max_restarts < 0:
             raise LaunchError(f"--max-restarts={max_restarts} must be 0 or more.")
@@ -268,8 +271,9 @@ def slurm_torchrun_command(
         tasks = _max_tasks_per_node(env["SLURM_STEP_TASKS_PER_NODE"])
         if tasks > 1:
             raise LaunchError(
-                f"SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']!r} starts {tasks} launchers on a "
-                "node; run one per node (srun --ntasks-per-node=1), torchrun starts the per-GPU processes."
+                f"SLURM_STEP_TASKS_PER_NODE={env['SLURM_STEP_TASKS_PER_NODE']!r} starts {tasks} launchers "
+                "on a node; run one per node (srun --ntasks-per-node=1), torchrun starts the per-GPU "
+                "processes."
             )
 
     job_name, job_text = _require(env, "SLURM_JOB_ID", "SLURM_JOBID")
@@ -368,12 +372,11 @@ def multinode_torchrun_command(
     (default ``spmdrl``; must be the same on every node). Run the same command
     on every node.
     """
-    _, master_addr = _require_plain(env, "MASTER_ADDR")
+    master_addr = _require_multinode(env, "MASTER_ADDR")
     port = DEFAULT_MULTINODE_PORT
     if env.get("MASTER_PORT"):
         port = _port(env["MASTER_PORT"], "MASTER_PORT", "the environment")
-    _, nnodes_text = _require_plain(env, "NNODES")
-    nnodes = _positive_int(nnodes_text, "NNODES", "the environment")
+    nnodes = _positive_int(_require_multinode(env, "NNODES"), "NNODES", "the environment")
     if nproc_per_node is None:
         nproc_per_node = _nproc_from_env(env, ("NPROC_PER_NODE",))
     if nproc_per_node is None:
@@ -403,11 +406,13 @@ def multinode_torchrun_command(
     return cmd + ["-m", TRAIN_MODULE, *train_args]
 
 
-def _require_plain(env: Mapping[str, str], name: str) -> tuple[str, str]:
+def _require_multinode(env: Mapping[str, str], name: str) -> str:
     value = env.get(name, "").strip()
     if not value:
-        raise LaunchError(f"{name} is not set; the multinode launcher needs MASTER_ADDR and NNODES on every node.")
-    return name, value
+        raise LaunchError(
+            f"{name} is not set; the multinode launcher needs MASTER_ADDR and NNODES on every node."
+        )
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -425,11 +430,18 @@ def _parser() -> argparse.ArgumentParser:
     for mode, help_text in modes.items():
         p = sub.add_parser(mode, help=help_text, description=help_text)
         p.add_argument(
-            "--dry-run", action="store_true", help="print the command instead of running it (also SPMDRL_DRY_RUN=1)"
+            "--dry-run",
+            action="store_true",
+            help="print the command instead of running it (also SPMDRL_DRY_RUN=1)",
         )
-        p.add_argument("--nproc-per-node", type=int, default=None, help="processes per node (default: from env)")
         p.add_argument(
-            "--max-restarts", type=int, default=None, help="torchrun restarts of the whole group (also MAX_RESTARTS)"
+            "--nproc-per-node", type=int, default=None, help="processes per node (default: from env)"
+        )
+        p.add_argument(
+            "--max-restarts",
+            type=int,
+            default=None,
+            help="torchrun restarts of the whole group (also MAX_RESTARTS)",
         )
         if mode == "slurm":
             p.add_argument(
@@ -491,8 +503,11 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
     try:
         os.execvp(cmd[0], cmd)
     except FileNotFoundError:
-        print("spmdrl.launch: error: torchrun is not on PATH; activate the environment where torch is installed.",
-              file=sys.stderr)
+        print(
+            "spmdrl.launch: error: torchrun is not on PATH; "
+            "activate the environment where torch is installed.",
+            file=sys.stderr,
+        )
         return 127
 
 

@@ -117,7 +117,10 @@ def test_slurm_command_two_nodes_four_gpus() -> None:
 
 
 def test_slurm_command_cpu_only_uses_tasks_per_node() -> None:
-    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "cpu[1-3]", "SLURM_NNODES": "3", "SLURM_NTASKS_PER_NODE": "2"}
+    env = {
+        "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "cpu[1-3]",
+        "SLURM_NNODES": "3", "SLURM_NTASKS_PER_NODE": "2",
+    }
     cmd = slurm_torchrun_command(env, ["--config", "x.yaml"], max_restarts=0)
     assert cmd[:13] == [
         "torchrun", "--nnodes", "3", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
@@ -185,7 +188,9 @@ def test_rendered_commands_parse_as_torchrun() -> None:
 
     commands = [
         slurm_torchrun_command(_slurm_env(SLURMD_NODENAME="gpu01"), ["--config", "c.yaml"]),
-        multinode_torchrun_command({"MASTER_ADDR": "h", "NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "2"}, []),
+        multinode_torchrun_command(
+            {"MASTER_ADDR": "h", "NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "2"}, []
+        ),
         local_torchrun_command({"NPROC": "2", "MAX_RESTARTS": "1"}, ["--config", "c.yaml"]),
     ]
     for cmd in commands:
@@ -207,7 +212,10 @@ def test_local_command() -> None:
 
 
 def test_multinode_command() -> None:
-    env = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6000", "NNODES": "2", "NODE_RANK": "0", "NPROC_PER_NODE": "8"}
+    env = {
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "6000",
+        "NNODES": "2", "NODE_RANK": "0", "NPROC_PER_NODE": "8",
+    }
     assert multinode_torchrun_command(env, ["--config", "a.yaml"]) == [
         "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "10.0.0.1:6000", "--rdzv-id", "spmdrl", "--max-restarts", "3",
@@ -232,7 +240,8 @@ def test_cli_missing_nodelist_exits_2(capsys: pytest.CaptureFixture[str]) -> Non
 def test_cli_dry_run_subprocess() -> None:
     env = _clean_env(**_slurm_env())
     out = subprocess.run(
-        [sys.executable, "-m", "spmdrl.launch", "slurm", "--dry-run", "--", "--config", "x.yaml", "--trainer.note", "a b"],
+        [sys.executable, "-m", "spmdrl.launch", "slurm", "--dry-run", "--"]
+        + ["--config", "x.yaml", "--trainer.note", "a b"],
         env=env, capture_output=True, text=True, timeout=30, check=True,
     ).stdout
     assert out == (
@@ -311,7 +320,10 @@ def _fake_slurm(tmp_path: Path, **extra: str) -> dict[str, str]:
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     env = _clean_env(
-        FAKE_DIR=str(tmp_path), SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu[1-2]", SLURM_SUBMIT_DIR=str(tmp_path),
+        FAKE_DIR=str(tmp_path),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="gpu[1-2]",
+        SLURM_SUBMIT_DIR=str(tmp_path),
         **extra,
     )
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
