@@ -17,9 +17,12 @@ Lists of Python objects (``non_tensor``) ride along with the same leading size.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from spmdrl.rollout.base import GenerationOutput
 
 
 class Batch:
@@ -90,3 +93,35 @@ class Batch:
             {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors},
             {k: [x for b in batches for x in b.non_tensor[k]] for k in first.non_tensor},
         )
+
+
+def from_generation(gen: "GenerationOutput", prompt_index: torch.Tensor) -> Batch:
+    """Training rows from one ``generate`` call.
+
+    ``prompt_index`` [num_prompts] holds the global id of each input prompt;
+    row i of ``gen`` came from input prompt ``gen.prompt_index[i]``.
+    """
+    prompt_mask = gen.prompt_mask.long()  # [N, P]
+    response_mask = gen.response_mask.long()  # [N, R]
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [N, P+R]
+    # Left padding: positions count real tokens only, as the rollout engine saw them.
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [N, P+R]
+    return Batch(
+        {
+            "input_ids": torch.cat([gen.prompt_ids, gen.response_ids], dim=1),  # [N, P+R]
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "response_mask": response_mask.float(),  # [N, R]
+            "rollout_logp": gen.logprobs.float(),  # [N, R]
+            "index": prompt_index[gen.prompt_index],  # [N]
+        }
+    )
+
+
+def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Token rewards [N, R]: each sequence score [N] on its last response token."""
+    lengths = response_mask.sum(-1).long()  # [N]
+    token_rewards = torch.zeros_like(response_mask, dtype=torch.float32)
+    rows = torch.arange(len(scores))
+    token_rewards[rows, (lengths - 1).clamp(min=0)] = scores.float() * (lengths > 0)
+    return token_rewards

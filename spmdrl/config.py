@@ -119,8 +119,6 @@ class ActorConfig:
     """Responses per no-grad forward when computing old/ref log-probs."""
     ppo_epochs: int = 1
     """Passes over the batch per step."""
-    shuffle: bool = False
-    """Shuffle responses between mini-batches (seeded)."""
     policy_loss: str = "vanilla"
     """Policy loss: vanilla (PPO clip, dual clip), gspo, gpg."""
     clip_ratio_low: float = 0.2

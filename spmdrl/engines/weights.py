@@ -133,6 +133,8 @@ def iter_full_state(model: nn.Module, dtype: torch.dtype | None = None) -> Itera
                 yield hf_name(f"{mod_name}.{b_name}" if mod_name else b_name), _full(b, dtype)
 
 
+@torch.inference_mode(False)  # a consumer may iterate inside inference mode (the rollout engine does)
+@torch.no_grad()
 def _full(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     t = t.detach()  # no autograd record of the gather
     full = t.full_tensor() if isinstance(t, DTensor) else t

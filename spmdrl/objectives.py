@@ -1,0 +1,63 @@
+"""The actor's and critic's loss callables, built once from the config.
+
+The pure functions live in ``spmdrl.algos``; this file binds the config's
+scalars to them and returns ``LossFn`` closures that the training engine calls
+per micro-batch with the forward outputs and the mini-batch's global counts
+(``LossScale``), so token-mean losses divide by the global token count.
+"""
+
+from __future__ import annotations
+
+from spmdrl.algos.losses import agg_loss, value_loss
+from spmdrl.algos.registry import get_kl, get_policy_loss
+from spmdrl.batch import Batch
+from spmdrl.config import Config
+from spmdrl.engines.base import LossFn, LossScale
+
+
+def actor_loss_fn(cfg: Config) -> LossFn:
+    """PPO-family policy loss + optional KL-to-reference loss - entropy bonus."""
+    a = cfg.actor
+    policy_loss = get_policy_loss(a.policy_loss)
+    kl_fn = get_kl(a.kl_loss_type) if a.use_kl_loss else None
+    norm_len = a.loss_scale_factor or cfg.data.max_response_length
+
+    def loss_fn(outputs: dict, mb: Batch, scale: LossScale):
+        logp = outputs["logp"]  # [b, R]
+        mask = mb["response_mask"]  # [b, R]
+        # On-policy single pass: the sampling policy is the current one, detached.
+        old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
+        counts = dict(global_tokens=scale.global_tokens, global_seqs=scale.global_seqs, norm_len=norm_len)
+        loss, metrics = policy_loss(
+            logp, old_logp, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode,
+            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+            **counts,
+        )
+        if "entropy" in outputs:
+            entropy = agg_loss(outputs["entropy"], mask, a.loss_agg_mode, **counts)
+            metrics["actor/entropy"] = float(agg_loss(outputs["entropy"].detach(), mask, a.loss_agg_mode).item())
+            if a.entropy_coeff:
+                loss = loss - a.entropy_coeff * entropy
+        if kl_fn is not None:
+            kl = kl_fn(logp, mb["ref_logp"])  # [b, R]
+            loss = loss + a.kl_loss_coef * agg_loss(kl, mask, a.loss_agg_mode, **counts)
+            metrics["actor/kl_loss"] = float(agg_loss(kl.detach(), mask, a.loss_agg_mode).item())
+            metrics["actor/kl_coef"] = a.kl_loss_coef
+        return loss, metrics
+
+    return loss_fn
+
+
+def critic_loss_fn(cfg: Config) -> LossFn:
+    """Clipped value loss around the values the critic predicted before the update."""
+    c = cfg.critic
+
+    def loss_fn(outputs: dict, mb: Batch, scale: LossScale):
+        return value_loss(
+            outputs["values"], mb["values"], mb["returns"], mb["response_mask"],
+            cliprange_value=c.cliprange_value, loss_agg_mode=cfg.actor.loss_agg_mode,
+            global_tokens=scale.global_tokens, global_seqs=scale.global_seqs,
+            norm_len=cfg.actor.loss_scale_factor or cfg.data.max_response_length,
+        )
+
+    return loss_fn
