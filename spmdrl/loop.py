@@ -176,7 +176,12 @@ def score(r: Run, batch: Batch) -> dict[str, float]:
                                            buffer_len=ob.len, penalty_factor=ob.penalty_factor)
     batch["scores"] = scores
     batch["token_rewards"] = place_scores(scores, batch["response_mask"])
-    return out.metrics()
+    metrics = out.metrics()
+    for key, values in out.extra.items():  # e.g. a scorer's "acc", next to its "score"
+        numbers = [float(v) for v in values if isinstance(v, (int, float, bool))]
+        if numbers:
+            metrics[f"reward/{key}"] = sum(numbers) / len(numbers)
+    return metrics
 
 
 def sync_weights(r: Run) -> None:
@@ -349,12 +354,16 @@ def validate(r: Run) -> dict[str, float]:
 
 
 def run(cfg: Config, dims: ParallelDims) -> None:
+    from spmdrl.checkpoint import Checkpointer
+
     r = build(cfg, dims)
+    ckpt = Checkpointer(r)
+    ckpt.resume()  # trainer.resume: auto | off | PATH; restores step, engines, data, RNG, KL controller
     sink = MetricsSink(r.out_dir, cfg.trainer.logger, r.total_steps, rank=r.rank,
                        progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
                        experiment=cfg.trainer.experiment_name, initial_step=r.step)
     try:
-        if cfg.trainer.val_before_train:
+        if cfg.trainer.val_before_train and r.step == 0:
             sink.log(r.step, validate(r))
         while r.step < r.total_steps:
             metrics = train_step(r)
@@ -362,6 +371,13 @@ def run(cfg: Config, dims: ParallelDims) -> None:
             if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or r.step == r.total_steps):
                 metrics.update(validate(r))
             sink.log(r.step, metrics)
+            # A preemption signal (SIGTERM/SIGUSR1) turns into a checkpoint at this step boundary, then exit.
+            stop = ckpt.stop_requested()
+            if ckpt.due(r.step) or stop:
+                ckpt.save(r.step)
+            if stop:
+                log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
+                break
     finally:
         sink.close()
         r.reward.close()

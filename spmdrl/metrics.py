@@ -13,6 +13,7 @@ the process's peak resident set (VmHWM), reset at phase start through
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from contextlib import contextmanager
@@ -99,21 +100,30 @@ def _nvml_used_gb(device: torch.device) -> float:
 
 
 def reduce_metrics(metrics: dict[str, float], group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
-    """Mean over ranks for every key; ``*/max`` keys take the max and ``*/min`` keys the min.
+    """Mean over the ranks that report each key; ``*/max`` keys take the max and ``*/min`` keys the min.
 
     Memory and timing keys take the max too (the slowest / largest rank matters).
+    Ranks may report different keys (a scorer's extras depend on the data
+    source a rank happened to get), so the key set is agreed first: a
+    collective over mismatched tensors would hang.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(metrics)
-    keys = sorted(metrics)
-    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    all_keys: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(all_keys, sorted(metrics), group=group)
+    keys = sorted({k for ks in all_keys for k in ks})
+    present = torch.tensor([k in metrics for k in keys], dtype=torch.float64)
+    vals = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
     is_max = torch.tensor([k.endswith("/max") or k.startswith(("memory/", "timing/")) for k in keys])
     is_min = torch.tensor([k.endswith("/min") for k in keys])
-    summed, maxed, mined = vals.clone(), vals.clone(), vals.clone()
+    summed, count = vals * present, present.clone()
+    maxed = torch.where(present.bool(), vals, torch.full_like(vals, -math.inf))
+    mined = torch.where(present.bool(), vals, torch.full_like(vals, math.inf))
     dist.all_reduce(summed, group=group)
+    dist.all_reduce(count, group=group)
     dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(mined, op=dist.ReduceOp.MIN, group=group)
-    out = torch.where(is_max, maxed, torch.where(is_min, mined, summed / dist.get_world_size(group)))
+    out = torch.where(is_max, maxed, torch.where(is_min, mined, summed / count))
     return dict(zip(keys, out.tolist()))
 
 

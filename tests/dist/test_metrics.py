@@ -1,0 +1,22 @@
+"""Metric reduction over ranks that report different keys."""
+
+import pytest
+
+from dist_utils import spawn
+from spmdrl.metrics import reduce_metrics
+
+pytestmark = pytest.mark.dist
+
+
+def _reduce(rank, world_size):
+    metrics = {"reward/mean": float(rank), "reward/max": float(rank), "reward/min": float(rank) + 1,
+               "timing/step": 1.0 + rank}
+    if rank == 1:
+        metrics["reward/acc"] = 0.5  # only rank 1's scorer reported it
+    return reduce_metrics(metrics)
+
+
+def test_reduce_metrics_with_mismatched_keys():
+    a, b = spawn(_reduce, 2)
+    assert a == b
+    assert a == {"reward/mean": 0.5, "reward/max": 1.0, "reward/min": 1.0, "timing/step": 2.0, "reward/acc": 0.5}

@@ -1,0 +1,46 @@
+"""End-to-end helpers: run ``python -m spmdrl.train`` (alone or under torchrun) in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small sizes that keep one step to about a second on 2 CPU cores.
+TINY = [
+    "--data.train_batch_size", "4", "--actor.ppo_mini_batch_size", "4", "--critic.ppo_mini_batch_size", "4",
+    "--data.max_response_length", "8", "--trainer.progress_bar", "false", "--trainer.resume", "off",
+]
+
+
+@pytest.fixture(scope="session")
+def spmdrl_cache(tmp_path_factory) -> str:
+    """One cache of built-in models and tasks for every run of the session ($SPMDRL_CACHE when set)."""
+    return os.environ.get("SPMDRL_CACHE") or str(tmp_path_factory.mktemp("spmdrl_cache"))
+
+
+def train(args: list[str], *, cache: str, nproc: int = 1, env: dict | None = None, timeout: float = 600,
+          check: bool = True, extra_torchrun: list[str] = ()) -> subprocess.CompletedProcess:
+    """Run the trainer; ``nproc > 1`` goes through torchrun --standalone."""
+    if nproc > 1 or extra_torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               *extra_torchrun, "-m", "spmdrl.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "spmdrl.train", *args]
+    full_env = {**os.environ, "SPMDRL_CACHE": cache, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+                "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
+    out = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}\n--- stderr (tail)\n{out.stderr[-4000:]}")
+    return out
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    with open(Path(out_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
