@@ -1,0 +1,151 @@
+"""The ``hf`` rollout engine: transformers ``generate`` behind the rollout interface.
+
+It is the reference the native engine is tested against and the baseline it is
+benchmarked against; it is not fast. Same outputs as the native engine: prompts
+left-padded, responses right-padded, response mask up to and including the stop
+token, log-probs of the sampled tokens as ``log_softmax(logits / T)`` over the
+full vocabulary (see spmdrl.rollout.sampling), finish reasons.
+
+The checkpoint's generation_config.json is replaced by one that holds only the
+pad and EOS ids, so only the SamplingParams of each call shape sampling (no
+hidden top_k=50, repetition penalty and the like from the checkpoint).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+import torch
+
+from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from spmdrl.rollout.native import SLEEP_TAGS, as_dtype, eos_ids_from_folder, left_pad, rollout_dp_rank
+from spmdrl.rollout.native_model import WeightStore
+from spmdrl.rollout.sampling import response_mask_and_reasons, stop_id_tensor, validate_sampling
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class HFRollout(RolloutEngine):
+    """transformers ``AutoModelForCausalLM.generate`` as a rollout engine.
+
+    Constructor arguments are build_rollout's common ones (see NativeRollout);
+    ``attn_implementation`` is passed to ``from_pretrained`` (default: transformers' choice).
+    Sampling uses the global torch RNG inside ``generate``; each call runs under
+    ``torch.random.fork_rng`` seeded from this engine's generator, so the caller's
+    RNG is untouched and a run is reproducible.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        mesh: Optional["DeviceMesh"] = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int = 0,
+        attn_implementation: Optional[str] = None,
+    ):
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.dp_rank = rollout_dp_rank(mesh)
+        self.device, self.dtype = torch.device(device), as_dtype(dtype)
+        self.max_num_seqs, self.seed = max_num_seqs, seed
+        self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
+        self.pad_token_id = pad_token_id
+        kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, **kw).to(self.device).eval()
+        self.model.generation_config = GenerationConfig(pad_token_id=pad_token_id, eos_token_id=self.eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed + self.dp_rank)
+        # Every parameter name (tied ones included) maps to a detached alias of its storage.
+        bases, slots, optional, seen = [], {}, [], {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                optional.append(name)  # a tied alias (lm_head.weight) may be absent from a stream
+            else:
+                if not p.untyped_storage().resizable():  # safetensors mmap: copy so sleep(2) can free it
+                    p.data = p.data.clone()
+                seen[id(p)] = p.detach()
+                bases.append(seen[id(p)])
+            slots[name] = seen[id(p)]
+        self.weights = WeightStore(bases, slots, optional)
+        self._weights_valid = True
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (hf_name, tensor) pairs into the model's parameters in place."""
+        self.weights.load(named_tensors)
+        self._weights_valid = True
+
+    def memory_bytes(self) -> int:
+        """Bytes of parameter storage held (transformers' KV cache lives only inside generate)."""
+        return self.weights.nbytes()
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1 moves parameters to CPU (no-op on CPU); level 2 frees their storage."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level == 1:
+            self.weights.offload()
+        else:
+            self.weights.free()
+            self._weights_valid = False
+
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        bad = [t for t in tags if t not in SLEEP_TAGS]
+        if bad:
+            raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+        if "weights" in tags:
+            self.weights.onload()
+            self.weights.materialize()
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        validate_sampling(sampling)
+        if not self._weights_valid or not self.weights.materialized:
+            raise RuntimeError("hf rollout: weights are asleep or were freed; call wake_up(('weights',)) "
+                               "(and update_weights after sleep(2)) before generate")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("hf rollout: generate needs at least one prompt and no empty prompt")
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed + self.dp_rank)
+        stop_ids = stop_id_tensor(self.eos_token_ids, sampling, torch.device("cpu"))
+        per_chunk = max(1, self.max_num_seqs // sampling.n)
+        parts = [self._generate_chunk(prompts[s:s + per_chunk], sampling, stop_ids)
+                 for s in range(0, len(prompts), per_chunk)]
+        response_ids = torch.cat([p[0] for p in parts])  # [N, R]
+        logprobs = torch.cat([p[1] for p in parts])  # [N, R]
+        mask, reasons = response_mask_and_reasons(response_ids, stop_ids, sampling.max_tokens)
+        response_ids.masked_fill_(~mask, self.pad_token_id)
+        logprobs.masked_fill_(~mask, 0.0)
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
+        idx = torch.arange(len(prompts)).repeat_interleave(sampling.n)  # [N]
+        return GenerationOutput(prompt_ids[idx], prompt_mask[idx], response_ids, mask, logprobs, reasons, idx)
+
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                        stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> response ids [P*n, R] (pad after the end) and log-probs [P*n, R] for one chunk."""
+        ids, valid = left_pad(prompts, self.pad_token_id, self.device)  # [P, T]
+        R = sampling.max_tokens
+        kw = dict(do_sample=False) if sampling.greedy else dict(
+            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0)
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids, attention_mask=valid.long(), max_new_tokens=R, min_new_tokens=0,
+                num_return_sequences=sampling.n, eos_token_id=stop_ids.tolist(), pad_token_id=self.pad_token_id,
+                output_logits=True, return_dict_in_generate=True, **kw)
+        resp = out.sequences[:, ids.shape[1]:].cpu()  # [P*n, R'] with R' <= R when all rows stopped early
+        logits = torch.stack(out.logits, 1).float().cpu()  # [P*n, R', V] raw logits
+        if not sampling.greedy:
+            logits = logits / sampling.temperature
+        lp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)  # [P*n, R']
+        pad = R - resp.shape[1]
+        resp = torch.nn.functional.pad(resp, (0, pad), value=self.pad_token_id)
+        return resp, torch.nn.functional.pad(lp, (0, pad))

@@ -1,0 +1,295 @@
+"""The native rollout engine: batched KV-cache sampling in pure torch (default on CPU, fallback on GPU).
+
+    engine = build_rollout("native", "/path/to/hf_folder", dtype=torch.bfloat16, seed=0, eos_token_ids=[2])
+    out = engine.generate([[1, 5, 9], [1, 7]], SamplingParams(n=4, max_tokens=64, temperature=1.0))
+
+How a ``generate`` call runs (one chunk of at most ``max_num_seqs`` rows at a time;
+the n samples of a prompt are never split across chunks):
+
+1. prefill the chunk's distinct prompts once, left-padded, writing K/V into cache
+   rows [0, P); RoPE positions count real tokens only, as transformers does;
+2. copy each prompt's cache rows n times (the n samples share one prefill) and
+   sample the first token of each row from the prompt's last logits;
+3. decode one token per row per step into the preallocated cache; rows that hit
+   EOS / a stop id leave the batch at once (the last live rows move into their
+   slots, so the cost is one copy per finished row, never a full-batch copy);
+   the loop ends at max_tokens or when no row is left.
+
+Each rank of a torchrun job runs its own engine on its own prompts (rollout DP);
+rollout TP is not supported here (use vllm or sglang for that).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+import torch
+
+from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from spmdrl.rollout.native_model import Decoder, DecoderConfig, KVCache, KVView
+from spmdrl.rollout.sampling import sample, stop_id_tensor, validate_sampling
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+SLEEP_TAGS = ("weights", "kv_cache")
+# Cache columns are rounded up to this so calls with slightly different lengths reuse the cache.
+_SEQ_ROUND = 64
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Accept a torch dtype or its config spelling ("float32", "bfloat16", "float16", "bf16", "fp32")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"rollout dtype {dtype!r} is not valid; valid: {', '.join(names)}")
+    return names[dtype]
+
+
+def rollout_dp_rank(mesh: Optional["DeviceMesh"]) -> int:
+    """This rank's rollout-DP coordinate; raises ValueError when the mesh has a TP axis larger than 1.
+
+    The TP axis is the dimension whose name ends in "tp" (or the second of a
+    2-D mesh without names); the DP axis is the other one.
+    """
+    if mesh is None:
+        return 0
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_dim = next((i for i, n in enumerate(names) if n.endswith("tp")), 1 if mesh.ndim == 2 else None)
+    if tp_dim is not None and mesh.size(tp_dim) > 1:
+        raise ValueError(
+            f"rollout_tp={mesh.size(tp_dim)} is not supported by the native or hf rollout engines; "
+            "rollout_tp > 1 needs rollout.engine: vllm or sglang for now (or set parallel.rollout_tp: 1)"
+        )
+    dp_dim = next((i for i in range(mesh.ndim) if i != tp_dim), None)
+    return 0 if dp_dim is None else mesh.get_local_rank(dp_dim)
+
+
+def eos_ids_from_folder(model_path: str | Path) -> list[int]:
+    """EOS ids from generation_config.json, else config.json (an int or a list in either)."""
+    ids: list[int] = []
+    for fname in ("generation_config.json", "config.json"):
+        f = Path(model_path) / fname
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids = [eos] if isinstance(eos, int) else list(eos)
+                break
+    return ids
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> ids [P, T] int64 left-padded with ``pad`` and valid [P, T] bool."""
+    T = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    valid = torch.tensor([[False] * (T - len(p)) + [True] * len(p) for p in prompts], device=device)
+    return ids, valid
+
+
+class NativeRollout(RolloutEngine):
+    """Pure-torch rollout engine for Llama / Qwen2 / Qwen3 checkpoints.
+
+    Args:
+        model_path: HF folder with config.json (and safetensors unless ``load_weights=False``).
+        mesh: the rollout mesh (dp x tp) or None; only tp == 1 is supported.
+        device, dtype: where and in which dtype weights and KV cache live.
+        max_num_seqs: most rows decoded at once; larger calls run in chunks of whole prompts.
+        seed: the generator is seeded with ``seed + dp_rank`` (SamplingParams.seed reseeds it
+            the same way), so ranks draw different samples and a rerun draws the same ones.
+        eos_token_ids: ids that end a response; empty means the folder's generation config.
+        pad_token_id: fills the padding of prompt_ids / response_ids.
+        max_model_len: when set, the KV cache is allocated at wake-up for
+            ``max_num_seqs x max_model_len`` and longer calls are refused; when None it is
+            sized by the first call that needs more and kept until ``sleep``.
+        load_weights: False builds the model with uninitialised weights, to be filled by
+            ``update_weights`` (the weights then come from a stream, not the folder).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        mesh: Optional["DeviceMesh"] = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int = 0,
+        max_model_len: Optional[int] = None,
+        load_weights: bool = True,
+    ):
+        self.dp_rank = rollout_dp_rank(mesh)
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.device, self.dtype = torch.device(device), as_dtype(dtype)
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.seed = seed
+        self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
+        self.pad_token_id = pad_token_id
+        self.config = DecoderConfig.from_folder(model_path)
+        self.model = Decoder(self.config, self.device, self.dtype)
+        self.generator = torch.Generator(self.device).manual_seed(seed + self.dp_rank)
+        self.cache: Optional[KVCache] = None
+        self._cache_shape: Optional[tuple[int, int]] = None  # (rows, seq) to restore at wake-up
+        self._kv_awake = True
+        self._weights_valid = False  # False until loaded; again False after sleep(2)
+        if load_weights:
+            self.update_weights(Decoder.iter_checkpoint(model_path))
+        if max_model_len is not None:
+            self._ensure_cache(max_num_seqs, max_model_len)
+
+    # ---- weights and memory ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (hf_name, tensor) pairs into the model in place, one at a time.
+
+        Raises KeyError on an unknown name, ValueError on a wrong shape or when the
+        stream ends without some weight (a tied lm_head may be absent).
+        """
+        self.model.weights.load(named_tensors)
+        self._weights_valid = True
+
+    def memory_bytes(self) -> int:
+        """Bytes of tensor storage the engine holds now: weights (device and CPU copies) and KV cache."""
+        return self.model.weights.nbytes() + (self.cache.nbytes() if self.cache is not None else 0)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache; level 1 also moves weights to CPU (kept in place on a CPU device),
+        level 2 frees the weight storage (restore with wake_up + update_weights)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.cache = None
+        self._kv_awake = False
+        if level == 1:
+            self.model.weights.offload()
+        else:
+            self.model.weights.free()
+            self._weights_valid = False
+
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        """Re-materialise "weights" (storage back; after level 2 the values come from update_weights)
+        and/or "kv_cache" (reallocated at its last size)."""
+        bad = [t for t in tags if t not in SLEEP_TAGS]
+        if bad:
+            raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+        if "weights" in tags:
+            self.model.weights.onload()
+            self.model.weights.materialize()
+        if "kv_cache" in tags:
+            self._kv_awake = True
+            if self._cache_shape is not None:
+                self._ensure_cache(*self._cache_shape)
+
+    def _ensure_cache(self, rows: int, seq: int) -> KVCache:
+        c = self.cache
+        if c is None or c.rows < rows or c.seq < seq:
+            rows = max(rows, c.rows if c is not None else 0)
+            seq = max(-(-seq // _SEQ_ROUND) * _SEQ_ROUND, c.seq if c is not None else 0)
+            self.cache = None  # drop the old one before allocating the new one
+            self.cache = KVCache(self.config, rows, seq, self.device, self.dtype)
+            self._cache_shape = (rows, seq)
+        return self.cache
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        """Sample ``sampling.n`` responses per prompt; see GenerationOutput for the layout and
+        spmdrl.rollout.sampling for which distribution the log-probs are under."""
+        validate_sampling(sampling)
+        if not self._weights_valid or not self.model.weights.materialized:
+            raise RuntimeError("native rollout: weights are asleep or were freed; call wake_up(('weights',)) "
+                               "(and update_weights after sleep(2)) before generate")
+        if not self._kv_awake:
+            raise RuntimeError("native rollout: the KV cache is asleep; call wake_up(('kv_cache',)) first")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("native rollout: generate needs at least one prompt and no empty prompt")
+        n, R = sampling.n, sampling.max_tokens
+        P_all = max(len(p) for p in prompts)
+        if self.max_model_len is not None and P_all + R > self.max_model_len:
+            raise ValueError(f"prompt ({P_all}) + max_tokens ({R}) exceeds max_model_len={self.max_model_len}")
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed + self.dp_rank)
+        per_chunk = max(1, self.max_num_seqs // n)
+        cache = self._ensure_cache(min(len(prompts), per_chunk) * n, P_all + R)
+        stop_ids = stop_id_tensor(self.eos_token_ids, sampling, self.device)
+
+        N = len(prompts) * n
+        out_ids = torch.full((N, R), self.pad_token_id, dtype=torch.long, device=self.device)
+        out_lp = torch.zeros(N, R, dtype=torch.float32, device=self.device)
+        stopped = torch.zeros(N, dtype=torch.bool, device=self.device)
+        for s in range(0, len(prompts), per_chunk):
+            self._generate_chunk(prompts[s:s + per_chunk], s * n, sampling, cache, stop_ids,
+                                 out_ids, out_lp, stopped)
+
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, self.device)
+        idx = torch.arange(len(prompts), device=self.device).repeat_interleave(n)  # [N]
+        # A row writes tokens until its first stop id, so that id ends the response mask
+        # (unwritten columns hold padding, which may equal EOS but only after the real stop).
+        first = torch.where(stopped, torch.isin(out_ids, stop_ids).int().argmax(-1) + 1, R)  # [N]
+        mask = torch.arange(R, device=self.device)[None, :] < first[:, None]  # [N, R]
+        return GenerationOutput(
+            prompt_ids=prompt_ids[idx].cpu(),
+            prompt_mask=prompt_mask[idx].cpu(),
+            response_ids=out_ids.cpu(),
+            response_mask=mask.cpu(),
+            logprobs=out_lp.cpu(),
+            finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
+            prompt_index=idx.cpu(),
+        )
+
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], row0: int, sampling: SamplingParams,
+                        cache: KVCache, stop_ids: torch.Tensor, out_ids: torch.Tensor, out_lp: torch.Tensor,
+                        stopped: torch.Tensor) -> None:
+        """Generate rows [row0, row0 + len(prompts)*n) of the outputs (written in place)."""
+        dev, n, R = self.device, sampling.n, sampling.max_tokens
+        ids, valid = left_pad(prompts, self.pad_token_id, dev)  # [P, T]
+        P, T = ids.shape
+        B = P * n
+        kv: KVView = cache.layout(B, T + R)
+        pos = (valid.long().cumsum(-1) - 1).clamp_(min=0)  # RoPE positions count real tokens only
+        hidden = self.model.prefill(ids, pos, valid, kv)  # [P, T, h]
+        logits = self.model.logits(hidden[:, -1])  # [P, V]
+        if n > 1:  # share the prefill: row i*n + j is sample j of prompt i
+            src = torch.arange(P, device=dev).repeat_interleave(n)
+            kv.k[:, :, :, :T] = kv.k[:, src, :, :T]
+            kv.v[:, :, :, :T] = kv.v[:, src, :, :T]
+            logits, valid = logits[src], valid[src]
+        kv.bias.fill_(float("-inf"))
+        kv.bias[:, :T] = torch.where(valid, 0.0, float("-inf"))
+        rows = torch.arange(row0, row0 + B, device=dev)  # output row of each live batch slot
+        next_pos = valid.sum(-1)  # [B] position of the next token = prompt length
+        tokens, lp = sample(logits, sampling, self.generator)
+        for step in range(R):
+            out_ids[rows, step] = tokens
+            out_lp[rows, step] = lp
+            done = torch.isin(tokens, stop_ids)
+            any_done = bool(done.any())
+            if any_done:
+                stopped[rows[done]] = True
+            if step == R - 1:
+                break
+            if any_done:
+                keep = ~done
+                B = int(keep.sum())
+                if B == 0:
+                    break
+                # Move the live rows from the tail into the holes left in [0, B).
+                holes = (~keep[:B]).nonzero().squeeze(-1)
+                tail = keep[B:].nonzero().squeeze(-1) + B
+                if holes.numel():
+                    kv.move_rows(holes, tail)
+                    for t in (rows, tokens, next_pos):
+                        t[holes] = t[tail]
+                rows, tokens, next_pos = rows[:B], tokens[:B], next_pos[:B]
+            col = T + step  # cache column this step's input token goes to
+            kv.bias[:B, col] = 0.0
+            logits = self.model.decode(tokens, next_pos + step, kv, col, B)
+            tokens, lp = sample(logits, sampling, self.generator)

@@ -1,0 +1,90 @@
+"""Next-token sampling shared by the rollout engines: temperature, top-k, top-p, greedy, log-probs.
+
+Log-prob convention (the one verl and vLLM use, and what the actor recomputes):
+the returned log-prob of a sampled token is ``log_softmax(logits / T)`` over the
+FULL vocabulary, i.e. after temperature and BEFORE top-k / top-p truncation. The
+token itself is drawn from the truncated, renormalised distribution. With
+``top_k=-1, top_p=1`` the two are the same distribution. Greedy (T = 0) returns
+``log_softmax(logits)`` at the argmax (temperature 1).
+
+Order of the filters is transformers' and vLLM's: temperature, then top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from spmdrl.rollout.base import SamplingParams
+
+
+def validate_sampling(sampling: SamplingParams) -> None:
+    """Raise a ValueError naming the bad field before any generation work starts."""
+    if sampling.n < 1:
+        raise ValueError(f"SamplingParams.n must be >= 1, got {sampling.n}")
+    if sampling.max_tokens < 1:
+        raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {sampling.max_tokens}")
+    if sampling.temperature < 0:
+        raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {sampling.temperature}")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k == 0 or sampling.top_k < -1:
+        raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {sampling.top_k}")
+
+
+def truncate_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside top-k and outside the top-p nucleus to -inf. logits [B, V] (already / T)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
+
+    See the module docstring for which distribution the log-probs are under.
+    """
+    if sampling.greedy:
+        tokens = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
+    logp = torch.log_softmax(scaled, -1)  # [B, V] full-vocabulary log-probs
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        probs = truncate_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
+    else:
+        probs = logp.exp()
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def stop_id_tensor(eos_token_ids: Sequence[int], sampling: SamplingParams, device: torch.device) -> torch.Tensor:
+    """The ids that end a response: the tokenizer's EOS ids plus the call's stop_token_ids."""
+    ids = sorted(set(int(i) for i in eos_token_ids) | set(int(i) for i in sampling.stop_token_ids))
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def response_mask_and_reasons(
+    response_ids: torch.Tensor, stop_ids: torch.Tensor, max_tokens: int
+) -> tuple[torch.Tensor, list[str]]:
+    """From right-padded generated ids [N, R] (anything after a stop id is ignored):
+    mask [N, R] bool (True up to and including the first stop id) and finish reasons."""
+    is_stop = torch.isin(response_ids, stop_ids)  # [N, R]
+    after_stop = (is_stop.cumsum(-1) - is_stop.long()) > 0  # positions strictly after the first stop
+    mask = ~after_stop
+    mask[:, max_tokens:] = False
+    stopped = (is_stop & mask).any(-1)
+    return mask, ["stop" if s else "length" for s in stopped.tolist()]
