@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 import torch
 
 from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
-from spmdrl.rollout.native_model import Decoder, DecoderConfig, KVCache, KVView
+from spmdrl.rollout.native_model import Decoder, DecoderConfig, KVCache, KVView, can_prepack
 from spmdrl.rollout.sampling import sample, stop_id_tensor, validate_sampling
 
 if TYPE_CHECKING:
@@ -108,6 +108,8 @@ class NativeRollout(RolloutEngine):
             sized by the first call that needs more and kept until ``sleep``.
         load_weights: False builds the model with uninitialised weights, to be filled by
             ``update_weights`` (the weights then come from a stream, not the folder).
+        prepack: keep oneDNN-packed copies of the matmul weights while generating (faster
+            on CPU, costs one more copy of the weights until ``sleep``); None = when available.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class NativeRollout(RolloutEngine):
         pad_token_id: int = 0,
         max_model_len: Optional[int] = None,
         load_weights: bool = True,
+        prepack: Optional[bool] = None,
     ):
         self.dp_rank = rollout_dp_rank(mesh)
         if max_num_seqs < 1:
@@ -134,6 +137,10 @@ class NativeRollout(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.config = DecoderConfig.from_folder(model_path)
         self.model = Decoder(self.config, self.device, self.dtype)
+        self.prepack = can_prepack(self.device, self.dtype) if prepack is None else prepack
+        if self.prepack and not can_prepack(self.device, self.dtype):
+            raise ValueError(f"prepack=True needs a CPU device with oneDNN and float32/bfloat16, "
+                             f"got {self.device} {self.dtype}")
         self.generator = torch.Generator(self.device).manual_seed(seed + self.dp_rank)
         self.cache: Optional[KVCache] = None
         self._cache_shape: Optional[tuple[int, int]] = None  # (rows, seq) to restore at wake-up
@@ -153,12 +160,15 @@ class NativeRollout(RolloutEngine):
         Raises KeyError on an unknown name, ValueError on a wrong shape or when the
         stream ends without some weight (a tied lm_head may be absent).
         """
+        self.model.unpack()  # packed copies would be stale; generate repacks
         self.model.weights.load(named_tensors)
         self._weights_valid = True
 
     def memory_bytes(self) -> int:
-        """Bytes of tensor storage the engine holds now: weights (device and CPU copies) and KV cache."""
-        return self.model.weights.nbytes() + (self.cache.nbytes() if self.cache is not None else 0)
+        """Bytes of tensor storage the engine holds now: weights (device and CPU copies, packed
+        copies) and KV cache."""
+        cache = self.cache.nbytes() if self.cache is not None else 0
+        return self.model.weights.nbytes() + self.model.packed_nbytes() + cache
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache; level 1 also moves weights to CPU (kept in place on a CPU device),
@@ -167,6 +177,7 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self.cache = None
         self._kv_awake = False
+        self.model.unpack()
         if level == 1:
             self.model.weights.offload()
         else:
@@ -217,6 +228,8 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"prompt ({P_all}) + max_tokens ({R}) exceeds max_model_len={self.max_model_len}")
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed + self.dp_rank)
+        if self.prepack and not self.model.packed:
+            self.model.pack()
         per_chunk = max(1, self.max_num_seqs // n)
         cache = self._ensure_cache(min(len(prompts), per_chunk) * n, P_all + R)
         stop_ids = stop_id_tensor(self.eos_token_ids, sampling, self.device)

