@@ -73,15 +73,15 @@ def generate_arith(split: str, num: int, seed: int) -> list[Row]:
     rng = _rng("arith", split, seed)
     rows = []
     for i in range(num):
-        op = rng.choice("+-")
+        # The answer is drawn first, uniformly, so that no constant guess beats
+        # 10% accuracy: a policy can only do better by reading the operands.
+        ans, op = rng.randint(0, 9), rng.choice("+-")
         if op == "+":
-            a = rng.randint(0, 9)
-            b = rng.randint(0, 9 - a)
-            ans = a + b
+            a = rng.randint(0, ans)
+            b = ans - a
         else:
-            a = rng.randint(0, 9)
-            b = rng.randint(0, a)
-            ans = a - b
+            b = rng.randint(0, 9 - ans)
+            a = ans + b
         rows.append(_row("spmdrl/arith", "math", f"What is {a} {op} {b}?", str(ans), split, i, a=a, b=b, op=op))
     return rows
 
@@ -90,22 +90,26 @@ def arith_score(data_source: str, solution_str: str, ground_truth: Any, extra_in
     """Graded reward in [0, 1] for a single-integer answer; 1.0 only for the bare correct answer.
 
     - no integer in the response: 0
-    - some integer: 0.1, plus 0.9 * accuracy * (0.5 + 0.5 * conciseness), where
-      accuracy is 1 for the right first integer, else 0.5 * max(0, 1 - |error| / 10),
-      and conciseness = len(first integer) / len(response) (1 when nothing else was said).
+    - otherwise 0.1 + 0.9 * accuracy * (0.5 + 0.5 * conciseness), with
+      accuracy = 1 for the right first integer, else 0.5 * max(0, 1 - |error| / 10),
+      conciseness = min(1, len(answer) / len(response)): 1 when nothing else was said.
 
     So the policy is paid first for emitting a digit at all (random text does
-    that ~7% of the time with the built-in tokenizer), then for a nearer digit,
-    then for stopping right after it; the unique optimum is "<answer><EOS>".
+    that ~7% of the time with the built-in tokenizer), then for a nearer digit
+    and for stopping after it; the unique optimum is "<answer><EOS>". The
+    distance credit makes every group with a few digits informative about the
+    operands rather than only the rare group with the exact answer.
+    Conciseness is measured against the answer's length, not the emitted
+    integer's, so that one long run of digits ("5555...") earns nothing extra.
     """
-    text = _strip_special(solution_str)
+    text, answer = _strip_special(solution_str), str(ground_truth).strip()
     m = _INT.search(text)
     if m is None:
         return {"score": 0.0, "acc": 0.0}
-    pred, ans = int(m.group()), int(str(ground_truth).strip())
+    pred, ans = int(m.group()), int(answer)
     correct = pred == ans
     accuracy = 1.0 if correct else 0.5 * max(0.0, 1.0 - abs(pred - ans) / 10.0)
-    conciseness = len(m.group()) / len(text)
+    conciseness = min(1.0, len(answer) / len(text))
     return {"score": 0.1 + 0.9 * accuracy * (0.5 + 0.5 * conciseness), "acc": float(correct)}
 
 

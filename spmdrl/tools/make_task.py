@@ -24,7 +24,7 @@ from spmdrl.tools.tiny_model import cache_dir
 DEFAULT_TRAIN_SIZE = 8192
 DEFAULT_VAL_SIZE = 128
 # Bump when a generator or the default sizes change, so stale cached files are not reused.
-BUILTIN_DATA_VERSION = 1
+BUILTIN_DATA_VERSION = 2
 SPLITS = ("train", "val")
 
 

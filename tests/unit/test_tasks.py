@@ -23,7 +23,10 @@ def test_arith_rows_follow_verl_layout_and_are_reproducible() -> None:
         a, b, op = info["a"], info["b"], info["op"]
         assert r["prompt"][0]["content"] == f"What is {a} {op} {b}?"
         ans = a + b if op == "+" else a - b
+        assert 0 <= min(a, b) and max(a, b) <= 9
         assert 0 <= ans <= 9 and r["reward_model"] == {"style": "rule", "ground_truth": str(ans)}
+    answers = [int(r["reward_model"]["ground_truth"]) for r in tasks.generate_arith("train", 2000, seed=0)]
+    assert max(answers.count(d) for d in range(10)) < 0.13 * len(answers)  # near uniform: no constant guess wins
 
 
 @pytest.mark.parametrize(
@@ -33,9 +36,12 @@ def test_arith_rows_follow_verl_layout_and_are_reproducible() -> None:
         ("7<|im_end|>", 1.0),  # special token text left in by the decoder does not count as junk
         (" 7\n", 1.0),
         ("x7", 0.1 + 0.9 * 1.0 * (0.5 + 0.5 * 1 / 2)),  # right digit, half the text is junk
+        ("7 and more", 0.1 + 0.9 * 1.0 * (0.5 + 0.5 * 1 / 10)),
         ("8", 0.1 + 0.9 * 0.45),  # off by one, concise
         ("2", 0.1 + 0.9 * 0.25),  # off by five, concise
-        ("17", 0.1),  # wrong by 10: only the format credit
+        ("5 is it", 0.1 + 0.9 * 0.4 * (0.5 + 0.5 * 1 / 7)),
+        ("17 apples", 0.1),  # the first integer is 17, off by ten: format credit only
+        ("5555555555555555", 0.1),  # a long digit run is neither close nor concise
         ("the answer", 0.0),  # no integer at all
         ("", 0.0),
     ],
