@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits
 from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, TrainEngine
 from spmdrl.engines.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
@@ -90,19 +91,6 @@ class ValueModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # [n, P+R, H]
         return self.score(hidden[:, -values_to_keep:]).squeeze(-1)  # [n, values_to_keep]
-
-
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[token] without materialising the full log-softmax: gather − logsumexp.
-
-    logits [n, R, V] float32, tokens [n, R] → [n, R]
-    """
-    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(z) − Σ softmax(z)·z, stable for large logits. logits [n, R, V] → [n, R]."""
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
 class FSDP2Engine(TrainEngine):

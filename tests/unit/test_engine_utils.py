@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from spmdrl.engines import engine_class
-from spmdrl.engines.fsdp2 import entropy_from_logits, logprobs_from_logits
+from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits
 from spmdrl.engines.weights import (
     WarmupSchedule,
     build_optimizer,
