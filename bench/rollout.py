@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.vllm_python:
         engines.append(("vllm", args.vllm_python))
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    if args.threads:  # vLLM reads its thread count from the environment
+        env["OMP_NUM_THREADS"] = str(args.threads)
     load0 = os.getloadavg()
     results: dict[tuple, dict] = {}
     for model, path in paths.items():
@@ -214,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"# running {engine} on {model} {dt} ({len(cells)} cells)", file=sys.stderr, flush=True)
                 for r in run_worker(python, spec, env):
                     results[(model, dt, r["batch"], r["n"], r["new_tokens"], engine)] = r
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)  # the GEMM rate is measured with the engines' thread count
     limits = {}
     for model, path in paths.items():
         for rows in sorted({min(c["batch"] * c["n"], args.max_num_seqs) for c in cells}):

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# oneDNN linear on a prepacked weight (bound once: resolving torch.ops per call costs time per step).
+_PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Checkpoint entries that are derived buffers, not weights (old Llama checkpoints ship them).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -394,7 +396,7 @@ class Decoder:
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+            return _PACKED_LINEAR(x, w, b, "none", [], "")
         return F.linear(x, w, b)
 
     # ---- loading ---------------------------------------------------------------------------------
@@ -431,17 +433,18 @@ class Decoder:
         c = self.cfg
         H, K, D = c.num_heads, c.num_kv_heads, c.head_dim
         qkv = self._linear(self._rms(x, L.ln1), L.qkv, L.qkv_b).unflatten(-1, (H + 2 * K, D))
-        qk, v = qkv[..., :H + K, :], qkv[..., H + K:, :]
+        qk, v = qkv.split((H + K, K), -2)
         if c.qk_norm:
-            qk = torch.cat([self._rms(qk[..., :H, :], L.q_norm), self._rms(qk[..., H:, :], L.k_norm)], -2)
+            q, k = qk.split((H, K), -2)
+            qk = torch.cat([self._rms(q, L.q_norm), self._rms(k, L.k_norm)], -2)
         qk = qk * cos + qk.roll(D // 2, -1) * sin  # one RoPE pass for q and k together
-        return qk[..., :H, :], qk[..., H:, :], v
+        q, k = qk.split((H, K), -2)
+        return q, k, v
 
     def _out_mlp(self, L: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = x + self._linear(attn, L.o, L.o_b)
-        gu = self._linear(self._rms(x, L.ln2), L.gu, L.gu_b)
-        i = self.cfg.intermediate_size
-        return x + self._linear(F.silu(gu[..., :i]) * gu[..., i:], L.down, L.down_b)
+        gate, up = self._linear(self._rms(x, L.ln2), L.gu, L.gu_b).chunk(2, -1)
+        return x + self._linear(F.silu(gate) * up, L.down, L.down_b)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head in fp32: hidden [..., h] -> [..., V]."""
@@ -482,20 +485,22 @@ class Decoder:
         columns past ``col`` are masked by the bias (see KVCache for why).
         """
         c = self.cfg
-        K, D = c.num_kv_heads, c.head_dim
+        L_, K, D = c.num_layers, c.num_kv_heads, c.head_dim
         G, S = c.num_heads // K, cache.k.shape[3]
         cos, sin = cache.cos[pos].unsqueeze(-2), cache.sin[pos].unsqueeze(-2)  # [B, 1, D]
-        bias = cache.bias[:B].unsqueeze(1)  # [B, 1, S] broadcast over the G query heads of each K/V head
+        # [B*K, 1, S]: row b's bias repeated for its K heads, broadcast over their G query heads.
+        bias = cache.bias[:B].repeat_interleave(K, 0).unsqueeze(1)
+        # Per-layer [B*K, S, D] views built with two calls per step instead of several per layer.
+        ks = cache.k[:, :B].view(L_, B * K, S, D).unbind(0)
+        vs = cache.v[:, :B].view(L_, B * K, S, D).unbind(0)
         x = F.embedding(tokens, self.embed)  # [B, h]
-        for li, L in enumerate(self.layers):
+        for L, kc, vc in zip(self.layers, ks, vs):
             q, k, v = self._qkv(L, x, cos, sin)  # [B, H, D], [B, K, D], [B, K, D]
-            kc, vc = cache.k[li, :B], cache.v[li, :B]  # [B, K, S, D]
-            kc[:, :, col] = k
-            vc[:, :, col] = v
-            s = torch.bmm(q.reshape(B * K, G, D), kc.view(B * K, S, D).transpose(1, 2))  # [B*K, G, S]
-            s = torch.add(bias, s.view(B, K * G, S), alpha=self.scale)  # fp32: bias + scale * s in one op
-            p = torch.softmax(s, -1).to(self.dtype).view(B * K, G, S)
-            a = torch.bmm(p, vc.view(B * K, S, D))  # [B*K, G, D]
+            kc[:, col] = k.reshape(B * K, D)
+            vc[:, col] = v.reshape(B * K, D)
+            s = torch.bmm(q.reshape(B * K, G, D), kc.transpose(1, 2))  # [B*K, G, S]
+            p = torch.softmax(torch.add(bias, s, alpha=self.scale), -1).to(self.dtype)  # scores in fp32
+            a = torch.bmm(p, vc)  # [B*K, G, D]
             x = self._out_mlp(L, x, a.view(B, K * G * D))
         return self.logits(x)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from spmdrl.rollout.base import SamplingParams
 
@@ -71,16 +72,31 @@ def sample(
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """One index per row of probs [B, V] (rows need not sum to 1) by inverting the CDF.
+def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None, block: int = 128) -> torch.Tensor:
+    """One index per row of probs [B, V] (rows need not sum to 1) by inverting the CDF in two levels.
 
     One uniform per row instead of torch.multinomial's one exponential per vocabulary
-    entry: measured 2.6 ms -> 0.2 ms per step at [64, 2048] on CPU, and the gap grows
-    with the vocabulary. A zero-probability token is never drawn (its CDF step is empty).
+    entry (2.6 ms -> 0.2 ms per step at [64, 2048] on CPU). The CDF is taken over
+    blocks of ``block`` entries, then inside the chosen block only, because a full
+    [B, V] cumsum is a sequential scan (0.5 ms at [32, 2048], ~10 ms at [64, 150k]).
+    Zero-probability entries are never drawn: u is kept strictly inside the chosen
+    block's mass, so rounding cannot land on an empty CDF step.
     """
-    cdf = probs.cumsum(-1)  # [B, V]
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]  # [B, 1]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    B, V = probs.shape
+    nb = -(-V // block)
+    if nb * block != V:
+        probs = F.pad(probs, (0, nb * block - V))
+    blocks = probs.view(B, nb, block)
+    bsum = blocks.sum(-1)  # [B, nb]
+    bcdf = bsum.cumsum(-1)  # [B, nb]
+    # (1 - 1e-6) keeps u < total even when the product rounds up.
+    u = torch.rand(B, 1, generator=generator, device=probs.device) * (bcdf[:, -1:] * (1 - 1e-6))  # [B, 1]
+    bi = torch.searchsorted(bcdf, u, right=True).clamp_(max=nb - 1)  # [B, 1] chosen block
+    inner = blocks[torch.arange(B, device=probs.device), bi[:, 0]].cumsum(-1)  # [B, block]
+    rest = u - (bcdf.gather(-1, bi) - bsum.gather(-1, bi))  # mass left inside the block
+    rest = torch.minimum(rest.clamp_(min=0), inner[:, -1:] * (1 - 1e-6))
+    j = torch.searchsorted(inner, rest, right=True).clamp_(max=block - 1)  # [B, 1]
+    return (bi * block + j).squeeze(-1)
 
 
 def stop_id_tensor(eos_token_ids: Sequence[int], sampling: SamplingParams, device: torch.device) -> torch.Tensor:
