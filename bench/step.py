@@ -1,0 +1,109 @@
+"""Seconds per GRPO step and tokens/s: spmdrl at world size 1 and 2, colocated sleep/wake on and off, vs TRL.
+
+    python bench/step.py                       # tiny model, 8 prompts x 8 responses x 64 new tokens
+    python bench/step.py --model small --steps 5
+
+Every spmdrl row is a real ``python -m spmdrl.train`` (torchrun for 2 ranks)
+run of configs/grpo.yaml at the same global batch; the figure is the median
+over its steps after the first (warm-up). TRL's GRPOTrainer (``pip install
+trl``; skipped when absent) runs the same model, task and sizes in the same
+invocation, so the ratio column compares like with like on this machine.
+Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def spmdrl_run(model: str, world: int, colocate: bool, a: argparse.Namespace, tmp: Path) -> dict:
+    out = tmp / f"w{world}_c{int(colocate)}"
+    args = [
+        "--config", "configs/grpo.yaml", "--model.path", f"builtin:{model}", "--trainer.total_steps", str(a.steps),
+        "--data.train_batch_size", str(a.prompts), "--actor.ppo_mini_batch_size", str(a.prompts),
+        "--rollout.n", str(a.n), "--data.max_response_length", str(a.new_tokens),
+        "--actor.ppo_micro_batch_size_per_gpu", str(a.prompts * a.n), "--actor.use_kl_loss", "true",
+        "--trainer.colocate", str(colocate).lower(), "--trainer.progress_bar", "false", "--trainer.resume", "off",
+        "--trainer.logger", "[jsonl]", "--trainer.output_dir", str(out), "--rollout.dtype", a.rollout_dtype,
+    ]
+    if world == 1:
+        cmd = [sys.executable, "-m", "spmdrl.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               "-m", "spmdrl.train", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, a.threads // world))}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    rows = [json.loads(l) for l in open(out / "metrics.jsonl")][1:]  # drop the warm-up step
+    step = statistics.median(r["timing/step"] for r in rows)
+    return {
+        "step_s": step,
+        "tok_s": statistics.median(r["perf/tokens_per_s"] for r in rows),
+        "rollout_s": statistics.median(r["timing/rollout"] for r in rows),
+        "update_s": statistics.median(r["timing/update"] for r in rows),
+        "peak_gb": max(r["memory/overall_peak_gb"] for r in rows),
+        "max_phase_gb": max(max(v for k, v in r.items() if k.endswith("_peak_gb") and "overall" not in k
+                                and "rank" not in k) for r in rows),
+    }
+
+
+def trl_run(model_dir: str, data: str, a: argparse.Namespace, tmp: Path) -> dict | None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return None
+    cmd = [sys.executable, str(REPO / "bench" / "trl_grpo.py"), "--model", model_dir, "--data", data,
+           "--steps", str(a.steps), "--prompts", str(a.prompts), "--n", str(a.n), "--new-tokens", str(a.new_tokens),
+           "--out", str(tmp / "trl")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(a.threads)}
+    out = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
+    times = json.loads(out.stdout.strip().splitlines()[-1])["step_s"][1:]
+    return {"step_s": statistics.median(times)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--steps", type=int, default=6, help="steps per run; the first is warm-up")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads per run, split over ranks")
+    p.add_argument("--rollout-dtype", default="float32")
+    p.add_argument("--no-trl", action="store_true")
+    a = p.parse_args()
+
+    from spmdrl.tools.tiny_model import resolve_builtin_model
+    from spmdrl.tools.make_task import resolve_builtin_data
+
+    model_dir = resolve_builtin_model(f"builtin:{a.model}")
+    data = resolve_builtin_data("builtin:arith", "train")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        trl = None if a.no_trl else trl_run(model_dir, data, a, tmp)
+        for world, colocate in ((1, True), (1, False), (2, True), (2, False)):
+            rows.append((world, colocate, spmdrl_run(a.model, world, colocate, a, tmp)))
+    tokens = a.prompts * a.n * a.new_tokens
+    print(f"\nGRPO step, {a.model} model, {a.prompts} prompts x {a.n} responses x {a.new_tokens} new tokens, "
+          f"fp32 training, KL to reference, {a.threads} CPU threads; medians of {a.steps - 1} steps after warm-up\n")
+    print("| runner | ranks | sleep/wake | s/step | gen tok/s | rollout s | update s | peak GB | max phase GB | vs TRL |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    if trl:
+        print(f"| TRL GRPOTrainer | 1 | - | {trl['step_s']:.2f} | {tokens / trl['step_s']:.0f} | | | | | 1.00x |")
+    for world, colocate, r in rows:
+        ratio = f"{trl['step_s'] / r['step_s']:.2f}x" if trl else "-"
+        print(f"| spmdrl | {world} | {'on' if colocate else 'off'} | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} | "
+              f"{r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['peak_gb']:.2f} | {r['max_phase_gb']:.2f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
