@@ -1,0 +1,58 @@
+"""The offline tiny-model kit: a real Hugging Face folder, deterministic per seed, loadable offline."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_folder_loads_offline_with_transformers(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    names = {p.name for p in tiny_model_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert model.config.model_type == "qwen2"
+    assert 4e6 < sum(p.numel() for p in model.parameters()) < 6e6
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text
+    assert tok.convert_ids_to_tokens(tok("12")["input_ids"]) == ["1", "2"]  # digits are single tokens
+    assert GenerationConfig.from_pretrained(tiny_model_dir).eos_token_id == [tok.eos_token_id]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), len(tok)) and torch.isfinite(logits).all()
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
+    from spmdrl.tools.tiny_model import build_model
+
+    a, b, c = (build_model(tmp_path / n, "tiny", seed=s) for n, s in (("a", 3), ("b", 3), ("c", 4)))
+    for f in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (a / f).read_bytes() == (b / f).read_bytes()
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+    assert json.loads((a / "spmdrl_builtin.json").read_text()) == {"size": "tiny", "seed": 3}
+
+
+def test_cli_and_builtin_resolution(tmp_path, monkeypatch):
+    from spmdrl.tools.tiny_model import resolve_builtin_model
+
+    out = subprocess.run([sys.executable, "-m", "spmdrl.tools.tiny_model", "--out", str(tmp_path / "m"), "--seed", "1"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0 and "size=tiny" in out.stdout
+    monkeypatch.setenv("SPMDRL_CACHE", str(tmp_path / "cache"))
+    path = resolve_builtin_model("builtin:tiny")
+    assert Path(path, "config.json").is_file() and path.startswith(str(tmp_path / "cache"))
+    assert resolve_builtin_model("/some/folder") == "/some/folder"
+    with pytest.raises(ValueError, match="valid: builtin:tiny, builtin:small"):
+        resolve_builtin_model("builtin:huge")
