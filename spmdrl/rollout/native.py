@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 SLEEP_TAGS = ("weights", "kv_cache")
 # Cache columns are rounded up to this so calls with slightly different lengths reuse the cache.
 _SEQ_ROUND = 64
+# A chunk's cache view starts this many columns past the prompt and grows by half, in multiples of it.
+_WIDTH_STEP = 16
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
 
 
 def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -202,7 +208,7 @@ class NativeRollout(RolloutEngine):
         c = self.cache
         if c is None or c.rows < rows or c.seq < seq:
             rows = max(rows, c.rows if c is not None else 0)
-            seq = max(-(-seq // _SEQ_ROUND) * _SEQ_ROUND, c.seq if c is not None else 0)
+            seq = max(_round_up(seq, _SEQ_ROUND), c.seq if c is not None else 0)
             self.cache = None  # drop the old one before allocating the new one
             self.cache = KVCache(self.config, rows, seq, self.device, self.dtype)
             self._cache_shape = (rows, seq)
@@ -266,7 +272,10 @@ class NativeRollout(RolloutEngine):
         ids, valid = left_pad(prompts, self.pad_token_id, dev)  # [P, T]
         P, T = ids.shape
         B = P * n
-        kv: KVView = cache.layout(B, T + R)
+        # The view starts narrow and widens as tokens arrive (see KVCache.widen).
+        full = T + R
+        width = min(full, _round_up(T + _WIDTH_STEP, _WIDTH_STEP))
+        kv: KVView = cache.layout(B, width)
         pos = (valid.long().cumsum(-1) - 1).clamp_(min=0)  # RoPE positions count real tokens only
         hidden = self.model.prefill(ids, pos, valid, kv)  # [P, T, h]
         logits = self.model.logits(hidden[:, -1])  # [P, V]
@@ -303,6 +312,9 @@ class NativeRollout(RolloutEngine):
                         t[holes] = t[tail]
                 rows, tokens, next_pos = rows[:B], tokens[:B], next_pos[:B]
             col = T + step  # cache column this step's input token goes to
+            if col >= width:
+                width = min(full, _round_up(max(col + 1, width * 3 // 2), _WIDTH_STEP))
+                kv = cache.widen(kv, width)
             kv.bias[:B, col] = 0.0
             logits = self.model.decode(tokens, next_pos + step, kv, col, B)
             tokens, lp = sample(logits, sampling, self.generator)

@@ -123,9 +123,10 @@ class DecoderConfig:
 def rope_inv_freq(cfg: DecoderConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] (fp32) and the cos/sin scale, per the config's rope type.
 
-    ``dynamic`` (NTK) is computed once for the longest context the model allows,
-    as vLLM does; transformers recomputes it per forward from the current length,
-    so the two agree exactly while sequences stay within max_position_embeddings.
+    ``dynamic`` (NTK) returns the unscaled frequencies; ``rope_tables`` rescales the
+    base once from the table length when the cache is longer than
+    max_position_embeddings. transformers rescales per forward from the current
+    length, so the two agree exactly while sequences stay within max_position_embeddings.
     """
     d, base = cfg.head_dim, cfg.rope_theta
     p = cfg.rope_scaling
@@ -509,10 +510,12 @@ class KVCache:
     """Preallocated K/V storage plus RoPE tables; ``layout`` carves per-chunk views out of it.
 
     The storage is sized once for ``rows x seq``; each generate chunk views its
-    prefix as contiguous [L, B, K, S, D] tensors with exactly the chunk's B and S.
-    Contiguity matters on CPU: bf16 ``bmm`` copies any non-contiguous operand, so
-    decode attends over the whole (masked) width S of a contiguous view, which
-    measured ~2.5x faster than a strided [:, :, :col+1] slice of a wider cache.
+    prefix as contiguous [L, B, K, S, D] tensors with the chunk's B and a width S
+    that grows as tokens arrive (``widen``). Contiguity matters on CPU: bf16 ``bmm``
+    copies any non-contiguous operand, so decode attends over the whole (masked)
+    width of a contiguous view, which measured ~2.5x faster than a strided
+    [:, :, :col+1] slice of a wider cache; widening in steps of 1.5x keeps the
+    masked waste small (12-16% faster decode at 256 new tokens than one full width).
     """
 
     def __init__(self, cfg: DecoderConfig, rows: int, seq: int, device: torch.device, dtype: torch.dtype):
@@ -529,6 +532,24 @@ class KVCache:
         return sum(t.untyped_storage().nbytes() for t in (self.k_flat, self.v_flat, self.bias_flat, self.cos,
                                                            self.sin))
 
+    def widen(self, view: "KVView", width: int) -> "KVView":
+        """The same chunk with ``width`` columns, K/V rows moved in place inside the storage.
+
+        Decode cost grows with the view's width, so the engine starts a chunk with a
+        narrow view and widens it in a few steps (each one copy of the cache) instead
+        of attending over masked columns for the whole run.
+        """
+        L, B, K, W, D = view.k.shape
+        if width <= W:
+            return view
+        for flat in (self.k_flat, self.v_flat):
+            _widen_rows(flat, L * B * K, W, width, D)
+        old_bias = view.bias.clone()
+        new = self.layout(B, width)
+        new.bias[:, :W] = old_bias
+        new.bias[:, W:] = float("-inf")
+        return new
+
     def layout(self, rows: int, seq: int) -> "KVView":
         """Contiguous views for a chunk of ``rows`` sequences of at most ``seq`` tokens."""
         if rows > self.rows or seq > self.seq:
@@ -538,6 +559,25 @@ class KVCache:
         n = math.prod(shape)
         return KVView(self.k_flat[:n].view(shape), self.v_flat[:n].view(shape),
                       self.bias_flat[:rows * seq].view(rows, seq), self.cos, self.sin)
+
+
+def _widen_rows(flat: torch.Tensor, n: int, w: int, w2: int, d: int) -> None:
+    """Move n rows of w*d elements laid at stride w*d to stride w2*d (w2 > w), in place.
+
+    Rows move last first, in blocks [lo, hi) whose destination cannot overlap
+    their own source (lo*w2 >= hi*w); rows below ``lo`` sit lower in memory, so no
+    block overwrites data that is still to be moved. Row 0 stays where it is; the
+    last few rows near the start, too close to move as a block, go through a copy.
+    """
+    hi = n
+    while hi > 1:
+        lo = max(1, -(-hi * w // w2))
+        src = flat[lo * w * d:hi * w * d].view(hi - lo, w, d)
+        if lo == hi:
+            lo = 1
+            src = flat[w * d:hi * w * d].view(hi - 1, w, d).clone()
+        flat[lo * w2 * d:hi * w2 * d].view(hi - lo, w2, d)[:, :w] = src
+        hi = lo
 
 
 @dataclass

@@ -158,9 +158,10 @@ def _hf_logprobs(model, out, temperature: float) -> torch.Tensor:
 def test_sampled_logprobs_match_transformers_with_early_stops(hf_model, tiny_model_dir):
     # Many stop ids make rows finish at different steps, so compaction moves cache rows around;
     # a row whose cache was mixed up would score differently under transformers.
-    stop = list(range(3, 2048, 9))
+    stop = list(range(3, 2048, 31))
     eng = _engine(tiny_model_dir, seed=7)
-    sp = SamplingParams(n=3, max_tokens=20, temperature=0.7, top_p=0.9, top_k=50, stop_token_ids=stop)
+    # 40 new tokens on 10-token prompts also makes the cache view widen twice while rows leave.
+    sp = SamplingParams(n=3, max_tokens=40, temperature=0.7, top_p=0.9, top_k=50, stop_token_ids=stop)
     out = eng.generate(_prompts([6, 2, 10, 4], seed=5), sp)
     assert len(out) == 12 and out.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     lengths = out.response_lengths
@@ -172,7 +173,17 @@ def test_sampled_logprobs_match_transformers_with_early_stops(hf_model, tiny_mod
         resp = out.response_ids[i]
         assert (resp[n:] == PAD).all() and not torch.isin(resp[:n - 1], stop_t).any()
         assert reason == ("stop" if bool(torch.isin(resp[n - 1], stop_t)) else "length")
-        assert reason == "stop" or n == 20
+        assert reason == "stop" or n == 40
+
+
+@pytest.mark.parametrize("n,w,w2", [(2048, 32, 48), (7, 16, 80), (3, 16, 17), (1, 4, 8)])
+def test_widen_rows_in_place(n, w, w2):
+    from spmdrl.rollout.native_model import _widen_rows
+
+    flat = torch.arange(n * w2 * 3 + 5, dtype=torch.float32)
+    want = flat[:n * w * 3].view(n, w, 3).clone()
+    _widen_rows(flat, n, w, w2, 3)
+    assert torch.equal(flat[:n * w2 * 3].view(n, w2, 3)[:, :w], want)
 
 
 def test_seeded_runs_reproduce_and_differ(tiny_model_dir):
