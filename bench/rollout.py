@@ -84,7 +84,9 @@ class _VllmRunner:
 
     def __init__(self, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        # vLLM preallocates this many GiB of KV cache up front (it counts in its RSS); 1 GiB holds
+        # every cell of the default grid.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
@@ -165,8 +167,8 @@ def run_worker(python: str, spec: dict, env: dict) -> list[dict]:
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        print(f"# {spec['engine']} on {spec['model']} {spec['dtype']} failed (exit {proc.returncode}):\n{tail}",
-              file=sys.stderr)
+        print(f"# {spec['engine']} on {spec['model']} {spec['dtype']} failed "
+              f"(exit {proc.returncode}):\n{tail}", file=sys.stderr)
     return rows
 
 
@@ -188,8 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is printed)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--max-num-seqs", type=int, default=256, help="rows decoded at once (engines chunk above it)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per engine process (0: torch default)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="rows decoded at once (engines chunk above it)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per engine process and OMP_NUM_THREADS for vllm (0: their defaults)")
     p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: adds the vllm engine")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -235,8 +239,8 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
           f"{args.threads or torch.get_num_threads()}, prompt {args.prompt_len} tokens, temperature 1, "
           f"median of {args.repeats} after {args.warmup} warm-up, max_num_seqs {args.max_num_seqs}; "
           f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end")
-    hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<7} {'tok/s':>8} {'TTFT ms':>8} "
-           f"{'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5}  bf16 GEMM GFLOP/s")
+    hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<7} {'tok/s':>8} "
+           f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5}  bf16 GEMM GFLOP/s")
     print(hdr)
     print("-" * len(hdr))
     for model in paths:

@@ -19,7 +19,7 @@ import torch
 
 from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from spmdrl.rollout.native import SLEEP_TAGS, as_dtype, eos_ids_from_folder, left_pad, rollout_dp_rank
-from spmdrl.rollout.native_model import WeightStore
+from spmdrl.rollout.weight_store import WeightStore
 from spmdrl.rollout.sampling import response_mask_and_reasons, stop_id_tensor, validate_sampling
 
 if TYPE_CHECKING:
@@ -57,8 +57,10 @@ class HFRollout(RolloutEngine):
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
         kw = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, **kw).to(self.device).eval()
-        self.model.generation_config = GenerationConfig(pad_token_id=pad_token_id, eos_token_id=self.eos_token_ids)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, **kw)
+        self.model = model.to(self.device).eval()
+        self.model.generation_config = GenerationConfig(pad_token_id=pad_token_id,
+                                                        eos_token_id=self.eos_token_ids)
         self.generator = torch.Generator().manual_seed(seed + self.dp_rank)
         # Every parameter name (tied ones included) maps to a detached alias of its storage.
         bases, slots, optional, seen = [], {}, [], {}
@@ -139,7 +141,8 @@ class HFRollout(RolloutEngine):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids, attention_mask=valid.long(), max_new_tokens=R, min_new_tokens=0,
-                num_return_sequences=sampling.n, eos_token_id=stop_ids.tolist(), pad_token_id=self.pad_token_id,
+                num_return_sequences=sampling.n, eos_token_id=stop_ids.tolist(),
+                pad_token_id=self.pad_token_id,
                 output_logits=True, return_dict_in_generate=True, **kw)
         resp = out.sequences[:, ids.shape[1]:].cpu()  # [P*n, R'] with R' <= R when all rows stopped early
         logits = torch.stack(out.logits, 1).float().cpu()  # [P*n, R', V] raw logits

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 import torch
 
 from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
-from spmdrl.rollout.native_model import Decoder, DecoderConfig, KVCache, KVView, can_prepack
+from spmdrl.rollout.native_cache import KVCache, KVView
+from spmdrl.rollout.native_model import Decoder, DecoderConfig, can_prepack
 from spmdrl.rollout.sampling import sample, stop_id_tensor, validate_sampling
 
 if TYPE_CHECKING:
@@ -49,8 +50,8 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """Accept a torch dtype or its config spelling ("float32", "bfloat16", "float16", "bf16", "fp32")."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype not in names:
         raise ValueError(f"rollout dtype {dtype!r} is not valid; valid: {', '.join(names)}")
     return names[dtype]
@@ -210,7 +211,7 @@ class NativeRollout(RolloutEngine):
             rows = max(rows, c.rows if c is not None else 0)
             seq = max(_round_up(seq, _SEQ_ROUND), c.seq if c is not None else 0)
             self.cache = None  # drop the old one before allocating the new one
-            self.cache = KVCache(self.config, rows, seq, self.device, self.dtype)
+            self.cache = self.model.new_cache(rows, seq)
             self._cache_shape = (rows, seq)
         return self.cache
 
@@ -231,7 +232,8 @@ class NativeRollout(RolloutEngine):
         n, R = sampling.n, sampling.max_tokens
         P_all = max(len(p) for p in prompts)
         if self.max_model_len is not None and P_all + R > self.max_model_len:
-            raise ValueError(f"prompt ({P_all}) + max_tokens ({R}) exceeds max_model_len={self.max_model_len}")
+            raise ValueError(f"native rollout: prompt ({P_all}) + max_tokens ({R}) exceeds "
+                             f"max_model_len={self.max_model_len}")
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed + self.dp_rank)
         if self.prepack and not self.model.packed:

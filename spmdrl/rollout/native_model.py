@@ -1,4 +1,4 @@
-"""The native rollout engine's decoder: Llama / Qwen2 / Qwen3 as plain tensors, built from an HF ``config.json``.
+"""The native rollout engine's decoder: Llama / Qwen2 / Qwen3 as plain tensors, from an HF ``config.json``.
 
 No ``nn.Module``: the engine only runs inference, and a handful of fused tensors
 keeps per-step Python overhead low on CPU. Layout decisions, each for speed:
@@ -8,8 +8,8 @@ keeps per-step Python overhead low on CPU. Layout decisions, each for speed:
 - All weights are views into ONE flat buffer (``WeightStore``), so sleep/wake frees,
   offloads or restores a single storage while every view stays valid, and
   ``update_weights`` is an in-place ``copy_`` into a view: no reallocation.
-- The KV cache is one contiguous ``[L, rows, kv_heads, seq, head_dim]`` tensor per
-  K and V; rows can be moved in one indexed copy for all layers at once.
+- The KV cache (native_cache.py) is one contiguous ``[L, rows, kv_heads, seq, head_dim]``
+  view per K and V; rows can be moved in one indexed copy for all layers at once.
 
 Numerics follow transformers (RMSNorm in fp32, RoPE tables built in fp32 and cast
 to the weight dtype, softmax in fp32) so fp32 logits agree to ~1e-6.
@@ -21,17 +21,18 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+
+from spmdrl.rollout.native_cache import KVCache, KVView
+from spmdrl.rollout.weight_store import WeightStore
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # oneDNN linear on a prepacked weight (bound once: resolving torch.ops per call costs time per step).
 _PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-# Checkpoint entries that are derived buffers, not weights (old Llama checkpoints ship them).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass(frozen=True)
@@ -192,84 +193,6 @@ def rope_tables(cfg: DecoderConfig, length: int, device: torch.device, dtype: to
     return cos.to(device, dtype), sin.to(device, dtype)
 
 
-class WeightStore:
-    """Named views into a few base tensors: in-place loading and storage-level sleep/wake.
-
-    ``slots`` maps each HF parameter name to the view it is copied into.
-    Freeing resizes the base storages to 0 bytes; every view keeps pointing at the
-    same storage, so re-materialising (resize back) and copying in new values makes
-    them valid again without rebuilding anything.
-    """
-
-    def __init__(self, bases: list[torch.Tensor], slots: dict[str, torch.Tensor], optional: Iterable[str] = ()):
-        self.bases = bases
-        self.slots = slots
-        self.optional = set(optional)  # names a stream may omit (a tied lm_head)
-        self._nbytes = [b.untyped_storage().nbytes() for b in bases]
-        self._offloaded: Optional[list[torch.Tensor]] = None
-
-    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str = "update_weights") -> int:
-        """Copy each (hf_name, tensor) into its slot; raise on unknown, mis-shaped or missing names."""
-        if not self.materialized:
-            raise RuntimeError(f"{source}: weights are freed (sleep level 2); call wake_up(('weights',)) first")
-        seen: set[str] = set()
-        for name, t in named_tensors:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            dst = self.slots.get(name)
-            if dst is None:
-                raise KeyError(f"{source}: unknown weight {name!r} for this model "
-                               f"(expected HF names such as {next(iter(self.slots))!r})")
-            if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(f"{source}: weight {name!r} has shape {tuple(t.shape)}, "
-                                 f"the model expects {tuple(dst.shape)}")
-            dst.copy_(t.detach())
-            seen.add(name)
-        missing = sorted(set(self.slots) - seen - self.optional)
-        if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ValueError(f"{source}: the stream did not contain {', '.join(missing[:5])}{more}")
-        return len(seen)
-
-    @property
-    def materialized(self) -> bool:
-        return all(b.untyped_storage().nbytes() == n for b, n in zip(self.bases, self._nbytes))
-
-    def nbytes(self) -> int:
-        """Bytes of storage these weights hold right now (on any device, CPU copies included)."""
-        off = sum(t.untyped_storage().nbytes() for t in self._offloaded or [])
-        return sum(b.untyped_storage().nbytes() for b in self.bases) + off
-
-    def free(self) -> None:
-        self._offloaded = None
-        for b in self.bases:
-            b.untyped_storage().resize_(0)
-
-    def materialize(self) -> None:
-        """Give the bases their storage back; contents are undefined until loaded or onloaded."""
-        for b, n in zip(self.bases, self._nbytes):
-            if b.untyped_storage().nbytes() != n:
-                b.untyped_storage().resize_(n)
-
-    def offload(self) -> None:
-        """Copy to CPU and free the device storage (only meaningful off-CPU)."""
-        if self.bases[0].device.type == "cpu" or not self.materialized:
-            return
-        pin = torch.cuda.is_available()
-        self._offloaded = [b.detach().to("cpu", copy=True).pin_memory() if pin else b.detach().cpu()
-                           for b in self.bases]
-        for b in self.bases:
-            b.untyped_storage().resize_(0)
-
-    def onload(self) -> None:
-        if self._offloaded is None:
-            return
-        self.materialize()
-        for b, c in zip(self.bases, self._offloaded):
-            b.copy_(c, non_blocking=False)
-        self._offloaded = None
-
-
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN weight prepacking is available for this device and dtype (x86 CPU builds)."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
@@ -300,7 +223,8 @@ class Layer:
 class Decoder:
     """Inference-only decoder with a caller-owned KV cache (see ``KVCache``)."""
 
-    def __init__(self, cfg: DecoderConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: DecoderConfig, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         c = cfg
         h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
@@ -343,9 +267,10 @@ class Decoder:
             p = f"model.layers.{li}."
             g = lambda k: t.get(p + k)  # noqa: E731
             L = Layer(g("input_layernorm.weight"), g("self_attn.qkv.weight"), g("self_attn.qkv.bias"),
-                      g("self_attn.q_norm.weight"), g("self_attn.k_norm.weight"), g("self_attn.o_proj.weight"),
-                      g("self_attn.o_proj.bias"), g("post_attention_layernorm.weight"), g("mlp.gate_up.weight"),
-                      g("mlp.gate_up.bias"), g("mlp.down_proj.weight"), g("mlp.down_proj.bias"))
+                      g("self_attn.q_norm.weight"), g("self_attn.k_norm.weight"),
+                      g("self_attn.o_proj.weight"), g("self_attn.o_proj.bias"),
+                      g("post_attention_layernorm.weight"), g("mlp.gate_up.weight"), g("mlp.gate_up.bias"),
+                      g("mlp.down_proj.weight"), g("mlp.down_proj.bias"))
             self.layers.append(L)
             # update_weights copies each HF tensor into its rows of the fused matrix.
             for kind, fused in (("weight", L.qkv_w), ("bias", L.qkv_b)):
@@ -414,11 +339,18 @@ class Decoder:
         elif (path / "model.safetensors").exists():
             files = ["model.safetensors"]
         else:
-            raise FileNotFoundError(f"native rollout: no model.safetensors or model.safetensors.index.json in {path}")
+            raise FileNotFoundError(
+                f"native rollout: no model.safetensors or model.safetensors.index.json in {path}")
         for fname in files:
             with safe_open(str(path / fname), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
+
+    def new_cache(self, rows: int, seq: int) -> KVCache:
+        """A zeroed KV cache for ``rows`` sequences of ``seq`` tokens, with RoPE tables for ``seq``."""
+        c = self.cfg
+        cos, sin = rope_tables(c, seq, self.device, self.dtype)
+        return KVCache((c.num_layers, rows, c.num_kv_heads, seq, c.head_dim), cos, sin)
 
     # ---- forward ---------------------------------------------------------------------------------
 
@@ -430,7 +362,7 @@ class Decoder:
 
     def _qkv(self, L: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., h] -> q [..., H, D], k [..., K, D], v [..., K, D] with RoPE applied (cos/sin [..., 1, D])."""
+        """x [..., h] -> q [..., H, D], k [..., K, D], v [..., K, D], RoPE applied (cos/sin [..., 1, D])."""
         c = self.cfg
         H, K, D = c.num_heads, c.num_kv_heads, c.head_dim
         qkv = self._linear(self._rms(x, L.ln1), L.qkv, L.qkv_b).unflatten(-1, (H + 2 * K, D))
@@ -452,7 +384,7 @@ class Decoder:
         return self._linear(self._rms(hidden, self.norm), self.head).float()
 
     def prefill(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
-                cache: Optional["KVView"] = None) -> torch.Tensor:
+                cache: Optional[KVView] = None) -> torch.Tensor:
         """Run left-padded prompts; write K/V into cache rows [0, B) columns [0, T). Returns hidden [B, T, h].
 
         ids, pos [B, T] int64, valid [B, T] bool (False on padding). Padding
@@ -476,7 +408,7 @@ class Decoder:
             x = self._out_mlp(L, x, a.transpose(1, 2).flatten(2))
         return x
 
-    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: "KVView", col: int, B: int
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVView, col: int, B: int
                ) -> torch.Tensor:
         """One token for each of the first B rows: tokens, pos [B]; K/V written at column ``col``.
 
@@ -504,94 +436,3 @@ class Decoder:
             a = torch.bmm(p, vc)  # [B*K, G, D]
             x = self._out_mlp(L, x, a.view(B, K * G * D))
         return self.logits(x)
-
-
-class KVCache:
-    """Preallocated K/V storage plus RoPE tables; ``layout`` carves per-chunk views out of it.
-
-    The storage is sized once for ``rows x seq``; each generate chunk views its
-    prefix as contiguous [L, B, K, S, D] tensors with the chunk's B and a width S
-    that grows as tokens arrive (``widen``). Contiguity matters on CPU: bf16 ``bmm``
-    copies any non-contiguous operand, so decode attends over the whole (masked)
-    width of a contiguous view, which measured ~2.5x faster than a strided
-    [:, :, :col+1] slice of a wider cache; widening in steps of 1.5x keeps the
-    masked waste small (12-16% faster decode at 256 new tokens than one full width).
-    """
-
-    def __init__(self, cfg: DecoderConfig, rows: int, seq: int, device: torch.device, dtype: torch.dtype):
-        self.cfg, self.rows, self.seq = cfg, rows, seq
-        n = cfg.num_layers * rows * cfg.num_kv_heads * seq * cfg.head_dim
-        # Zeros, not empty: decode multiplies unwritten columns by a 0 probability, and 0 * NaN
-        # garbage would be NaN. Later chunks only ever leave finite K/V behind.
-        self.k_flat = torch.zeros(n, device=device, dtype=dtype)
-        self.v_flat = torch.zeros(n, device=device, dtype=dtype)
-        self.bias_flat = torch.empty(rows * seq, device=device, dtype=torch.float32)
-        self.cos, self.sin = rope_tables(cfg, seq, device, dtype)  # [seq, D]
-
-    def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in (self.k_flat, self.v_flat, self.bias_flat, self.cos,
-                                                           self.sin))
-
-    def widen(self, view: "KVView", width: int) -> "KVView":
-        """The same chunk with ``width`` columns, K/V rows moved in place inside the storage.
-
-        Decode cost grows with the view's width, so the engine starts a chunk with a
-        narrow view and widens it in a few steps (each one copy of the cache) instead
-        of attending over masked columns for the whole run.
-        """
-        L, B, K, W, D = view.k.shape
-        if width <= W:
-            return view
-        for flat in (self.k_flat, self.v_flat):
-            _widen_rows(flat, L * B * K, W, width, D)
-        old_bias = view.bias.clone()
-        new = self.layout(B, width)
-        new.bias[:, :W] = old_bias
-        new.bias[:, W:] = float("-inf")
-        return new
-
-    def layout(self, rows: int, seq: int) -> "KVView":
-        """Contiguous views for a chunk of ``rows`` sequences of at most ``seq`` tokens."""
-        if rows > self.rows or seq > self.seq:
-            raise ValueError(f"KV cache of {self.rows}x{self.seq} cannot hold {rows}x{seq}")
-        c = self.cfg
-        shape = (c.num_layers, rows, c.num_kv_heads, seq, c.head_dim)
-        n = math.prod(shape)
-        return KVView(self.k_flat[:n].view(shape), self.v_flat[:n].view(shape),
-                      self.bias_flat[:rows * seq].view(rows, seq), self.cos, self.sin)
-
-
-def _widen_rows(flat: torch.Tensor, n: int, w: int, w2: int, d: int) -> None:
-    """Move n rows of w*d elements laid at stride w*d to stride w2*d (w2 > w), in place.
-
-    Rows move last first, in blocks [lo, hi) whose destination cannot overlap
-    their own source (lo*w2 >= hi*w); rows below ``lo`` sit lower in memory, so no
-    block overwrites data that is still to be moved. Row 0 stays where it is; the
-    last few rows near the start, too close to move as a block, go through a copy.
-    """
-    hi = n
-    while hi > 1:
-        lo = max(1, -(-hi * w // w2))
-        src = flat[lo * w * d:hi * w * d].view(hi - lo, w, d)
-        if lo == hi:
-            lo = 1
-            src = flat[w * d:hi * w * d].view(hi - 1, w, d).clone()
-        flat[lo * w2 * d:hi * w2 * d].view(hi - lo, w2, d)[:, :w] = src
-        hi = lo
-
-
-@dataclass
-class KVView:
-    """One chunk's cache: row r of every tensor belongs to the same sequence."""
-
-    k: torch.Tensor  # [L, B, K, S, D]
-    v: torch.Tensor  # [L, B, K, S, D]
-    bias: torch.Tensor  # [B, S] float32: 0 on columns a row may attend to, -inf elsewhere
-    cos: torch.Tensor  # [>=S, D] RoPE tables by position
-    sin: torch.Tensor
-
-    def move_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy rows ``src`` to rows ``dst``, all layers in one op per tensor."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
-        self.bias[dst] = self.bias[src]

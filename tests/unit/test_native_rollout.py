@@ -178,7 +178,7 @@ def test_sampled_logprobs_match_transformers_with_early_stops(hf_model, tiny_mod
 
 @pytest.mark.parametrize("n,w,w2", [(2048, 32, 48), (7, 16, 80), (3, 16, 17), (1, 4, 8)])
 def test_widen_rows_in_place(n, w, w2):
-    from spmdrl.rollout.native_model import _widen_rows
+    from spmdrl.rollout.native_cache import _widen_rows
 
     flat = torch.arange(n * w2 * 3 + 5, dtype=torch.float32)
     want = flat[:n * w * 3].view(n, w, 3).clone()
