@@ -235,29 +235,33 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
     import torch
 
     load1 = os.getloadavg()
-    print(f"\nrollout benchmark: torch {torch.__version__}, {os.cpu_count()} cores, torch threads "
-          f"{args.threads or torch.get_num_threads()}, prompt {args.prompt_len} tokens, temperature 1, "
-          f"median of {args.repeats} after {args.warmup} warm-up, max_num_seqs {args.max_num_seqs}; "
-          f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end")
+    threads = args.threads or f"{torch.get_num_threads()} (vllm: its own default)"
+    print(f"\nrollout benchmark: torch {torch.__version__}, {os.cpu_count()} cores, threads {threads}, "
+          f"prompt {args.prompt_len} tokens, temperature 1, median of {args.repeats} after {args.warmup} "
+          f"warm-up, max_num_seqs {args.max_num_seqs}; load average {load0[0]:.1f} at start, "
+          f"{load1[0]:.1f} at end")
     hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<7} {'tok/s':>8} "
-           f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5}  bf16 GEMM GFLOP/s")
+           f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5} {'x vllm':>6}  bf16 GFLOP/s")
     print(hdr)
     print("-" * len(hdr))
+
+    def ratio(r: dict, base: dict | None, width: int) -> str:
+        return f"{r['tok_s'] / base['tok_s']:{width}.2f}" if base else " " * (width - 1) + "-"
+
     for model in paths:
         for dt in args.dtype:
             for c in cells:
                 rows = min(c["batch"] * c["n"], args.max_num_seqs)
                 gflops, limit = limits[(model, rows)]
                 key = (model, dt, c["batch"], c["n"], c["new_tokens"])
-                hf = results.get(key + ("hf",))
+                hf, vllm = results.get(key + ("hf",)), results.get(key + ("vllm",))
                 for e in engines:
                     r = results.get(key + (e,))
                     if r is None:
                         continue
-                    ratio = f"{r['tok_s'] / hf['tok_s']:5.2f}" if hf else "    -"
                     print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<7} "
                           f"{r['tok_s']:>8.0f} {r['ttft_ms']:>8.1f} {r['rss_mb']:>7.0f} {limit:>7.0f} "
-                          f"{100 * r['tok_s'] / limit:>4.0f}% {ratio}  {gflops:.0f}")
+                          f"{100 * r['tok_s'] / limit:>4.0f}% {ratio(r, hf, 5)} {ratio(r, vllm, 6)}  {gflops:.0f}")
 
 
 if __name__ == "__main__":
