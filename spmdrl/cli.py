@@ -208,7 +208,10 @@ def validate(cfg: Config, world_size: int) -> None:
         )
         _check(Path(path).is_file(), f"reward.function names the file {path!r}, which does not exist")
     if t.resume not in ("auto", "off"):
-        _check(Path(t.resume).is_dir(), f"trainer.resume is {t.resume!r}, which is not a folder; use auto, off or a checkpoint folder")
+        from spmdrl.checkpoint import resolve_resume
+
+        # A missing, incomplete (*.tmp, no manifest) or unreadable checkpoint fails here, before any work.
+        resolve_resume(t.resume, output_dir(cfg))
 
 
 def exit_with(err: BaseException, debug: bool) -> None:

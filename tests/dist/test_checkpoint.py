@@ -1,0 +1,256 @@
+"""Checkpointer on gloo: 2-rank save -> 1-rank resume, keep_last, atomicity, bad checkpoints, export.
+
+Two spawns serve every test: a 2-rank run that trains the tiny actor and saves
+steps 1..3 (keep_last 2), and a 1-rank run that resumes it (another world
+size) and then tries every kind of bad checkpoint. The tests compare what they
+returned; the export test loads the saved checkpoint in this process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from dist_utils import spawn
+from test_fsdp2 import N, make_batch, pg_loss
+
+pytestmark = pytest.mark.dist
+
+
+class Position:
+    """Stands in for the prompt loader: only its resumable position matters here."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
+    """The parts of ``loop.Run`` the Checkpointer touches, around a real FSDP2 actor."""
+    from transformers import AutoTokenizer
+
+    import torch.distributed as dist
+
+    from spmdrl.algos.kl import build_kl_controller
+    from spmdrl.config import Config
+    from spmdrl.engines.fsdp2 import FSDP2Engine
+    from spmdrl.parallel import ParallelDims
+
+    cfg = Config()
+    cfg.model.path = model_dir
+    for key, value in {"save_freq": 1, "keep_last": 2, **trainer}.items():
+        setattr(cfg.trainer, key, value)
+    dims = ParallelDims(dist.get_world_size()).build()
+    actor = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", lr=1e-3, seed=0)
+    return SimpleNamespace(
+        cfg=cfg, device=torch.device("cpu"), rank=dist.get_rank(), out_dir=Path(out),
+        tokenizer=AutoTokenizer.from_pretrained(model_dir), train_loader=Position(),
+        rollout=SimpleNamespace(generator=torch.Generator().manual_seed(100 + seed + dist.get_rank())),
+        actor=actor, critic=None, kl_ctrl=build_kl_controller("adaptive", 0.1, 0.05, 100), total_steps=10,
+        step=0, rollout_in_sync=True, extra_state={},
+    )
+
+
+def digest(t: torch.Tensor) -> str:
+    """Bitwise identity of a tensor in a few bytes (whole tensors would clog the result pipe)."""
+    data = t.detach().contiguous().numpy().tobytes()
+    return f"{t.dtype}{list(t.shape)}:{hashlib.sha256(data).hexdigest()}"
+
+
+def _params(engine) -> dict[str, str]:
+    return {k: digest(v) for k, v in engine.export_weights()}
+
+
+def _optim(engine) -> dict[str, str]:
+    out = {}
+    for name, p in engine.model.named_parameters():
+        for key, v in engine.optimizer.state[p].items():
+            out[f"{name}/{key}"] = digest(v.full_tensor() if hasattr(v, "full_tensor") else v)
+    return out
+
+
+def _save_steps(rank: int, world: int, model_dir: str, out: str) -> dict:
+    from spmdrl.checkpoint import Checkpointer
+
+    r = _run(model_dir, out)
+    ckpt = Checkpointer(r, install_signal_handlers=False)
+    fresh = ckpt.resume()
+    batch = make_batch(2048)
+    mine = batch.select(slice(rank * N // world, (rank + 1) * N // world))
+    for step in (1, 2, 3):
+        r.actor.train_step(mine, pg_loss, mini_batch_size=N // world, micro_batch_size=4)
+        r.kl_ctrl.update(0.2, n_steps=8)
+        torch.rand(3, generator=r.rollout.generator)  # the rollout's draws of this step
+        r.step, r.train_loader.position = step, step
+        ckpt.save(step)
+    logp = r.actor.forward_no_grad(mine, micro_batch_size=4)["logp"]
+    root = Path(out) / "checkpoints"
+    return {
+        "fresh": fresh, "listing": sorted(p.name for p in root.iterdir()),
+        "latest": (root / "latest").read_text(), "params": _params(r.actor), "optim": _optim(r.actor),
+        "sched": r.actor.scheduler.state_dict()["last_epoch"], "kl": r.kl_ctrl.value, "logp": logp.numpy(),
+    }
+
+
+def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, other_model: str,
+                           bad: dict) -> dict:
+    from spmdrl.checkpoint import Checkpointer
+    from spmdrl.cli import ConfigError
+
+    r = _run(model_dir, out, seed=7)
+    ckpt = Checkpointer(r, install_signal_handlers=False)
+    path = ckpt.resume()  # auto: newest complete, on a world size other than the one that saved
+    result = {
+        "path": str(path), "step": r.step, "position": r.train_loader.position, "kl": r.kl_ctrl.value,
+        "in_sync": r.rollout_in_sync, "params": _params(r.actor), "optim": _optim(r.actor),
+        "sched": r.actor.scheduler.state_dict()["last_epoch"], "engine_step": r.actor.global_step,
+        "errors": {},
+    }
+    cases = dict(bad)
+    other = _run(other_model, out)
+    for name, spec in cases.items():
+        target = other if name == "incompatible" else _run(model_dir, out)
+        target.cfg.trainer.resume = spec
+        try:
+            Checkpointer(target, install_signal_handlers=False).resume()
+            result["errors"][name] = None
+        except ConfigError as err:
+            result["errors"][name] = str(err)
+    return result
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+def _bad_copies(ckpt: Path, base: Path) -> dict[str, str]:
+    """Broken copies of a good checkpoint (hard links for the unchanged files)."""
+
+    def copy(name: str) -> Path:
+        dst = base / name / "global_step_3"
+        shutil.copytree(ckpt, dst, copy_function=os.link)
+        return dst
+
+    def rewrite(path: Path, data: bytes) -> None:
+        path.unlink()  # a fresh inode: the good checkpoint shares the old one
+        path.write_bytes(data)
+
+    truncated = copy("truncated")
+    shard = truncated / "actor" / "__1_0.distcp"
+    rewrite(shard, shard.read_bytes()[: shard.stat().st_size // 2])
+    manifest = copy("bad_manifest") / "manifest.json"
+    rewrite(manifest, manifest.read_bytes()[:-10])
+    metadata = copy("bad_metadata") / "actor" / ".metadata"  # same size, not DCP metadata: refused unpickling
+    evil = b"cos\nsystem\n(S'true'\ntR."  # pickle for os.system("true"): must be refused, not run
+    rewrite(metadata, evil + b"." * (metadata.stat().st_size - len(evil)))
+    no_manifest = copy("no_manifest")
+    (no_manifest / "manifest.json").unlink()
+    tmp = copy("tmp").with_name("global_step_3.tmp")
+    os.rename(tmp.with_name("global_step_3"), tmp)
+    return {
+        "missing": str(base / "nowhere"), "truncated": str(truncated), "bad_manifest": str(manifest.parent),
+        "bad_metadata": str(metadata.parent.parent), "no_manifest": str(no_manifest), "tmp": str(tmp),
+        "incompatible": str(ckpt),
+    }
+
+
+def _other_model(tiny: Path, out: Path) -> str:
+    """The tiny model with a narrower MLP: same names, other shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny)
+    config.intermediate_size = 512
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for f in tiny.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("generation_config.json", "chat_template.jinja"):
+            shutil.copyfile(f, out / f.name)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("checkpoint")
+    out = base / "run"
+    saved = spawn(_save_steps, 2, str(tiny_model_dir), str(out))
+    root = out / "checkpoints"
+    # Leftovers a resume must ignore: a killed save (.tmp, even with a manifest) and an unrenamed folder.
+    shutil.copytree(root / "global_step_3", root / "global_step_9.tmp")
+    (root / "global_step_8").mkdir()
+    bad = _bad_copies(root / "global_step_3", base / "bad")
+    before = _tree(base)
+    resumed = spawn(_resume_and_bad_inputs, 1, str(tiny_model_dir), str(out),
+                    _other_model(tiny_model_dir, base / "other"), bad)[0]
+    after = _tree(base)
+    changed = sorted(k for k in before if k.startswith("bad/") and after.get(k) != before[k])
+    return {"saved": saved, "resumed": resumed, "root": root, "bad_changed": changed}
+
+
+def test_keep_last_and_latest(results):
+    saved = results["saved"][0]
+    assert saved["fresh"] is None
+    assert saved["listing"] == ["global_step_2", "global_step_3", "latest"]
+    assert saved["latest"].strip() == "global_step_3"
+    manifest = json.loads((results["root"] / "global_step_3" / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["world_size"] == 2 and manifest["roles"] == ["actor"]
+    assert {"rng_rank0.pt", "rng_rank1.pt", "trainer_state.json", "config.yaml"} <= set(manifest["files"])
+
+
+def test_two_rank_save_resumes_on_one_rank_exactly(results):
+    saved, resumed = results["saved"][0], results["resumed"]
+    assert resumed["path"].endswith("global_step_3")  # not the .tmp of step 9 nor the manifest-less step 8
+    assert (resumed["step"], resumed["position"], resumed["engine_step"], resumed["sched"]) == (3, 3, 3, 3)
+    assert resumed["kl"] == saved["kl"] and not resumed["in_sync"]
+    for part in ("params", "optim"):
+        assert sorted(resumed[part]) == sorted(saved[part])
+        assert resumed[part] == saved[part]
+
+
+def test_bad_checkpoints_fail_with_one_sentence_and_touch_nothing(results):
+    errors = results["resumed"]["errors"]
+    expected = {
+        "missing": "which does not exist",
+        "truncated": "is corrupt: actor/__1_0.distcp has",
+        "bad_manifest": "has a corrupt manifest.json",
+        "bad_metadata": "could not be loaded (actor: os.system is not allowed in checkpoint metadata)",
+        "no_manifest": "is incomplete (no manifest.json",
+        "tmp": "is incomplete (a .tmp folder",
+        "incompatible": "is incompatible: actor weight model.layers.0.mlp.down_proj.weight has shape "
+                        "[256, 1024] there and [256, 512] in this run's model",
+    }
+    for case, text in expected.items():
+        assert errors[case] is not None and text in errors[case], (case, errors[case])
+        assert "\n" not in errors[case]
+    assert results["bad_changed"] == []
+
+
+def test_export_matches_the_trained_actor(results, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.export import export_checkpoint, parse_size
+
+    out = export_checkpoint(results["root"] / "global_step_3", tmp_path / "hf", parse_size("6MB"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert {name: digest(p) for name, p in model.named_parameters()} == results["saved"][0]["params"]
+    batch = make_batch(2048)
+    with torch.no_grad():  # positions P-1 .. P+R-2 predict the R response tokens
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, -6:-1]  # [N, R, V]
+    resp = batch["input_ids"][:, -5:]
+    logp = logits.gather(-1, resp.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)  # [N, R]
+    trained = np.concatenate([r["logp"] for r in results["saved"]])
+    np.testing.assert_allclose(logp.numpy(), trained, rtol=0, atol=1e-5)
