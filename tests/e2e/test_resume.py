@@ -67,8 +67,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory, spmdrl_cache: str) -> dict[st
         "steps": [row["step"] for row in metrics(out["stopped"])],
     }
     procs["resumed"] = torchrun(out["stopped"], spmdrl_cache, log="resumed")
-    procs["faulted"] = torchrun(out["faulted"], spmdrl_cache, env={"SPMDRL_FAULT_INJECT_STEP": "3"},
-                                restarts=1)
+    # torchrun's restart reuses its shared TCPStore, whose stale keys from the killed attempt can point
+    # the new ranks at dead peers (pytorch/pytorch#135712); a store per attempt avoids that.
+    restart_env = {"SPMDRL_FAULT_INJECT_STEP": "3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    procs["faulted"] = torchrun(out["faulted"], spmdrl_cache, env=restart_env, restarts=1)
     for name in ("full", "stopped", "resumed", "faulted"):
         assert procs[name].returncode == 0, f"{name} run failed:\n{procs[name].stderr[-4000:]}"
     return {**out, "procs": procs}
