@@ -129,6 +129,20 @@ def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, othe
             result["errors"][name] = None
         except ConfigError as err:
             result["errors"][name] = str(err)
+    # Resume an older step while a later checkpoint exists: the later one belongs to an abandoned run.
+    copy = Path(out).with_name("run_older")  # hard links: the saves below only add and remove files
+    shutil.copytree(out, copy, copy_function=os.link)
+    root = copy / "checkpoints"
+    shutil.copytree(root / "global_step_3", root / "global_step_5", copy_function=os.link)
+    older = _run(model_dir, str(copy), resume=str(root / "global_step_2"))
+    ckpt = Checkpointer(older, install_signal_handlers=False)
+    ckpt.resume()
+    older.step = 3
+    ckpt.save(3)
+    result["after_older_resume"] = {
+        "listing": sorted(p.name for p in root.iterdir()), "latest": (root / "latest").read_text().strip(),
+        "world_size_3": json.loads((root / "global_step_3" / "manifest.json").read_text())["world_size"],
+    }
     return result
 
 
@@ -216,6 +230,14 @@ def test_two_rank_save_resumes_on_one_rank_exactly(results):
     for part in ("params", "optim"):
         assert sorted(resumed[part]) == sorted(saved[part])
         assert resumed[part] == saved[part]
+
+
+def test_resuming_an_older_step_sets_later_checkpoints_aside(results):
+    # The stale .tmp is gone, the manifest-less step 8 is not a checkpoint and stays; step 3 was rewritten.
+    assert results["resumed"]["after_older_resume"] == {
+        "listing": ["global_step_2", "global_step_3", "global_step_5.superseded", "global_step_8", "latest"],
+        "latest": "global_step_3", "world_size_3": 1,
+    }
 
 
 def test_bad_checkpoints_fail_with_one_sentence_and_touch_nothing(results):
