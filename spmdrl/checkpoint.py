@@ -23,9 +23,8 @@ a save killed at any point leaves nothing resume would pick. Old checkpoints
 (beyond ``trainer.keep_last``) are renamed away before they are deleted.
 
 Loading never runs arbitrary pickle: DCP's ``.metadata`` goes through an
-unpickler that only builds DCP's metadata classes, tensors and DCP's
-non-tensor items load with ``torch.load(weights_only=True)``, the RNG files
-likewise, and everything else is JSON.
+unpickler that only builds DCP's metadata classes; tensors, DCP's non-tensor
+items and the RNG files load with ``torch.load(weights_only=True)``; the rest is JSON.
 
 Exactness: a run resumed on the same world size continues bit for bit (CPU,
 fixed seed). On another world size the parameters and optimizer are resharded
@@ -34,10 +33,9 @@ is reseeded from (seed, step, rank) and the samples drawn from then on differ
 from the uninterrupted run's.
 
 Test hook: ``SPMDRL_FAULT_INJECT_STEP=N`` makes rank ``SPMDRL_FAULT_INJECT_RANK``
-(default 1) send itself ``SPMDRL_FAULT_INJECT_SIGNAL`` (default SIGKILL) at the
-boundary of step N, after the stop check, on the first torchrun attempt only
-(``TORCHELASTIC_RESTART_COUNT`` unset or 0). With SIGTERM the stop is then seen
-at the next boundary, as for a signal that lands mid-step.
+(default 1) send itself ``SPMDRL_FAULT_INJECT_SIGNAL`` (default SIGKILL) at the end
+of step N, after the stop check, on torchrun's first attempt only. With SIGTERM the
+stop is seen at the next boundary, as for a signal that lands mid-step.
 """
 
 from __future__ import annotations
@@ -444,11 +442,10 @@ class Checkpointer:
         if r.cfg.trainer.export_hf_on_save:
             self._export_hf(tmp)
 
-        def finish() -> None:
+        def finish() -> int:
             files_dir = self._write_model_files(tmp)
-            extra = {k: v for k, v in r.extra_state.items()}
             state = {"step": step, "data": r.train_loader.state_dict(), "kl_ctrl": r.kl_ctrl.state_dict(),
-                     "extra_state": extra}
+                     "extra_state": dict(r.extra_state)}
             _write_text(tmp / "trainer_state.json", json.dumps(state, indent=1))
             _write_text(tmp / "config.yaml", dump_config(r.cfg))
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -467,7 +464,10 @@ class Checkpointer:
             _write_text(self.root / f"{LATEST}.tmp", final.name + "\n")
             os.replace(self.root / f"{LATEST}.tmp", self.root / LATEST)
             _fsync_dir(self.root)
-            self._prune(step)
+            try:
+                self._prune(step)
+            except OSError as err:  # the new checkpoint is complete; old ones only cost disk
+                self._say(f"could not delete old checkpoints ({err}); training goes on")
             return sum(files.values())
 
         nbytes = self._from_rank0(finish)  # also the barrier: nobody leaves before the rename
