@@ -500,6 +500,9 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
         print(shlex.join(cmd), flush=True)
         return 0
     print(f"spmdrl.launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    # torchrun 2.13 keeps one TCPStore across restarts; keys of a killed attempt can point the
+    # restarted group at dead peers (pytorch#135712). A fresh store per attempt avoids that.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         os.execvp(cmd[0], cmd)
     except FileNotFoundError:
