@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # runnable from a checkout without pip install
 
 
 def spmdrl_run(model: str, world: int, colocate: bool, a: argparse.Namespace, tmp: Path) -> dict:

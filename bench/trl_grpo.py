@@ -13,7 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a checkout
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
