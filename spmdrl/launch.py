@@ -138,24 +138,23 @@ def _expand_brackets(body: str, pattern: str, spec: str) -> list[str]:
     return out
 
 
-def _positive_int(value: str, name: str, source: str) -> int:
+def _int_at_least(value: str, name: str, source: str, minimum: int) -> int:
     try:
         number = int(value)
     except ValueError:
         raise LaunchError(f"{name}={value!r} from {source} is not an integer.") from None
-    if number < 1:
-        raise LaunchError(f"{name}={value!r} from {source} must be at least 1.")
+    if number < minimum:
+        bound = "0 or more" if minimum == 0 else f"at least {minimum}"
+        raise LaunchError(f"{name}={value!r} from {source} must be {bound}.")
     return number
+
+
+def _positive_int(value: str, name: str, source: str) -> int:
+    return _int_at_least(value, name, source, 1)
 
 
 def _non_negative_int(value: str, name: str, source: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise LaunchError(f"{name}={value!r} from {source} is not an integer.") from None
-    if number < 0:
-        raise LaunchError(f"{name}={value!r} from {source} must be 0 or more.")
-    return number
+    return _int_at_least(value, name, source, 0)
 
 
 def _port(value: str, name: str, source: str) -> int:
