@@ -257,7 +257,7 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Metric sinks: console, jsonl, wandb, tensorboard."""
     save_freq: int = -1
-    """Checkpoint every N steps (-1: never)."""
+    """Checkpoint every N steps and at the last step (-1: never)."""
     keep_last: int = 2
     """Complete checkpoints to keep; older ones are deleted."""
     resume: str = "auto"
