@@ -42,7 +42,9 @@ def spmdrl_run(model: str, world: int, colocate: bool, a: argparse.Namespace, tm
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                "-m", "spmdrl.train", *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, a.threads // world))}
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"spmdrl run failed ({world} ranks, colocate {colocate}):\n{done.stderr[-3000:]}")
     rows = [json.loads(l) for l in open(out / "metrics.jsonl")][1:]  # drop the warm-up step
     step = statistics.median(r["timing/step"] for r in rows)
     return {

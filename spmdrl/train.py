@@ -35,15 +35,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     device_type = resolve_device_type(cfg.trainer.device)
     rank, world_size = init_distributed(device_type)
+    finished = False
     try:
         dims = ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build()
         run(cfg, dims)
+        finished = True
     except ConfigError as err:
-        # Problems only visible once files are opened (a bad parquet column, say)
-        # are still user errors: one line, exit 2, on every rank that sees them.
+        # Problems only visible once files are opened (a bad parquet column, a
+        # corrupt checkpoint) are still user errors, found by every rank at the
+        # same point: one line, exit 2.
+        finished = True
         exit_with(err, debug)
     finally:
-        if dist.is_initialized():
+        # Tear down only when every rank got here: after a rank-local crash the
+        # others may sit in a collective and destroy would hang; torchrun ends them.
+        # The barrier keeps a fast rank from closing gloo pairs a slow one still uses.
+        if finished and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
     return 0
 
