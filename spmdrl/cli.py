@@ -59,7 +59,7 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, bool]:
         raise ConfigError(_one_sentence(err)) from err
     debug = bool(ns.pop("debug", False))
     ns.pop("config", None)
-    ns = parser.instantiate(ns) if hasattr(parser, "instantiate") else parser.instantiate_classes(ns)
+    ns = parser.instantiate(ns)
     return Config(**{k: ns[k] for k in asdict(Config()).keys()}), debug
 
 

@@ -28,6 +28,7 @@ from spmdrl.batch import Batch, from_generation, place_scores
 from spmdrl.cli import ConfigError, dump_config, output_dir
 from spmdrl.config import Config
 from spmdrl.engines import build_engine
+from spmdrl.engines.base import LossFn
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank
@@ -59,6 +60,8 @@ class Run:
     kl_ctrl: object
     timer: PhaseTimer
     total_steps: int
+    actor_loss: LossFn
+    critic_loss: LossFn
     step: int = 0
     rollout_in_sync: bool = True  # rollout engine holds the actor's current weights
     extra_state: dict = field(default_factory=dict)
@@ -113,7 +116,8 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
         cfg=cfg, dims=dims, device=device, rank=rank, out_dir=out_dir, tokenizer=tokenizer,
         train_loader=train_loader, val_loader=val_loader, rollout=rollout, actor=actor, ref=ref, critic=critic,
         reward=reward, kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon),
-        timer=PhaseTimer(device), total_steps=total_steps,
+        timer=PhaseTimer(device), total_steps=total_steps, actor_loss=actor_loss_fn(cfg),
+        critic_loss=critic_loss_fn(cfg),
     )
 
 
@@ -186,12 +190,10 @@ def score(r: Run, batch: Batch) -> dict[str, float]:
 
 def sync_weights(r: Run) -> None:
     """Push the actor's weights into the rollout engine when the actor changed since the last push."""
-    if r.rollout_in_sync:
-        r.rollout.wake_up(("weights",))
-        return
     r.rollout.wake_up(("weights",))
-    r.rollout.update_weights(r.actor.export_weights())
-    r.rollout_in_sync = True
+    if not r.rollout_in_sync:
+        r.rollout.update_weights(r.actor.export_weights())
+        r.rollout_in_sync = True
 
 
 def collect(r: Run, prompts: list) -> tuple[Batch, dict[str, float]]:
@@ -278,10 +280,10 @@ def train_step(r: Run) -> dict[str, float]:
     with t.phase("update"):
         if r.critic is not None:
             c = cfg.critic
-            metrics.update(r.critic.train_step(batch, critic_loss_fn(cfg),
+            metrics.update(r.critic.train_step(batch, r.critic_loss,
                                                c.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size,
                                                c.ppo_micro_batch_size_per_gpu, c.ppo_epochs))
-        metrics.update(r.actor.train_step(batch, actor_loss_fn(cfg), mini, cfg.actor.ppo_micro_batch_size_per_gpu,
+        metrics.update(r.actor.train_step(batch, r.actor_loss, mini, cfg.actor.ppo_micro_batch_size_per_gpu,
                                           cfg.actor.ppo_epochs))
         r.rollout_in_sync = False
 
