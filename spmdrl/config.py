@@ -51,6 +51,10 @@ class ModelConfig:
     """Dtype in which the trained weights are kept (the master copy)."""
     enable_gradient_checkpointing: bool = False
     """Recompute activations of each decoder layer in the backward pass."""
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
+    """Attention kernel of the trained models (transformers' ``attn_implementation``). auto: eager on CPU
+    for sequences up to 2048 tokens (its bf16 backward is ~3x faster there than sdpa's CPU flash kernel,
+    at O(length^2) memory), sdpa otherwise."""
 
 
 @dataclass

@@ -284,7 +284,7 @@ def train_step(r: Run) -> dict[str, float]:
                                                c.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size,
                                                c.ppo_micro_batch_size_per_gpu, c.ppo_epochs))
         metrics.update(r.actor.train_step(batch, r.actor_loss, mini, cfg.actor.ppo_micro_batch_size_per_gpu,
-                                          cfg.actor.ppo_epochs))
+                                          cfg.actor.ppo_epochs, entropy_grad=cfg.actor.entropy_coeff != 0))
         r.rollout_in_sync = False
 
     metrics.update(_batch_metrics(batch, cfg))

@@ -34,10 +34,9 @@ def actor_loss_fn(cfg: Config) -> LossFn:
             **counts,
         )
         if "entropy" in outputs:
-            entropy = agg_loss(outputs["entropy"], mask, a.loss_agg_mode, **counts)
             metrics["actor/entropy"] = float(agg_loss(outputs["entropy"].detach(), mask, a.loss_agg_mode).item())
             if a.entropy_coeff:
-                loss = loss - a.entropy_coeff * entropy
+                loss = loss - a.entropy_coeff * agg_loss(outputs["entropy"], mask, a.loss_agg_mode, **counts)
         if kl_fn is not None:
             kl = kl_fn(logp, mb["ref_logp"])  # [b, R]
             loss = loss + a.kl_loss_coef * agg_loss(kl, mask, a.loss_agg_mode, **counts)

@@ -11,6 +11,7 @@ from spmdrl.algos.losses import (
     agg_loss,
     entropy_from_logits,
     logprobs_from_logits,
+    token_logprobs,
     loss_denominators,
     value_loss,
 )
@@ -269,3 +270,36 @@ def test_logprobs_upcast_low_precision():
     lp = logprobs_from_logits(LOGITS[0].to(torch.bfloat16), T([1, 1]))
     assert lp.dtype == torch.float32
     close(lp, [math.log(0.5), math.log(0.75)], atol=1e-2)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [None, 7 * 5])  # whole block, or 5 rows of V=7 per chunk
+def test_token_logprobs_matches_autograd(monkeypatch, temperature, chunk):
+    if chunk:
+        monkeypatch.setattr(losses, "_CHUNK_ELEMENTS", chunk)
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(3, 4, 7)).requires_grad_(True)
+    labels = torch.randint(0, 7, (3, 4))
+    weights = torch.randn(3, 4)
+    ls = torch.log_softmax(logits / temperature, -1)
+    want = ls.gather(-1, labels[..., None]).squeeze(-1)
+    (want * weights).sum().backward()
+    want_grad, logits.grad = logits.grad, None
+
+    logp, entropy = token_logprobs(logits, labels, temperature, with_entropy=True)
+    (logp * weights).sum().backward()
+    assert torch.allclose(logp, want, atol=1e-6)
+    assert torch.allclose(logits.grad, want_grad, atol=1e-6)
+    assert not entropy.requires_grad
+    assert torch.allclose(entropy, entropy_from_logits(logits.detach() / temperature), atol=1e-5)
+    assert token_logprobs(logits, labels)[1] is None
+
+
+def test_token_logprobs_bf16_gradient_dtype():
+    logits = torch.randn(5, 11).to(torch.bfloat16).requires_grad_(True)
+    labels = torch.randint(0, 11, (5,))
+    logp, _ = token_logprobs(logits, labels)
+    logp.sum().backward()
+    assert logp.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16
+    ref = torch.softmax(logits.detach().float(), -1).neg().scatter_add(-1, labels[:, None], torch.ones(5, 1))
+    assert torch.allclose(logits.grad.float(), ref, atol=1e-2)
