@@ -23,18 +23,19 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 sys.path.insert(0, str(REPO))  # runnable from a checkout without pip install
 
 
-def spmdrl_run(model: str, world: int, colocate: bool, a: argparse.Namespace, tmp: Path) -> dict:
-    out = tmp / f"w{world}_c{int(colocate)}"
+def spmdrl_run(model: str, world: int, colocate: bool, dtype: str, a: argparse.Namespace, tmp: Path) -> dict:
+    out = tmp / f"w{world}_c{int(colocate)}_{dtype}"
     args = [
         "--config", "configs/grpo.yaml", "--model.path", f"builtin:{model}", "--trainer.total_steps", str(a.steps),
         "--data.train_batch_size", str(a.prompts), "--actor.ppo_mini_batch_size", str(a.prompts),
         "--rollout.n", str(a.n), "--data.max_response_length", str(a.new_tokens),
         "--actor.ppo_micro_batch_size_per_gpu", str(a.prompts * a.n), "--actor.use_kl_loss", "true",
         "--trainer.colocate", str(colocate).lower(), "--trainer.progress_bar", "false", "--trainer.resume", "off",
-        "--trainer.logger", "[jsonl]", "--trainer.output_dir", str(out), "--rollout.dtype", a.rollout_dtype,
+        "--trainer.logger", "[jsonl]", "--trainer.output_dir", str(out), "--rollout.dtype", DTYPES[dtype], "--actor.param_dtype", DTYPES[dtype],
     ]
     if world == 1:
         cmd = [sys.executable, "-m", "spmdrl.train", *args]
@@ -58,14 +59,14 @@ def spmdrl_run(model: str, world: int, colocate: bool, a: argparse.Namespace, tm
     }
 
 
-def trl_run(model_dir: str, data: str, a: argparse.Namespace, tmp: Path) -> dict | None:
+def trl_run(model_dir: str, data: str, dtype: str, a: argparse.Namespace, tmp: Path) -> dict | None:
     try:
         import trl  # noqa: F401
     except ImportError:
         return None
     cmd = [sys.executable, str(REPO / "bench" / "trl_grpo.py"), "--model", model_dir, "--data", data,
            "--steps", str(a.steps), "--prompts", str(a.prompts), "--n", str(a.n), "--new-tokens", str(a.new_tokens),
-           "--out", str(tmp / "trl")]
+           "--out", str(tmp / f"trl_{dtype}")] + (["--bf16"] if dtype == "bf16" else [])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(a.threads)}
     out = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
     times = json.loads(out.stdout.strip().splitlines()[-1])["step_s"][1:]
@@ -80,7 +81,6 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads per run, split over ranks")
-    p.add_argument("--rollout-dtype", default="float32")
     p.add_argument("--no-trl", action="store_true")
     a = p.parse_args()
 
@@ -89,23 +89,31 @@ def main() -> None:
 
     model_dir = resolve_builtin_model(f"builtin:{a.model}")
     data = resolve_builtin_data("builtin:arith", "train")
-    rows = []
+    # spmdrl's default precision (bf16 compute, float32 master weights) in every layout, and
+    # float32 compute on one rank: the like-for-like row against TRL's float32 reference figure.
+    runs = [(1, True, "bf16"), (1, False, "bf16"), (2, True, "bf16"), (2, False, "bf16"), (1, True, "fp32")]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        trl = None if a.no_trl else trl_run(model_dir, data, a, tmp)
-        for world, colocate in ((1, True), (1, False), (2, True), (2, False)):
-            rows.append((world, colocate, spmdrl_run(a.model, world, colocate, a, tmp)))
+        trl = {} if a.no_trl else {d: trl_run(model_dir, data, d, a, tmp) for d in ("fp32", "bf16")}
+        rows = [(w, c, d, spmdrl_run(a.model, w, c, d, a, tmp)) for w, c, d in runs]
     tokens = a.prompts * a.n * a.new_tokens
+    base = trl.get("fp32")
     print(f"\nGRPO step, {a.model} model, {a.prompts} prompts x {a.n} responses x {a.new_tokens} new tokens, "
-          f"fp32 training, KL to reference, {a.threads} CPU threads; medians of {a.steps - 1} steps after warm-up\n")
-    print("| runner | ranks | sleep/wake | s/step | gen tok/s | rollout s | update s | peak GB | max phase GB | vs TRL |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    if trl:
-        print(f"| TRL GRPOTrainer | 1 | - | {trl['step_s']:.2f} | {tokens / trl['step_s']:.0f} | | | | | 1.00x |")
-    for world, colocate, r in rows:
-        ratio = f"{trl['step_s'] / r['step_s']:.2f}x" if trl else "-"
-        print(f"| spmdrl | {world} | {'on' if colocate else 'off'} | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} | "
-              f"{r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['peak_gb']:.2f} | {r['max_phase_gb']:.2f} | {ratio} |")
+          f"KL to reference, one PPO epoch, {a.threads} CPU threads; medians of {a.steps - 1} steps after warm-up. "
+          f"bf16 = bf16 compute with float32 master weights (TRL: bf16=True autocast; spmdrl: FSDP2 param_dtype "
+          f"and rollout dtype). 'vs TRL' divides TRL fp32's s/step by the row's.\n")
+    print("| runner | precision | ranks | sleep/wake | s/step | gen tok/s | rollout s | update s | peak GB "
+          "| max phase GB | vs TRL fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for d, r in trl.items():
+        if r:
+            ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
+            print(f"| TRL GRPOTrainer | {d} | 1 | - | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} | | | | | {ratio} |")
+    for world, colocate, d, r in rows:
+        ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
+        print(f"| spmdrl | {d} | {world} | {'on' if colocate else 'off'} | {r['step_s']:.2f} | "
+              f"{tokens / r['step_s']:.0f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['peak_gb']:.2f} | "
+              f"{r['max_phase_gb']:.2f} | {ratio} |")
 
 
 if __name__ == "__main__":

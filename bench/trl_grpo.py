@@ -4,7 +4,7 @@
 
 Prints one JSON line {"step_s": [...]} with the wall time of every optimizer
 step (generation + reward + reference + update), measured by a callback.
-CPU, one process, fp32, transformers generate (no vLLM), one PPO epoch, KL to
+CPU, one process, fp32 (or --bf16), transformers generate (no vLLM), one PPO epoch, KL to
 a reference (beta > 0), like spmdrl's configs/grpo.yaml.
 """
 
@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", default="/tmp/trl_bench")
+    p.add_argument("--bf16", action="store_true", help="TRL's bf16=True (autocast) instead of float32")
     a = p.parse_args()
 
     import datasets
@@ -63,7 +64,7 @@ def main() -> None:
     cfg = GRPOConfig(
         output_dir=a.out, per_device_train_batch_size=a.prompts * a.n, num_generations=a.n,
         max_completion_length=a.new_tokens, max_steps=a.steps, beta=0.001, num_iterations=1, learning_rate=1e-3,
-        use_cpu=True, bf16=False, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
+        use_cpu=True, bf16=a.bf16, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
         gradient_accumulation_steps=1, disable_dropout=True, seed=1,
     )
     trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=cfg, train_dataset=ds,

@@ -177,6 +177,10 @@ class FSDP2Engine(TrainEngine):
             None if reduce_dtype is None or to_dtype(reduce_dtype) == dtype else to_dtype(reduce_dtype)
         )
 
+        if role == "ref" and mp_param is not None:
+            # A frozen model needs no float32 master copy: keep it in the compute dtype, which is
+            # what the policy's per-forward cast would produce, at half the memory and no cast.
+            dtype, mp_param = mp_param, None
         self.model = self._load(model_path, role, dtype, seed, attn_implementation)
         if role == "ref":
             self.model.requires_grad_(False)

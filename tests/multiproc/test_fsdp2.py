@@ -166,9 +166,14 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
 
     # --- bf16 compute and bf16 gradient reduce-scatter over gloo.
     eng = _engine(model_dir, dims, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    out["bf16_logp_err"] = float(
-        (eng.forward_no_grad(mine, micro_batch_size=4)["logp"] - ref_logp).abs().max()
-    )
+    bf16_logp = eng.forward_no_grad(mine, micro_batch_size=4)["logp"]
+    out["bf16_logp_err"] = float((bf16_logp - ref_logp).abs().max())
+    # A bf16-compute reference keeps bf16 weights (no float32 master) and scores exactly like the
+    # policy's per-forward cast.
+    ref = _engine(model_dir, dims, role="ref", param_dtype=torch.bfloat16)
+    out["bf16_ref_dtypes"] = sorted({str(p.dtype) for p in ref.model.parameters()})
+    out["bf16_ref_vs_actor"] = float((ref.forward_no_grad(mine, micro_batch_size=4)["logp"] - bf16_logp).abs().max())
+    del ref
     out["bf16_metrics"] = eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
     out["bf16"] = _export(eng)
     del eng
@@ -269,6 +274,7 @@ def test_frozen_offloaded_reference(runs):
 def test_bf16_mixed_precision_on_gloo(runs):
     two = runs["two"]
     assert two["bf16_logp_err"] < 0.1  # bf16 logits: ~3 significant digits
+    assert two["bf16_ref_dtypes"] == ["torch.bfloat16"] and two["bf16_ref_vs_actor"] == 0.0
     assert two["bf16_metrics"]["actor/grad_norm"] == pytest.approx(
         runs["one"]["metrics4"]["actor/grad_norm"], rel=0.05
     )
