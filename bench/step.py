@@ -5,7 +5,8 @@
 
 Every spmdrl row is a real ``python -m spmdrl.train`` (torchrun for 2 ranks)
 run of configs/grpo.yaml at the same global batch; the figure is the median
-over its steps after the first (warm-up). TRL's GRPOTrainer (``pip install
+over its steps after the first (warm-up), pooled over ``--rounds`` rounds that
+run every configuration in turn. TRL's GRPOTrainer (``pip install
 trl``; skipped when absent) runs the same model, task and sizes in the same
 invocation, so the ratio column compares like with like on this machine.
 Not part of the test suite.
@@ -14,8 +15,10 @@ Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,15 +30,19 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 sys.path.insert(0, str(REPO))  # runnable from a checkout without pip install
 
 
-def spmdrl_run(model: str, world: int, colocate: bool, dtype: str, a: argparse.Namespace, tmp: Path) -> dict:
+def spmdrl_run(model: str, world: int, colocate: bool, dtype: str, a: argparse.Namespace, tmp: Path) -> list[dict]:
+    """The metrics.jsonl rows of one training run, warm-up step dropped."""
     out = tmp / f"w{world}_c{int(colocate)}_{dtype}"
+    shutil.rmtree(out, ignore_errors=True)
     args = [
         "--config", "configs/grpo.yaml", "--model.path", f"builtin:{model}", "--trainer.total_steps", str(a.steps),
         "--data.train_batch_size", str(a.prompts), "--actor.ppo_mini_batch_size", str(a.prompts),
         "--rollout.n", str(a.n), "--data.max_response_length", str(a.new_tokens),
         "--actor.ppo_micro_batch_size_per_gpu", str(a.prompts * a.n), "--actor.use_kl_loss", "true",
         "--trainer.colocate", str(colocate).lower(), "--trainer.progress_bar", "false", "--trainer.resume", "off",
-        "--trainer.logger", "[jsonl]", "--trainer.output_dir", str(out), "--rollout.dtype", DTYPES[dtype], "--actor.param_dtype", DTYPES[dtype],
+        "--trainer.logger", "[jsonl]", "--trainer.output_dir", str(out),
+        "--rollout.dtype", DTYPES[dtype], "--actor.param_dtype", DTYPES[dtype],
+        "--rollout.ignore_eos", "true",  # every response is new_tokens long, in TRL's run too: equal work
     ]
     if world == 1:
         cmd = [sys.executable, "-m", "spmdrl.train", *args]
@@ -46,31 +53,30 @@ def spmdrl_run(model: str, world: int, colocate: bool, dtype: str, a: argparse.N
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"spmdrl run failed ({world} ranks, colocate {colocate}):\n{done.stderr[-3000:]}")
-    rows = [json.loads(l) for l in open(out / "metrics.jsonl")][1:]  # drop the warm-up step
-    step = statistics.median(r["timing/step"] for r in rows)
+    return [json.loads(l) for l in open(out / "metrics.jsonl")][1:]
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Medians over every measured step of every round; peaks are maxima."""
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     return {
-        "step_s": step,
-        "tok_s": statistics.median(r["perf/tokens_per_s"] for r in rows),
-        "rollout_s": statistics.median(r["timing/rollout"] for r in rows),
-        "update_s": statistics.median(r["timing/update"] for r in rows),
+        "step_s": med("timing/step"), "rollout_s": med("timing/rollout"), "update_s": med("timing/update"),
+        "length": med("response_length/mean"),
         "peak_gb": max(r["memory/overall_peak_gb"] for r in rows),
         "max_phase_gb": max(max(v for k, v in r.items() if k.endswith("_peak_gb") and "overall" not in k
                                 and "rank" not in k) for r in rows),
     }
 
 
-def trl_run(model_dir: str, data: str, dtype: str, a: argparse.Namespace, tmp: Path) -> dict | None:
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        return None
+def trl_run(model_dir: str, data: str, dtype: str, a: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+    """Seconds and mean completion length of every optimizer step of one TRL run, warm-up step dropped."""
     cmd = [sys.executable, str(REPO / "bench" / "trl_grpo.py"), "--model", model_dir, "--data", data,
            "--steps", str(a.steps), "--prompts", str(a.prompts), "--n", str(a.n), "--new-tokens", str(a.new_tokens),
            "--out", str(tmp / f"trl_{dtype}")] + (["--bf16"] if dtype == "bf16" else [])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(a.threads)}
     out = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
-    times = json.loads(out.stdout.strip().splitlines()[-1])["step_s"][1:]
-    return {"step_s": statistics.median(times)}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"step_s": result["step_s"][1:], "length": result["mean_length"][1:]}
 
 
 def main() -> None:
@@ -81,6 +87,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads per run, split over ranks")
+    p.add_argument("--rounds", type=int, default=2, help="times every runner runs, interleaved")
     p.add_argument("--no-trl", action="store_true")
     a = p.parse_args()
 
@@ -92,26 +99,37 @@ def main() -> None:
     # spmdrl's default precision (bf16 compute, float32 master weights) in every layout, and
     # float32 compute on one rank: the like-for-like row against TRL's float32 reference figure.
     runs = [(1, True, "bf16"), (1, False, "bf16"), (2, True, "bf16"), (2, False, "bf16"), (1, True, "fp32")]
+    trl_dtypes = ("fp32", "bf16") if not a.no_trl and importlib.util.find_spec("trl") else ()
+    trl_steps: dict[str, dict[str, list[float]]] = {d: {"step_s": [], "length": []} for d in trl_dtypes}
+    spmdrl_steps: dict[tuple, list[dict]] = {r: [] for r in runs}
+    # Rounds interleave every runner, so a slow spell of a shared machine lands on all of them.
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        trl = {} if a.no_trl else {d: trl_run(model_dir, data, d, a, tmp) for d in ("fp32", "bf16")}
-        rows = [(w, c, d, spmdrl_run(a.model, w, c, d, a, tmp)) for w, c, d in runs]
+        for _ in range(a.rounds):
+            for d in trl_dtypes:
+                for k, v in trl_run(model_dir, data, d, a, tmp).items():
+                    trl_steps[d][k] += v
+            for w, c, d in runs:
+                spmdrl_steps[(w, c, d)] += spmdrl_run(a.model, w, c, d, a, tmp)
+    trl = {d: {k: statistics.median(v) if v else float("nan") for k, v in r.items()} for d, r in trl_steps.items()}
+    rows = [(w, c, d, summarize(spmdrl_steps[(w, c, d)])) for w, c, d in runs]
     tokens = a.prompts * a.n * a.new_tokens
     base = trl.get("fp32")
     print(f"\nGRPO step, {a.model} model, {a.prompts} prompts x {a.n} responses x {a.new_tokens} new tokens, "
-          f"KL to reference, one PPO epoch, {a.threads} CPU threads; medians of {a.steps - 1} steps after warm-up. "
+          f"KL to reference, one PPO epoch, {a.threads} CPU threads; medians of {a.rounds} x {a.steps - 1} steps after warm-up "
+          f"(rounds interleaved). "
           f"bf16 = bf16 compute with float32 master weights (TRL: bf16=True autocast; spmdrl: FSDP2 param_dtype "
           f"and rollout dtype). 'vs TRL' divides TRL fp32's s/step by the row's.\n")
-    print("| runner | precision | ranks | sleep/wake | s/step | gen tok/s | rollout s | update s | peak GB "
-          "| max phase GB | vs TRL fp32 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| runner | precision | ranks | sleep/wake | resp len | s/step | gen tok/s | rollout s | update s "
+          "| peak GB | max phase GB | vs TRL fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d, r in trl.items():
-        if r:
-            ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
-            print(f"| TRL GRPOTrainer | {d} | 1 | - | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} | | | | | {ratio} |")
+        ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
+        print(f"| TRL GRPOTrainer | {d} | 1 | - | {r['length']:.1f} | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} "
+              f"| | | | | {ratio} |")
     for world, colocate, d, r in rows:
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
-        print(f"| spmdrl | {d} | {world} | {'on' if colocate else 'off'} | {r['step_s']:.2f} | "
+        print(f"| spmdrl | {d} | {world} | {'on' if colocate else 'off'} | {r['length']:.1f} | {r['step_s']:.2f} | "
               f"{tokens / r['step_s']:.0f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['peak_gb']:.2f} | "
               f"{r['max_phase_gb']:.2f} | {ratio} |")
 

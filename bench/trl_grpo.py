@@ -2,8 +2,10 @@
 
     python bench/trl_grpo.py --model DIR --data PARQUET --steps 6 --prompts 8 --n 8 --new-tokens 64
 
-Prints one JSON line {"step_s": [...]} with the wall time of every optimizer
-step (generation + reward + reference + update), measured by a callback.
+Prints one JSON line {"step_s": [...], "mean_length": [...]} with the wall time
+of every optimizer step (generation + reward + reference + update), measured by
+a callback, and TRL's logged mean completion length (64 every step: completions
+are forced to full length, like spmdrl's ``rollout.ignore_eos``).
 CPU, one process, fp32 (or --bf16), transformers generate (no vLLM), one PPO epoch, KL to
 a reference (beta > 0), like spmdrl's configs/grpo.yaml.
 """
@@ -52,6 +54,7 @@ def main() -> None:
     class Clock(TrainerCallback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.lengths: list[float] = []
             self.t = time.perf_counter()
 
         def on_step_begin(self, args, state, control, **kw):
@@ -60,17 +63,23 @@ def main() -> None:
         def on_step_end(self, args, state, control, **kw):
             self.times.append(time.perf_counter() - self.t)
 
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(float(logs["completions/mean_length"]))
+
     clock = Clock()
     cfg = GRPOConfig(
         output_dir=a.out, per_device_train_batch_size=a.prompts * a.n, num_generations=a.n,
         max_completion_length=a.new_tokens, max_steps=a.steps, beta=0.001, num_iterations=1, learning_rate=1e-3,
         use_cpu=True, bf16=a.bf16, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
         gradient_accumulation_steps=1, disable_dropout=True, seed=1,
+        # Every completion runs to max_completion_length, as spmdrl's rollout.ignore_eos does: equal work.
+        generation_kwargs={"min_new_tokens": a.new_tokens},
     )
     trainer = GRPOTrainer(model=a.model, reward_funcs=reward, args=cfg, train_dataset=ds,
                           processing_class=AutoTokenizer.from_pretrained(a.model), callbacks=[clock])
     trainer.train()
-    print(json.dumps({"step_s": clock.times}))
+    print(json.dumps({"step_s": clock.times, "mean_length": clock.lengths}))
 
 
 if __name__ == "__main__":

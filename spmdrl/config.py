@@ -86,6 +86,9 @@ class RolloutConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     """Dtype of the rollout engine's weights and KV cache (bf16: about 2x float32's decode speed on CPU,
     see bench/rollout.py; log-probs are still computed in float32)."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS up to max_response_length (verl's rollout.ignore_eos): fixed-length work for
+    benchmarks; the response mask then covers every generated token."""
     max_num_seqs: int = 256
     """Most sequences decoded at once; larger batches are generated in chunks."""
     sleep_level: Literal[1, 2] = 1

@@ -150,6 +150,7 @@ def sampling_params(cfg: Config, *, validation: bool = False) -> SamplingParams:
         temperature=r.val_temperature if validation else r.temperature,
         top_p=r.top_p,
         top_k=r.top_k,
+        ignore_eos=r.ignore_eos and not validation,
     )
 
 

@@ -36,6 +36,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = -1  # -1 keeps every token
     stop_token_ids: Sequence[int] = ()  # besides the tokenizer's EOS ids
+    ignore_eos: bool = False  # keep generating past EOS (stop_token_ids still stop), as vLLM's ignore_eos
     seed: Optional[int] = None  # reseeds the engine's generator for this call when set
 
     @property

@@ -315,3 +315,16 @@ def test_bf16_engine_runs_and_agrees_roughly(tiny_model_dir, engine):
     assert mine.dtype == torch.float32 and (mine - ref)[valid].abs().max().item() < 0.1
     out = eng.generate(prompts, SamplingParams(n=2, max_tokens=6))
     assert out.response_mask.all() or "stop" in out.finish_reasons
+
+
+@pytest.mark.parametrize("kind", ["native", "hf"])
+def test_ignore_eos_generates_past_eos(tiny_model_dir, kind):
+    prompts = _prompts([5, 8], seed=11)
+    free = _engine(tiny_model_dir, eos_token_ids=[PAD]).generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    eos = int(free.response_ids[0, 3])  # what greedy emits 4th becomes the EOS id
+    eng = build_rollout(kind, str(tiny_model_dir), eos_token_ids=[eos], pad_token_id=PAD)
+    stopped = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    assert stopped.finish_reasons[0] == "stop" and int(stopped.response_lengths[0]) <= 4
+    full = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert full.finish_reasons == ["length", "length"] and bool(full.response_mask.all())
+    assert torch.equal(full.response_ids, free.response_ids)
