@@ -193,7 +193,8 @@ def sync_weights(r: Run) -> None:
     """Push the actor's weights into the rollout engine when the actor changed since the last push."""
     r.rollout.wake_up(("weights",))
     if not r.rollout_in_sync:
-        r.rollout.update_weights(r.actor.export_weights())
+        # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
+        r.rollout.update_weights(r.actor.export_weights(getattr(torch, r.cfg.rollout.dtype)))
         r.rollout_in_sync = True
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -50,8 +50,9 @@ class TrainEngine(abc.ABC):
         """``epochs`` passes of optimizer steps over mini-batches; returns averaged metrics."""
 
     @abc.abstractmethod
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (unsharded) tensors under Hugging Face names, gathered one at a time."""
+    def export_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (unsharded) tensors under Hugging Face names, optionally cast to ``dtype``, never the
+        whole model gathered at once."""
 
     @abc.abstractmethod
     def offload(self) -> None:

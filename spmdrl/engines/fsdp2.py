@@ -48,7 +48,13 @@ from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token
 from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, TrainEngine
 from spmdrl.engines.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
-from spmdrl.engines.weights import build_optimizer, build_scheduler, clip_grad_norm_, iter_full_state
+from spmdrl.engines.weights import (
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm_,
+    iter_full_state,
+    iter_unsharded_state,
+)
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -177,10 +183,13 @@ class FSDP2Engine(TrainEngine):
             None if reduce_dtype is None or to_dtype(reduce_dtype) == dtype else to_dtype(reduce_dtype)
         )
 
+        # The dtype of the unsharded parameters in forward (what an all-gather produces).
+        self.param_dtype = mp_param or dtype
         if role == "ref" and mp_param is not None:
             # A frozen model needs no float32 master copy: keep it in the compute dtype, which is
             # what the policy's per-forward cast would produce, at half the memory and no cast.
             dtype, mp_param = mp_param, None
+            self.param_dtype = dtype
         self.model = self._load(model_path, role, dtype, seed, attn_implementation)
         if role == "ref":
             self.model.requires_grad_(False)
@@ -464,7 +473,11 @@ class FSDP2Engine(TrainEngine):
         (each tensor is an all-gather over the training mesh).
         """
         self.model.reshard()
-        yield from iter_full_state(self.model, dtype)
+        if self.tp_mesh is None and dtype is not None and dtype == self.param_dtype:
+            # FSDP gathers whole units in the compute dtype: the cast the consumer asked for.
+            yield from iter_unsharded_state(self.model)
+        else:
+            yield from iter_full_state(self.model, dtype)
 
     def offload(self) -> None:
         """Optimizer moments to the CPU and gradients dropped (no-op for the moments on a CPU device)."""

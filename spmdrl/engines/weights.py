@@ -12,6 +12,7 @@ from typing import Iterable, Iterator, Literal
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from spmdrl.engines.parallelize import CHECKPOINT_PREFIX
@@ -131,6 +132,35 @@ def iter_full_state(model: nn.Module, dtype: torch.dtype | None = None) -> Itera
         for b_name, b in mod.named_buffers(recurse=False):
             if b_name not in mod._non_persistent_buffers_set:
                 yield hf_name(f"{mod_name}.{b_name}" if mod_name else b_name), _full(b, dtype)
+
+
+@torch.inference_mode(False)  # as _full: the FSDP unshard must not run as an inference-mode op
+@torch.no_grad()
+def iter_unsharded_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` like ``iter_full_state``, gathered one FSDP unit at a time.
+
+    Each unit (a decoder layer, then the root's embeddings / norm / heads) comes
+    in one all-gather, in the FSDP mixed-precision ``param_dtype``, instead of one
+    collective per parameter: ~6 collectives instead of ~50 for a 4-layer model,
+    which is most of a 2-rank weight sync on gloo. Peak extra memory is one unit.
+    Needs FSDP without TP (TP shards would still be DTensors after the unshard).
+    """
+    units = [(prefix, m) for prefix, m in model.named_modules() if isinstance(m, FSDPModule)]
+    nested = [prefix for prefix, _ in units if prefix]
+    for prefix, unit in units:
+        unit.unshard()
+        try:
+            for name, p in unit.named_parameters(prefix=prefix):
+                if prefix == "" and any(name.startswith(n + ".") for n in nested):
+                    continue  # a nested unit's parameter: yielded with its own unit
+                # A copy: the unit's gathered storage is freed by the reshard below.
+                yield hf_name(name), p.detach().clone()
+        finally:
+            unit.reshard()
+    for mod_name, mod in model.named_modules():
+        for b_name, b in mod.named_buffers(recurse=False):
+            if b_name not in mod._non_persistent_buffers_set:
+                yield hf_name(f"{mod_name}.{b_name}" if mod_name else b_name), _full(b, None)
 
 
 @torch.inference_mode(False)  # a consumer may iterate inside inference mode (the rollout engine does)

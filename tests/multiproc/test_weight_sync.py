@@ -44,11 +44,21 @@ def _sync(rank, world_size, model_dir):
     engine.update_weights(actor.export_weights())
     engine.wake_up(("kv_cache",))
     after, _ = logp_gap()
-    return before, stale, after
+
+    # bf16 compute: export in bf16 gathers whole FSDP units (one collective each) and must equal
+    # the per-parameter gather of the float32 master cast to bf16, name for name, bit for bit.
+    bf16 = FSDP2Engine(model_dir, role="actor", dp_mesh=mesh, lr=1e-2, seed=0, param_dtype=torch.bfloat16)
+    bf16.train_step(batch, loss_fn, mini_batch_size=len(batch), micro_batch_size=len(batch))
+    by_unit = list(bf16.export_weights(torch.bfloat16))
+    by_param = {k: v.to(torch.bfloat16) for k, v in bf16.export_weights()}
+    same = sorted(k for k, _ in by_unit) == sorted(by_param) and all(
+        v.dtype == torch.bfloat16 and torch.equal(v, by_param[k]) for k, v in by_unit)
+    return before, stale, after, same
 
 
 def test_export_weights_round_trip(tiny_model_dir):
-    for before, stale, after in spawn(_sync, 2, str(tiny_model_dir)):
+    for before, stale, after, same in spawn(_sync, 2, str(tiny_model_dir)):
         assert before < 1e-4  # same folder, same numbers
         assert stale > 1e-3  # the update changed the actor, the engine is behind
         assert after < 1e-4  # after the sync they agree again
+        assert same
