@@ -7,7 +7,9 @@
 
 Each (model, dtype, engine) runs in its own subprocess, so peak RSS is that
 engine's alone (VmHWM, reset before each cell). Per cell: warm-up runs, then
-``--repeats`` timed ``generate`` calls; every figure is the median. tok/s counts
+``--repeats`` timed ``generate`` calls; with ``--rounds R`` the whole sequence of
+engines runs R times in turn and every figure is the median over the R x repeats
+calls, so drift on a shared machine hits every engine alike. tok/s counts
 generated tokens (response mask); TTFT is the median wall time of the same call
 with max_tokens=1 (prefill of the whole batch plus one sampled token). Sampling
 is temperature 1 with EOS active, on random-token prompts of ``--prompt-len``.
@@ -124,8 +126,7 @@ def worker(spec: dict) -> None:
             t = time.perf_counter()
             runner.run(prompts, cell["n"], 1)
             ttft.append(time.perf_counter() - t)
-        print(json.dumps({**cell, "tok_s": statistics.median(rates), "ttft_ms": 1e3 * statistics.median(ttft),
-                          "rss_mb": _peak_rss_mb()}), flush=True)
+        print(json.dumps({**cell, "rates": rates, "ttfts": ttft, "rss_mb": _peak_rss_mb()}), flush=True)
 
 
 # ---- driver side ---------------------------------------------------------------------------------
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is printed)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="times every engine runs its cells, interleaved; figures are medians over all runs")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="rows decoded at once (engines chunk above it)")
     p.add_argument("--threads", type=int, default=0,
@@ -209,17 +212,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:  # vLLM reads its thread count from the environment
         env["OMP_NUM_THREADS"] = str(args.threads)
     load0 = os.getloadavg()
-    results: dict[tuple, dict] = {}
-    for model, path in paths.items():
-        vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-        for dt in args.dtype:
-            for engine, python in engines:
-                spec = dict(engine=engine, model=model, path=str(path), dtype=DTYPES[dt], cells=cells,
-                            prompt_len=args.prompt_len, vocab=vocab, repeats=args.repeats, warmup=args.warmup,
-                            max_num_seqs=args.max_num_seqs, threads=args.threads)
-                print(f"# running {engine} on {model} {dt} ({len(cells)} cells)", file=sys.stderr, flush=True)
-                for r in run_worker(python, spec, env):
-                    results[(model, dt, r["batch"], r["n"], r["new_tokens"], engine)] = r
+    pooled: dict[tuple, dict] = {}
+    # Rounds run every engine in turn, so a slow spell of a shared machine lands on all of them.
+    for rnd in range(args.rounds):
+        for model, path in paths.items():
+            vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+            for dt in args.dtype:
+                for engine, python in engines:
+                    spec = dict(engine=engine, model=model, path=str(path), dtype=DTYPES[dt], cells=cells,
+                                prompt_len=args.prompt_len, vocab=vocab, repeats=args.repeats,
+                                warmup=args.warmup, max_num_seqs=args.max_num_seqs, threads=args.threads)
+                    print(f"# round {rnd + 1}/{args.rounds}: {engine} on {model} {dt} ({len(cells)} cells)",
+                          file=sys.stderr, flush=True)
+                    for r in run_worker(python, spec, env):
+                        acc = pooled.setdefault((model, dt, r["batch"], r["n"], r["new_tokens"], engine),
+                                                {"rates": [], "ttfts": [], "rss_mb": 0.0})
+                        acc["rates"] += r["rates"]
+                        acc["ttfts"] += r["ttfts"]
+                        acc["rss_mb"] = max(acc["rss_mb"], r["rss_mb"])
+    results = {k: {"tok_s": statistics.median(v["rates"]), "ttft_ms": 1e3 * statistics.median(v["ttfts"]),
+                   "rss_mb": v["rss_mb"]} for k, v in pooled.items()}
     if args.threads:
         import torch
 
@@ -237,8 +249,8 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
     load1 = os.getloadavg()
     threads = args.threads or f"{torch.get_num_threads()} (vllm: its own default)"
     print(f"\nrollout benchmark: torch {torch.__version__}, {os.cpu_count()} cores, threads {threads}, "
-          f"prompt {args.prompt_len} tokens, temperature 1, median of {args.repeats} after {args.warmup} "
-          f"warm-up, max_num_seqs {args.max_num_seqs}; load average {load0[0]:.1f} at start, "
+          f"prompt {args.prompt_len} tokens, temperature 1, median of {args.rounds} x {args.repeats} runs (each "
+          f"after {args.warmup} warm-up), max_num_seqs {args.max_num_seqs}; load average {load0[0]:.1f} at start, "
           f"{load1[0]:.1f} at end")
     hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<7} {'tok/s':>8} "
            f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5} {'x vllm':>6}  bf16 GFLOP/s")
