@@ -128,10 +128,7 @@ def iter_full_state(model: nn.Module, dtype: torch.dtype | None = None) -> Itera
     """
     for name, p in model.named_parameters():
         yield hf_name(name), _full(p, dtype)
-    for mod_name, mod in model.named_modules():
-        for b_name, b in mod.named_buffers(recurse=False):
-            if b_name not in mod._non_persistent_buffers_set:
-                yield hf_name(f"{mod_name}.{b_name}" if mod_name else b_name), _full(b, dtype)
+    yield from _persistent_buffers(model, dtype)
 
 
 @torch.inference_mode(False)  # as _full: the FSDP unshard must not run as an inference-mode op
@@ -157,10 +154,15 @@ def iter_unsharded_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
                 yield hf_name(name), p.detach().clone()
         finally:
             unit.reshard()
+    yield from _persistent_buffers(model, None)
+
+
+def _persistent_buffers(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state-dict buffers (not the non-persistent ones, like RoPE's inv_freq), full, under HF names."""
     for mod_name, mod in model.named_modules():
         for b_name, b in mod.named_buffers(recurse=False):
             if b_name not in mod._non_persistent_buffers_set:
-                yield hf_name(f"{mod_name}.{b_name}" if mod_name else b_name), _full(b, None)
+                yield hf_name(f"{mod_name}.{b_name}" if mod_name else b_name), _full(b, dtype)
 
 
 @torch.inference_mode(False)  # a consumer may iterate inside inference mode (the rollout engine does)
