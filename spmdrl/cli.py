@@ -136,6 +136,12 @@ def validate(cfg: Config, world_size: int) -> None:
     _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
     _check(0 < r.gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
 
+    _check(
+        not (cfg.model.fused_kernels == "on" and cfg.parallel.tp > 1),
+        f"model.fused_kernels is 'on' with parallel.tp={cfg.parallel.tp}; the fused kernels do not support "
+        f"tensor parallelism: set model.fused_kernels to auto or off",
+    )
+
     # Names that select components.
     for key, value, valid in (
         ("algorithm.adv_estimator", alg.adv_estimator, ADVANTAGES.names()),

@@ -55,6 +55,10 @@ class ModelConfig:
     """Attention kernel of the trained models (transformers' ``attn_implementation``). auto: eager on CPU
     for sequences up to 2048 tokens (its bf16 backward is ~3x faster there than sdpa's CPU flash kernel,
     at O(length^2) memory), sdpa otherwise."""
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
+    """Fused RMSNorm and SwiGLU (torch.compile of those two functions only) in the trained models,
+    as Liger kernels on GPU. auto: on for CPU training without TP when a C++ compiler is found;
+    on: also elsewhere (needs triton on CUDA), error if impossible; off: transformers' eager modules."""
 
 
 @dataclass

@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
 from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, TrainEngine
+from spmdrl.engines.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
 from spmdrl.engines.weights import (
     build_optimizer,
@@ -126,6 +127,7 @@ class FSDP2Engine(TrainEngine):
         cpu_offload: FSDP2 CPUOffloadPolicy (sharded params, grads and optimizer state on the CPU).
         gradient_checkpointing: recompute each decoder layer in backward (not for "ref").
         compile: torch.compile each decoder layer.
+        fused_kernels: compiled RMSNorm and SwiGLU forwards (``fused.apply_fused_kernels``).
         attn_implementation: transformers' attention kernel ("eager", "sdpa", ...); see
             ``resolve_attn_implementation`` for the "auto" rule of the config.
         temperature: logits are divided by it before log-probs and entropy, so the
@@ -150,6 +152,7 @@ class FSDP2Engine(TrainEngine):
         cpu_offload: bool = False,
         gradient_checkpointing: bool = False,
         compile: bool = False,
+        fused_kernels: bool = False,
         attn_implementation: str = "sdpa",
         temperature: float = 1.0,
         lr: float = 1e-6,
@@ -197,6 +200,8 @@ class FSDP2Engine(TrainEngine):
             apply_tp(self.model, self.tp_mesh)
         if gradient_checkpointing and role != "ref":
             apply_activation_checkpointing(self.model)
+        if fused_kernels:
+            apply_fused_kernels(self.model)
         if compile:
             apply_compile(self.model)
         apply_fsdp(self.model, dp_mesh, mp_param, mp_reduce, cpu_offload)
@@ -243,6 +248,9 @@ class FSDP2Engine(TrainEngine):
             attn_implementation=resolve_attn_implementation(
                 m.attn_implementation, torch.device(device).type,
                 cfg.data.max_prompt_length + cfg.data.max_response_length,
+            ),
+            fused_kernels=resolve_fused_kernels(
+                m.fused_kernels, torch.device(device).type, tp_mesh.size() if tp_mesh is not None else 1
             ),
             seed=cfg.trainer.seed,
             temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
