@@ -46,6 +46,8 @@ BAD = [
     (["--trainer.logger", "[console,mlflow]"], "trainer.logger has 'mlflow'"),
     (["--parallel.tp", "3"], "not divisible by parallel.dp_replicate x tp x pp = 3"),
     (["--parallel.rollout_tp", "2", "--parallel.tp", "1"], "does not divide the world size 1"),
+    (["--model.fused_kernels", "on", "--parallel.tp", "2"], "model.fused_kernels is 'on' with parallel.tp=2"),
+    (["--model.fused_kernels", "fast"], "model.fused_kernels"),
     (["--reward.function", "rewards.txt"], "reward.function is 'rewards.txt'"),
     (["--reward.function", "/nonexistent/r.py:score"], "names the file '/nonexistent/r.py'"),
     (["--trainer.resume", "/nonexistent/ckpt"], "trainer.resume is '/nonexistent/ckpt'"),
