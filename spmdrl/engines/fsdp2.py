@@ -109,7 +109,9 @@ class ValueModel(nn.Module):
         hidden = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # [n, P+R, H]
-        return self.score(hidden[:, -values_to_keep:]).squeeze(-1)  # [n, values_to_keep]
+        # A fresh tensor, not a squeeze view: FSDP2 warns on a root output that is a view (its
+        # pre-backward hook would be skipped by an in-place op on it). [n, values_to_keep], tiny.
+        return self.score(hidden[:, -values_to_keep:]).squeeze(-1).clone()
 
 
 class FSDP2Engine(TrainEngine):
