@@ -9,9 +9,9 @@ this CPU, for a [64, 85, 512] bf16 activation: RMSNorm forward+backward 13 ms ->
 2.9 ms, SwiGLU 24 ms -> 15 ms; a GRPO update of the 38M model drops ~10%.
 
 Only these two functions are compiled, never a whole layer: the matmuls stay
-eager oneDNN/cuBLAS calls, the graphs are tiny (seconds to compile, cached on disk
-by inductor across processes), and shapes are dynamic, so a new batch or sequence
-length does not recompile. The modules keep their parameters and names; only
+eager oneDNN/cuBLAS calls; the graphs are small (~25 s to compile on first use
+on 2 CPU cores, ~4 s once inductor has cached them on disk); shapes are dynamic,
+so a new batch or sequence length does not recompile. The modules keep their parameters and names; only
 their ``forward`` is replaced, per instance.
 """
 
