@@ -141,6 +141,13 @@ def validate(cfg: Config, world_size: int) -> None:
         f"model.fused_kernels is 'on' with parallel.tp={cfg.parallel.tp}; the fused kernels do not support "
         f"tensor parallelism: set model.fused_kernels to auto or off",
     )
+    if r.engine == "native" and r.native_kernels == "on":
+        _check(r.dtype != "float16", "rollout.native_kernels is 'on' with rollout.dtype float16; the kernels "
+               "support float32 and bfloat16: change the dtype or set native_kernels to auto or off")
+        from spmdrl.rollout.native_kernels import build_tools_available
+
+        _check(build_tools_available(), "rollout.native_kernels is 'on' but g++ or "
+               "ninja is not on PATH to build them: install both or set native_kernels to auto or off")
 
     # Names that select components.
     for key, value, valid in (

@@ -95,6 +95,10 @@ class RolloutConfig:
     benchmarks; the response mask then covers every generated token."""
     max_num_seqs: int = 256
     """Most sequences decoded at once; larger batches are generated in chunks."""
+    native_kernels: Literal["auto", "on", "off"] = "auto"
+    """The native engine's C++ decode kernels (RMSNorm and attention; built with g++ and ninja on first
+    use, ~20 s, then cached). auto: used on CPU for float32/bfloat16 when they build; on: error if they
+    cannot; off: torch ops only. Ignored by the other engines."""
     sleep_level: Literal[1, 2] = 1
     """Sleep between rollouts: 1 frees the KV cache and offloads weights, 2 frees both."""
     gpu_memory_utilization: float = 0.5

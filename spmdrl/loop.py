@@ -105,6 +105,7 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
         cfg.rollout.engine, model_path, mesh=dims.rollout_mesh, device=device, dtype=DTYPES[cfg.rollout.dtype],
         max_num_seqs=cfg.rollout.max_num_seqs, seed=cfg.trainer.seed * 1000 + rollout_rank,
         eos_token_ids=_eos_ids(tokenizer, model_path), pad_token_id=tokenizer.pad_token_id or 0,
+        **({"kernels": cfg.rollout.native_kernels} if cfg.rollout.engine == "native" else {}),
     )
     print(_summary(rank, dims, device, model_path, actor), flush=True)
     kc = cfg.algorithm.kl_ctrl

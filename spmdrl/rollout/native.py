@@ -29,6 +29,7 @@ import torch
 
 from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from spmdrl.rollout.native_cache import KVCache, KVView
+from spmdrl.rollout.native_kernels import KernelMode, resolve_kernels
 from spmdrl.rollout.native_model import Decoder, DecoderConfig, can_prepack
 from spmdrl.rollout.sampling import sample, stop_id_tensor, validate_sampling
 
@@ -117,6 +118,8 @@ class NativeRollout(RolloutEngine):
             ``update_weights`` (the weights then come from a stream, not the folder).
         prepack: keep oneDNN-packed copies of the matmul weights while generating (faster
             on CPU, costs one more copy of the weights until ``sleep``); None = when available.
+        kernels: the C++ decode kernels of native_kernels.py: "auto" uses them when they build
+            and fit the model (CPU, float32/bfloat16), "on" raises when they cannot, "off" never.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class NativeRollout(RolloutEngine):
         max_model_len: Optional[int] = None,
         load_weights: bool = True,
         prepack: Optional[bool] = None,
+        kernels: KernelMode = "auto",
     ):
         self.dp_rank = rollout_dp_rank(mesh)
         if max_num_seqs < 1:
@@ -148,6 +152,7 @@ class NativeRollout(RolloutEngine):
         if self.prepack and not can_prepack(self.device, self.dtype):
             raise ValueError(f"prepack=True needs a CPU device with oneDNN and float32/bfloat16, "
                              f"got {self.device} {self.dtype}")
+        self.model.kernels = resolve_kernels(kernels, self.device, self.dtype, self.config.head_dim)
         self.generator = torch.Generator(self.device).manual_seed(seed + self.dp_rank)
         self.cache: Optional[KVCache] = None
         self._cache_shape: Optional[tuple[int, int]] = None  # (rows, seq) to restore at wake-up

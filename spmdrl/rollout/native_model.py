@@ -32,6 +32,8 @@ from spmdrl.rollout.weight_store import WeightStore
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # oneDNN linear on a prepacked weight (bound once: resolving torch.ops per call costs time per step).
 _PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
+# The C++ decode kernels' namespace (registered when native_kernels loads them).
+_KERNELS = torch.ops.spmdrl_native
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -291,6 +293,8 @@ class Decoder:
             optional = ("lm_head.weight",)
         self.weights = WeightStore([flat], slots, optional)
         self.scale = 1.0 / math.sqrt(d)
+        # C++ decode kernels (native_kernels.py); the engine turns them on after they load.
+        self.kernels = False
         self.packed = False
         self.unpack()
 
@@ -365,6 +369,8 @@ class Decoder:
     # ---- forward ---------------------------------------------------------------------------------
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.kernels:  # one pass, transformers' arithmetic exactly
+            return _KERNELS.rms_norm(x, w, self.cfg.rms_norm_eps)
         # One fused op; it accumulates in fp32 for bf16 inputs, like transformers, but
         # scales by the weight before rounding (transformers rounds first): bf16 results
         # may differ in the last bit, fp32 results are identical.
@@ -436,6 +442,8 @@ class Decoder:
         columns past ``col`` are masked by the bias (see KVCache for why).
         """
         c = self.cfg
+        if self.kernels:
+            return self._decode_kernels(tokens, pos, cache, col, B)
         L_, K, D = c.num_layers, c.num_kv_heads, c.head_dim
         G, S = c.num_heads // K, cache.k.shape[3]
         cos, sin = cache.cos[pos].unsqueeze(-2), cache.sin[pos].unsqueeze(-2)  # [B, 1, D]
@@ -453,4 +461,18 @@ class Decoder:
             p = torch.softmax(torch.add(bias, s, alpha=self.scale), -1).to(self.dtype)  # scores in fp32
             a = torch.bmm(p, vc)  # [B*K, G, D]
             x = self._out_mlp(L, x, a.view(B, K * G * D))
+        return self.logits(x)
+
+    def _decode_kernels(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVView, col: int, B: int
+                        ) -> torch.Tensor:
+        """``decode`` with the C++ kernels: per layer rms_norm, the qkv matmul, one decode_attention call
+        (q/k-norm, RoPE, K/V write, attention), then the output/MLP matmuls."""
+        c = self.cfg
+        x = F.embedding(tokens, self.embed)  # [B, h]
+        bias = cache.bias[:B]
+        for L, kc, vc in zip(self.layers, cache.k[:, :B].unbind(0), cache.v[:, :B].unbind(0)):  # [B, K, S, D]
+            qkv = self._linear(self._rms(x, L.ln1), L.qkv, L.qkv_b)  # [B, (H+2K)*D]
+            a = _KERNELS.decode_attention(qkv, L.q_norm, L.k_norm, c.rms_norm_eps, cache.cos, cache.sin, pos,
+                                          kc, vc, bias, col, c.num_heads, self.scale)  # [B, H*D]
+            x = self._out_mlp(L, x, a)
         return self.logits(x)

@@ -48,6 +48,8 @@ BAD = [
     (["--parallel.rollout_tp", "2", "--parallel.tp", "1"], "does not divide the world size 1"),
     (["--model.fused_kernels", "on", "--parallel.tp", "2"], "model.fused_kernels is 'on' with parallel.tp=2"),
     (["--model.fused_kernels", "fast"], "model.fused_kernels"),
+    (["--rollout.native_kernels", "on", "--rollout.dtype", "float16"], "rollout.native_kernels is 'on' with"),
+    (["--rollout.native_kernels", "fast"], "rollout.native_kernels"),
     (["--reward.function", "rewards.txt"], "reward.function is 'rewards.txt'"),
     (["--reward.function", "/nonexistent/r.py:score"], "names the file '/nonexistent/r.py'"),
     (["--trainer.resume", "/nonexistent/ckpt"], "trainer.resume is '/nonexistent/ckpt'"),
