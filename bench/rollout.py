@@ -9,7 +9,8 @@ Each (model, dtype, engine) runs in its own subprocess, so peak RSS is that
 engine's alone (VmHWM, reset before each cell). Per cell: warm-up runs, then
 ``--repeats`` timed ``generate`` calls; with ``--rounds R`` the whole sequence of
 engines runs R times in turn and every figure is the median over the R x repeats
-calls, so drift on a shared machine hits every engine alike. tok/s counts
+calls, so drift on a shared machine hits every engine alike (the GEMM rate below
+is sampled in every round as well). tok/s counts
 generated tokens (response mask); TTFT is the median wall time of the same call
 with max_tokens=1 (prefill of the whole batch plus one sampled token). Sampling
 is temperature 1 with EOS active, on random-token prompts of ``--prompt-len``.
@@ -131,8 +132,8 @@ def worker(spec: dict) -> None:
 
 # ---- driver side ---------------------------------------------------------------------------------
 
-def gemm_limit(config_path: Path, rows: int, repeats: int) -> tuple[float, float]:
-    """(bf16 GFLOP/s on this model's decode matmuls with ``rows`` rows, GEMM-bound tok/s)."""
+def gemm_times(config_path: Path, rows: int, repeats: int) -> tuple[int, list[float]]:
+    """FLOP of one pass over this model's decode matmuls with ``rows`` rows, and ``repeats`` timed passes."""
     import torch
     import torch.nn.functional as F
 
@@ -158,8 +159,16 @@ def gemm_limit(config_path: Path, rows: int, repeats: int) -> tuple[float, float
             F.linear(xs[h], head)
             if r >= 2:  # two warm-up passes
                 times.append(time.perf_counter() - t)
+    return flop, times
+
+
+def gemm_limit(config_path: Path, flop: int, times: list[float]) -> tuple[float, float]:
+    """(bf16 GFLOP/s, GEMM-bound tok/s) from the median of the timed passes."""
+    sys.path.insert(0, str(REPO))
+    from spmdrl.rollout.native_model import DecoderConfig
+
     rate = flop / statistics.median(times)
-    return rate / 1e9, rate / (2 * c.num_params())
+    return rate / 1e9, rate / (2 * DecoderConfig.from_folder(config_path).num_params())
 
 
 def run_worker(python: str, spec: dict, env: dict) -> list[dict]:
@@ -213,6 +222,11 @@ def main(argv: list[str] | None = None) -> None:
         env["OMP_NUM_THREADS"] = str(args.threads)
     load0 = os.getloadavg()
     pooled: dict[tuple, dict] = {}
+    gemm: dict[tuple, tuple[int, list[float]]] = {}
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)  # the GEMM rate is measured with the engines' thread count
     # Rounds run every engine in turn, so a slow spell of a shared machine lands on all of them.
     for rnd in range(args.rounds):
         for model, path in paths.items():
@@ -230,16 +244,13 @@ def main(argv: list[str] | None = None) -> None:
                         acc["rates"] += r["rates"]
                         acc["ttfts"] += r["ttfts"]
                         acc["rss_mb"] = max(acc["rss_mb"], r["rss_mb"])
+            # The GEMM rate is sampled in every round too, so it sees the same spells as the engines.
+            for rows in sorted({min(c["batch"] * c["n"], args.max_num_seqs) for c in cells}):
+                flop, times = gemm_times(path, rows, repeats=max(5, args.repeats))
+                gemm.setdefault((model, rows), (flop, []))[1].extend(times)
     results = {k: {"tok_s": statistics.median(v["rates"]), "ttft_ms": 1e3 * statistics.median(v["ttfts"]),
                    "rss_mb": v["rss_mb"]} for k, v in pooled.items()}
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)  # the GEMM rate is measured with the engines' thread count
-    limits = {}
-    for model, path in paths.items():
-        for rows in sorted({min(c["batch"] * c["n"], args.max_num_seqs) for c in cells}):
-            limits[(model, rows)] = gemm_limit(path, rows, repeats=max(5, args.repeats))
+    limits = {key: gemm_limit(paths[key[0]], flop, times) for key, (flop, times) in gemm.items()}
     print_table(args, paths, cells, [e for e, _ in engines], results, limits, load0)
 
 
