@@ -29,7 +29,7 @@ import torch
 
 from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
 from spmdrl.rollout.native_cache import KVCache, KVView
-from spmdrl.rollout.native_kernels import KernelMode, resolve_kernels
+from spmdrl.rollout.native_kernels import KernelMode, ops as kernel_ops, resolve_kernels
 from spmdrl.rollout.native_model import Decoder, DecoderConfig, can_prepack
 from spmdrl.rollout.sampling import sample, stop_id_tensor, validate_sampling
 
@@ -271,6 +271,16 @@ class NativeRollout(RolloutEngine):
             prompt_index=idx.cpu(),
         )
 
+    def _sample(self, logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """sampling.sample, or the C++ kernel for its untruncated and greedy cases (same convention)."""
+        V = logits.shape[-1]
+        if self.model.kernels and sampling.top_p >= 1.0 and (sampling.top_k < 0 or sampling.top_k >= V):
+            if sampling.greedy:
+                return kernel_ops.sample(logits, logits.new_empty(0), 0.0)
+            u = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
+            return kernel_ops.sample(logits, u, sampling.temperature)
+        return sample(logits, sampling, self.generator)
+
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], row0: int, sampling: SamplingParams,
                         cache: KVCache, stop_ids: torch.Tensor, out_ids: torch.Tensor, out_lp: torch.Tensor,
                         stopped: torch.Tensor) -> None:
@@ -295,7 +305,7 @@ class NativeRollout(RolloutEngine):
         kv.bias[:, :T] = torch.where(valid, 0.0, float("-inf"))
         rows = torch.arange(row0, row0 + B, device=dev)  # output row of each live batch slot
         next_pos = valid.sum(-1)  # [B] position of the next token = prompt length
-        tokens, lp = sample(logits, sampling, self.generator)
+        tokens, lp = self._sample(logits, sampling)
         for step in range(R):
             out_ids[rows, step] = tokens
             out_lp[rows, step] = lp
@@ -324,4 +334,4 @@ class NativeRollout(RolloutEngine):
                 kv = cache.widen(kv, width)
             kv.bias[:B, col] = 0.0
             logits = self.model.decode(tokens, next_pos + step, kv, col, B)
-            tokens, lp = sample(logits, sampling, self.generator)
+            tokens, lp = self._sample(logits, sampling)

@@ -7,8 +7,12 @@ everything between the matmuls except what oneDNN epilogues already fuse:
 
 - ``rms_norm``: one pass per row (fp32 statistics, transformers' rounding);
 - ``decode_attention``: per (row, KV head) q/k-norm, RoPE, the K/V write at the
-  step's cache column, scores, softmax and the weighted V sum, vectorized with
-  ATen's ``at::vec`` at the CPU capability torch itself dispatches to.
+  step's cache column, scores, softmax and the weighted V sum;
+- ``sample``: per row the softmax, the inverse-CDF draw of a uniform from the
+  engine's generator, and the log-prob (untruncated sampling and greedy).
+
+All three are vectorized with ATen's ``at::vec`` at the CPU capability torch
+itself dispatches to.
 
 torch.compile was measured and rejected for this (about 28 us per compiled call
 at these sizes, more than the eager op it replaces). The extension is compiled
@@ -37,6 +41,8 @@ _CAPABILITY_FLAGS = {
                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
+# The kernels' namespace; its ops exist once load_kernels() returned True.
+ops = torch.ops.spmdrl_native
 _loaded: Optional[bool] = None
 _error = ""
 

@@ -27,13 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from spmdrl.rollout.native_cache import KVCache, KVView
+from spmdrl.rollout.native_kernels import ops as _KERNELS
 from spmdrl.rollout.weight_store import WeightStore
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # oneDNN linear on a prepacked weight (bound once: resolving torch.ops per call costs time per step).
 _PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
-# The C++ decode kernels' namespace (registered when native_kernels loads them).
-_KERNELS = torch.ops.spmdrl_native
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 

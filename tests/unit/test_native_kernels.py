@@ -108,3 +108,30 @@ def test_modes_and_errors(tiny_model_dir):
     assert not native_kernels.resolve_kernels("auto", torch.device("cpu"), torch.float32, 48)
     assert not NativeRollout(str(tiny_model_dir), kernels="off").model.kernels
     assert NativeRollout(str(tiny_model_dir), kernels="auto").model.kernels
+
+
+@pytest.mark.parametrize("V", [2048, 1000])
+def test_sample_is_the_inverse_cdf_of_the_softmax(V):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(500, V, generator=g) * 3
+    u = torch.rand(500, generator=g)
+    tokens, lp = torch.ops.spmdrl_native.sample(logits, u, 0.7)
+    probs = torch.softmax(logits.double() / 0.7, -1)
+    ref = torch.searchsorted(probs.cumsum(-1), u.double()[:, None], right=True).squeeze(-1)
+    assert torch.equal(tokens, ref)
+    logp = torch.log_softmax(logits / 0.7, -1)
+    torch.testing.assert_close(lp, logp.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-5, rtol=0)
+    # Greedy: the argmax and its temperature-1 log-prob.
+    tokens, lp = torch.ops.spmdrl_native.sample(logits, torch.empty(0), 0.0)
+    assert torch.equal(tokens, logits.argmax(-1))
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).amax(-1), atol=1e-5, rtol=0)
+
+
+def test_sample_never_draws_a_masked_token():
+    logits = torch.full((4, 300), float("-inf"))
+    logits[:, 7] = 0.0
+    logits[:, 290] = 1.0
+    u = torch.tensor([0.0, 0.5, 1 - 1e-7, 0.999999])
+    tokens, lp = torch.ops.spmdrl_native.sample(logits, u, 1.0)
+    assert set(tokens.tolist()) <= {7, 290} and torch.isfinite(lp).all()
+    assert tokens[0] == 7 and tokens[2] == 290

@@ -3,6 +3,8 @@
 //   rms_norm          x [N, h] -> [N, h]: one pass per row instead of ~8 ATen kernels.
 //   decode_attention  per (row, kv head): q/k-norm, RoPE, K/V write at column `col`, scores, softmax,
 //                     weighted V -- the ~12 ATen ops of an attention block's middle in one loop.
+//   sample            per row: softmax(logits / T), the inverse-CDF draw of a given uniform and its
+//                     log-prob (or the argmax) -- the ~15 ops of sampling.py's untruncated path.
 //
 // Numerics follow the Python path (native_model.py), which follows transformers: statistics and
 // softmax in fp32, activations rounded to the model dtype where transformers rounds them.
@@ -251,6 +253,82 @@ at::Tensor decode_attention(const at::Tensor& qkv, const std::optional<at::Tenso
   return out;
 }
 
+// Sampling from full-vocabulary softmax(logits / temperature) (no top-k / top-p), per row:
+// the token at the inverse CDF of uniform u, and its log-prob. temperature 0: argmax.
+// Same convention as sampling.py; the exps are kept in scratch, with sums per block of 64, so the
+// CDF walk reads block sums first and one block after.
+void sample_row(const float* x, int64_t V, float temperature, float u, float* e, float* blocks,
+                int64_t* token, float* logprob) {
+  constexpr int64_t kBlock = 64;
+  const bool greedy = temperature == 0.f;
+  const float inv_t = greedy ? 1.f : 1.f / temperature;
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t arg = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    if (x[v] > mx) { mx = x[v]; arg = v; }  // first maximum, as torch.argmax
+  }
+  const fVec vmx(mx * inv_t), vt(inv_t);
+  float z = 0.f;
+  const int64_t nb = (V + kBlock - 1) / kBlock;
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int64_t lo = blk * kBlock, hi = std::min(V, lo + kBlock);
+    float bs = 0.f;
+    int64_t v = lo;
+    if (hi - lo == kBlock) {
+      fVec acc(0.f);
+      for (; v + kVec <= hi; v += kVec) {
+        fVec ev = at::vec::fmsub(fVec::loadu(x + v), vt, vmx).exp_u20();
+        ev.store(e + v);
+        acc = acc + ev;
+      }
+      bs = at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return a + b; }, acc);
+    }
+    for (; v < hi; ++v) {
+      e[v] = std::exp(x[v] * inv_t - mx * inv_t);
+      bs += e[v];
+    }
+    blocks[blk] = bs;
+    z += bs;
+  }
+  int64_t tok = arg;
+  if (!greedy) {
+    float target = u * z, cum = 0.f;
+    int64_t blk = 0;
+    while (blk < nb - 1 && cum + blocks[blk] <= target) cum += blocks[blk++];
+    const int64_t lo = blk * kBlock, hi = std::min(V, lo + kBlock);
+    tok = -1;
+    for (int64_t v = lo; v < hi; ++v) {
+      if (e[v] > 0.f) tok = v;  // rounding can leave target past the block's sum: last nonzero entry
+      cum += e[v];
+      if (cum > target && e[v] > 0.f) break;
+    }
+    if (tok < 0) tok = arg;  // an empty block (all underflowed): the argmax is always a valid draw
+  }
+  *token = tok;
+  *logprob = x[tok] * inv_t - mx * inv_t - std::log(z);
+}
+
+std::tuple<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const at::Tensor& uniform, double temperature) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "sample: logits must be [B, V] float32");
+  auto x = logits.contiguous();
+  const int64_t B = x.size(0), V = x.size(1);
+  TORCH_CHECK(temperature == 0 || (uniform.numel() == B && uniform.scalar_type() == at::kFloat),
+              "sample: uniform must be [B] float32");
+  auto u = uniform.contiguous();
+  auto tokens = at::empty({B}, x.options().dtype(at::kLong));
+  auto logprobs = at::empty({B}, x.options());
+  const float* xp = x.const_data_ptr<float>();
+  const float* up = temperature == 0 ? nullptr : u.const_data_ptr<float>();
+  int64_t* tp = tokens.mutable_data_ptr<int64_t>();
+  float* lp = logprobs.mutable_data_ptr<float>();
+  at::parallel_for(0, B, std::max<int64_t>(1, 32768 / V), [&](int64_t lo, int64_t hi) {
+    std::vector<float> e(V), blocks(V / 64 + 1);
+    for (int64_t b = lo; b < hi; ++b)
+      sample_row(xp + b * V, V, (float)temperature, up ? up[b] : 0.f, e.data(), blocks.data(), tp + b, lp + b);
+  });
+  return {tokens, logprobs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(spmdrl_native, m) {
@@ -258,9 +336,11 @@ TORCH_LIBRARY(spmdrl_native, m) {
   m.def("decode_attention(Tensor qkv, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, Tensor sin, "
         "Tensor pos, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor bias, int col, int num_heads, "
         "float scale) -> Tensor");
+  m.def("sample(Tensor logits, Tensor uniform, float temperature) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(spmdrl_native, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("decode_attention", &decode_attention);
+  m.impl("sample", &sample);
 }
