@@ -13,6 +13,10 @@ keeps per-step Python overhead low on CPU. Layout decisions, each for speed:
 
 Numerics follow transformers (RMSNorm in fp32, RoPE tables built in fp32 and cast
 to the weight dtype, softmax in fp32) so fp32 logits agree to ~1e-6.
+
+With ``kernels`` on (native_kernels.py), RMSNorm and everything between the qkv
+and output matmuls of a decode step run as C++ kernels; the torch code below is
+the fallback and the reference they are tested against.
 """
 
 from __future__ import annotations

@@ -62,6 +62,18 @@ inline void round_to(float* x, T* tmp, int64_t n) {
   }
 }
 
+// Call f with a value of the C++ type of `dtype` (float32 or bfloat16, the dtypes the engine serves).
+template <typename F>
+void for_dtype(at::ScalarType dtype, const char* op, F&& f) {
+  if (dtype == at::kFloat) {
+    f(float{});
+  } else if (dtype == at::kBFloat16) {
+    f(at::BFloat16{});
+  } else {
+    TORCH_CHECK(false, op, ": dtype ", dtype, " is not supported (float32 or bfloat16)");
+  }
+}
+
 inline float sum_sq(const float* x, int64_t n) {
   fVec acc(0.f);
   int64_t d = 0;
@@ -84,19 +96,41 @@ inline void rms_row(float* x, const float* w, T* tmp, int64_t n, float eps) {
   round_to(x, tmp, n);
 }
 
+// rms_row for a whole hidden row read from and written to T, in two passes (statistics, then
+// scale-round-weight-round per vector) instead of rms_row's eight.
+template <typename T>
+void rms_norm_row(const T* x, const float* w, T* out, int64_t h, float eps) {
+  fVec acc(0.f);
+  int64_t d = 0;
+  for (; d + kVec <= h; d += kVec) {
+    const fVec v = load_f(x + d);
+    acc = at::vec::fmadd(v, v, acc);
+  }
+  float ss = at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return a + b; }, acc);
+  for (; d < h; ++d) ss += static_cast<float>(x[d]) * static_cast<float>(x[d]);
+  const float r = 1.f / std::sqrt(ss / h + eps);
+  const fVec vr(r);
+  d = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; d + kVec <= h; d += kVec) (fVec::loadu(x + d) * vr * fVec::loadu(w + d)).store(out + d);
+  } else {
+    using bVec = Vectorized<T>;
+    for (; d + 2 * kVec <= h; d += 2 * kVec) {
+      auto [a, b] = at::vec::convert_to_float<T>(bVec::loadu(x + d));
+      auto [ra, rb] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a * vr, b * vr));
+      at::vec::convert_from_float<T>(ra * fVec::loadu(w + d), rb * fVec::loadu(w + d + kVec)).store(out + d);
+    }
+  }
+  for (; d < h; ++d) out[d] = static_cast<T>(static_cast<float>(static_cast<T>(static_cast<float>(x[d]) * r)) * w[d]);
+}
+
 template <typename T>
 void rms_norm_impl(const T* x, const T* w, T* out, int64_t rows, int64_t h, float eps) {
   std::vector<float> wf(h);
   to_float(w, wf.data(), h);
   const int64_t grain = std::max<int64_t>(1, 32768 / h);  // threads only pay off past ~32k elements
   at::parallel_for(0, rows, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> buf(h);
-    std::vector<T> tmp(h);
-    for (int64_t r = lo; r < hi; ++r) {
-      to_float(x + r * h, buf.data(), h);
-      rms_row(buf.data(), wf.data(), tmp.data(), h, eps);
-      from_float(buf.data(), out + r * h, h);
-    }
+    for (int64_t r = lo; r < hi; ++r) rms_norm_row(x + r * h, wf.data(), out + r * h, h, eps);
   });
 }
 
@@ -106,13 +140,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.size(-1) == h, "rms_norm: last dim ", x.size(-1), " != weight size ", h);
   auto xc = x.contiguous();
   auto out = at::empty_like(xc);
-  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      rms_norm_impl<float>(xc.const_data_ptr<float>(), w.contiguous().const_data_ptr<float>(),
-                           out.mutable_data_ptr<float>(), xc.numel() / h, h, (float)eps); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      rms_norm_impl<at::BFloat16>(xc.const_data_ptr<at::BFloat16>(), w.contiguous().const_data_ptr<at::BFloat16>(),
-                                  out.mutable_data_ptr<at::BFloat16>(), xc.numel() / h, h, (float)eps); }));
+  for_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_impl<T>(xc.const_data_ptr<T>(), w.contiguous().const_data_ptr<T>(), out.mutable_data_ptr<T>(),
+                     xc.numel() / h, h, (float)eps);
+  });
   return out;
 }
 
@@ -233,23 +265,17 @@ at::Tensor decode_attention(const at::Tensor& qkv, const std::optional<at::Tenso
   auto cosc = cos.contiguous(), sinc = sin.contiguous();
   std::vector<float> qn, kn;
   if (q_norm) { qn.resize(D); kn.resize(D); }
-  AT_DISPATCH_SWITCH(qkv.scalar_type(), "decode_attention",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      using T = float;
-      if (q_norm) { to_float(q_norm->contiguous().const_data_ptr<T>(), qn.data(), D);
-                    to_float(k_norm->contiguous().const_data_ptr<T>(), kn.data(), D); }
-      decode_attention_impl<T>(qkv.const_data_ptr<T>(), qkv.stride(0), q_norm ? qn.data() : nullptr,
-          q_norm ? kn.data() : nullptr, (float)eps, cosc.const_data_ptr<T>(), sinc.const_data_ptr<T>(),
-          posc.const_data_ptr<int64_t>(), k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>(),
-          bias.const_data_ptr<float>(), bias.stride(0), out.mutable_data_ptr<T>(), B, H, K, S, D, col, (float)scale); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      using T = at::BFloat16;
-      if (q_norm) { to_float(q_norm->contiguous().const_data_ptr<T>(), qn.data(), D);
-                    to_float(k_norm->contiguous().const_data_ptr<T>(), kn.data(), D); }
-      decode_attention_impl<T>(qkv.const_data_ptr<T>(), qkv.stride(0), q_norm ? qn.data() : nullptr,
-          q_norm ? kn.data() : nullptr, (float)eps, cosc.const_data_ptr<T>(), sinc.const_data_ptr<T>(),
-          posc.const_data_ptr<int64_t>(), k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>(),
-          bias.const_data_ptr<float>(), bias.stride(0), out.mutable_data_ptr<T>(), B, H, K, S, D, col, (float)scale); }));
+  for_dtype(qkv.scalar_type(), "decode_attention", [&](auto tag) {
+    using T = decltype(tag);
+    if (q_norm) {
+      to_float(q_norm->contiguous().const_data_ptr<T>(), qn.data(), D);
+      to_float(k_norm->contiguous().const_data_ptr<T>(), kn.data(), D);
+    }
+    decode_attention_impl<T>(qkv.const_data_ptr<T>(), qkv.stride(0), q_norm ? qn.data() : nullptr,
+        q_norm ? kn.data() : nullptr, (float)eps, cosc.const_data_ptr<T>(), sinc.const_data_ptr<T>(),
+        posc.const_data_ptr<int64_t>(), k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>(),
+        bias.const_data_ptr<float>(), bias.stride(0), out.mutable_data_ptr<T>(), B, H, K, S, D, col, (float)scale);
+  });
   return out;
 }
 
