@@ -2,23 +2,26 @@
 
 Why: at decode sizes a step is ~25 small ATen calls per layer, and on CPU their
 fixed cost (Python, dispatch, allocation, ~8 kernels inside one bf16
-``F.rms_norm``) rivals the matmuls. Two kernels (csrc/native_kernels.cpp) take
+``F.rms_norm``) rivals the matmuls. Three kernels (csrc/native_kernels.cpp) take
 everything between the matmuls except what oneDNN epilogues already fuse:
 
-- ``rms_norm``: one pass per row (fp32 statistics, transformers' rounding);
+- ``rms_norm``: two passes per row (fp32 statistics, then transformers' rounding);
 - ``decode_attention``: per (row, KV head) q/k-norm, RoPE, the K/V write at the
   step's cache column, scores, softmax and the weighted V sum;
 - ``sample``: per row the softmax, the inverse-CDF draw of a uniform from the
   engine's generator, and the log-prob (untruncated sampling and greedy).
 
 All three are vectorized with ATen's ``at::vec`` at the CPU capability torch
-itself dispatches to.
+itself dispatches to (AVX512, AVX2 or none; each builds and passes the tests).
+Measured on the 2-core CPU (bf16, batch 32, in one process): tiny-model decode
++38% tok/s from the first two, about +5% more from ``sample``.
 
 torch.compile was measured and rejected for this (about 28 us per compiled call
 at these sizes, more than the eager op it replaces). The extension is compiled
-with torch's cpp_extension (g++ and ninja; about a minute once, cached under
-``$SPMDRL_CACHE/kernels`` or ``$TORCH_EXTENSIONS_DIR``), registered as ``torch.ops.spmdrl_native``, and used
-only on CPU for float32 / bfloat16 and head_dim 32, 64, 128 or 256.
+with torch's cpp_extension (g++ and ninja; ~20 s once, cached under
+``$SPMDRL_CACHE/kernels`` or ``$TORCH_EXTENSIONS_DIR`` in a folder named by a hash
+of the source, flags and torch version), registered as ``torch.ops.spmdrl_native``,
+and used only on CPU for float32 / bfloat16 and head_dim 32, 64, 128 or 256.
 """
 
 from __future__ import annotations

@@ -372,7 +372,7 @@ class Decoder:
     # ---- forward ---------------------------------------------------------------------------------
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.kernels:  # one pass, transformers' arithmetic exactly
+        if self.kernels:  # two passes, transformers' arithmetic exactly
             return _KERNELS.rms_norm(x, w, self.cfg.rms_norm_eps)
         # One fused op; it accumulates in fp32 for bf16 inputs, like transformers, but
         # scales by the weight before rounding (transformers rounds first): bf16 results
