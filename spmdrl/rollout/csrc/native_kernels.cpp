@@ -1,6 +1,6 @@
 // CPU kernels for the native rollout engine's decode step (see native_kernels.py for why and when).
 //
-//   rms_norm          x [N, h] -> [N, h]: one pass per row instead of ~8 ATen kernels.
+//   rms_norm          x [N, h] -> [N, h]: two passes per row instead of ~8 ATen kernels.
 //   decode_attention  per (row, kv head): q/k-norm, RoPE, K/V write at column `col`, scores, softmax,
 //                     weighted V -- the ~12 ATen ops of an attention block's middle in one loop.
 //   sample            per row: softmax(logits / T), the inverse-CDF draw of a given uniform and its
@@ -23,7 +23,6 @@ namespace {
 using at::vec::Vectorized;
 using fVec = Vectorized<float>;
 constexpr int64_t kVec = fVec::size();
-
 
 // kVec elements of T as one float vector (at::vec::convert has no vectorized bf16 -> float).
 template <typename T>
@@ -74,15 +73,17 @@ void for_dtype(at::ScalarType dtype, const char* op, F&& f) {
   }
 }
 
-inline float sum_sq(const float* x, int64_t n) {
+// Sum of squares of n values of T, accumulated in fp32.
+template <typename T>
+inline float sum_sq(const T* x, int64_t n) {
   fVec acc(0.f);
   int64_t d = 0;
   for (; d + kVec <= n; d += kVec) {
-    fVec v = fVec::loadu(x + d);
+    const fVec v = load_f(x + d);
     acc = at::vec::fmadd(v, v, acc);
   }
   float s = at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return a + b; }, acc);
-  for (; d < n; ++d) s += x[d] * x[d];
+  for (; d < n; ++d) s += static_cast<float>(x[d]) * static_cast<float>(x[d]);
   return s;
 }
 
@@ -100,17 +101,9 @@ inline void rms_row(float* x, const float* w, T* tmp, int64_t n, float eps) {
 // scale-round-weight-round per vector) instead of rms_row's eight.
 template <typename T>
 void rms_norm_row(const T* x, const float* w, T* out, int64_t h, float eps) {
-  fVec acc(0.f);
-  int64_t d = 0;
-  for (; d + kVec <= h; d += kVec) {
-    const fVec v = load_f(x + d);
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  float ss = at::vec::vec_reduce_all<float>([](fVec a, fVec b) { return a + b; }, acc);
-  for (; d < h; ++d) ss += static_cast<float>(x[d]) * static_cast<float>(x[d]);
-  const float r = 1.f / std::sqrt(ss / h + eps);
+  const float r = 1.f / std::sqrt(sum_sq(x, h) / h + eps);
   const fVec vr(r);
-  d = 0;
+  int64_t d = 0;
   if constexpr (std::is_same_v<T, float>) {
     for (; d + kVec <= h; d += kVec) (fVec::loadu(x + d) * vr * fVec::loadu(w + d)).store(out + d);
   } else {
