@@ -35,8 +35,10 @@ from spmdrl.rollout.native_kernels import ops as _KERNELS
 from spmdrl.rollout.weight_store import WeightStore
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-# oneDNN linear on a prepacked weight (bound once: resolving torch.ops per call costs time per step).
-_PACKED_LINEAR = torch.ops.mkldnn._linear_pointwise if torch.backends.mkldnn.is_available() else None
+# oneDNN linear on a prepacked weight (bound once: resolving torch.ops per call costs time per step);
+# None on builds without it (Decoder.pack is then never called, see precision.can_prepack).
+_PACKED_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
+    else None
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -198,12 +200,6 @@ def rope_tables(cfg: DecoderConfig, length: int, device: torch.device, dtype: to
     return cos.to(device, dtype), sin.to(device, dtype)
 
 
-def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN weight prepacking is available for this device and dtype (x86 CPU builds)."""
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
 @dataclass
 class Layer:
     ln1: torch.Tensor  # [h]
@@ -304,7 +300,7 @@ class Decoder:
     # ---- prepacked matmul weights ----------------------------------------------------------------
 
     def pack(self) -> None:
-        """Give every matmul a oneDNN-packed copy of its weight (CPU; see ``can_prepack``).
+        """Give every matmul a oneDNN-packed copy of its weight (CPU; see ``precision.can_prepack``).
 
         F.linear re-lays out a plain weight on every call; packing once measured
         21-32% faster decode GEMMs (bf16, 38M / 4.5M models, 1 thread) and more
