@@ -112,7 +112,6 @@ def from_generation(gen: "GenerationOutput", prompt_index: torch.Tensor) -> Batc
             "attention_mask": attention_mask,
             "position_ids": position_ids,
             "response_mask": response_mask.float(),  # [N, R]
-            "rollout_logp": gen.logprobs.float(),  # [N, R]
             "index": prompt_index[gen.prompt_index],  # [N]
         }
     )

@@ -1,14 +1,14 @@
 """Checkpoints: atomic sharded saves, exact resume, preemption signals and a fault-injection test hook.
 
-    ckpt = Checkpointer(r)          # installs the SIGTERM/SIGUSR1 handlers
-    ckpt.resume()                   # trainer.resume: auto | off | PATH
-    ...after each step: stop = ckpt.stop_requested(); if ckpt.due(step) or stop: ckpt.save(step)
+    ckpt = Checkpointer(RunState(cfg, out_dir, engines, rollout, loader, kl_ctrl, tokenizer, device, steps))
+    if ckpt.resume(): step = ckpt.resumed_step   # trainer.resume: auto | off | PATH
+    ...after each step: stop = ckpt.stop_requested(step); if ckpt.due(step) or stop: ckpt.save(step)
 
 One checkpoint is a folder ``{output_dir}/checkpoints/global_step_N/``:
 
     manifest.json        written last: step, world size, every file with its size, model shapes
     config.yaml          the resolved config of the run that saved it
-    trainer_state.json   step, data-loader position, KL controller, ``Run.extra_state``
+    trainer_state.json   step, data-loader position, KL controller
     actor/ critic/       torch.distributed.checkpoint folders: model, optimizer, LR schedule, engine step
                          (sharded; loadable on another world size)
     rng_rank{r}.pt       rank r's RNG states: torch (CPU, CUDA), python, numpy, rollout sampling generator
@@ -50,6 +50,7 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -63,11 +64,12 @@ from torch.distributed.checkpoint._traverse import set_element  # what DefaultLo
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from spmdrl import __version__
-from spmdrl.cli import ConfigError, dump_config
+from spmdrl.config import dump_config
+from spmdrl.errors import ConfigError
 from spmdrl.tools.tiny_model import resolve_builtin_model
 
 if TYPE_CHECKING:
-    from spmdrl.loop import Run
+    from spmdrl.config import Config
 
 log = logging.getLogger("spmdrl")
 
@@ -328,13 +330,29 @@ def trim_metrics(path: Path, last_step: int) -> None:
 # ----------------------------------------------------------------------------- the checkpointer
 
 
+@dataclass
+class RunState:
+    """What a checkpoint saves and restores: the trained engines and the stateful pieces around them."""
+
+    cfg: "Config"
+    out_dir: Path  # the run's output folder (checkpoints/ goes under it)
+    engines: dict[str, Any]  # role ("actor", "critic") -> engine with state_dict / load_state_dict
+    rollout: Any  # its sampling generator is part of the RNG state
+    loader: Any  # state_dict / load_state_dict: the data position
+    kl_ctrl: Any  # state_dict / load_state_dict
+    tokenizer: Any  # saved next to the weights so export needs nothing else
+    device: torch.device
+    total_steps: int
+
+
 class Checkpointer:
     """Saves and restores one run's state; every method is collective (call it on every rank)."""
 
-    def __init__(self, r: "Run", install_signal_handlers: bool = True) -> None:
+    def __init__(self, r: RunState, install_signal_handlers: bool = True) -> None:
         self.r = r
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.resumed_step = 0  # set by resume()
         self.root = r.out_dir / CHECKPOINTS
         # Collective (rank 0 may build a builtin model): resolved here, where every rank passes.
         self.model_src = Path(resolve_builtin_model(r.cfg.model.path))
@@ -354,17 +372,17 @@ class Checkpointer:
             os.write(2, f"[rank {self.rank}] {name}: checkpoint and stop at the end of this step\n".encode())
         self._signal = signum
 
-    def stop_requested(self) -> bool:
-        """True on every rank when any rank got SIGTERM/SIGUSR1 (an all-reduce at the step boundary)."""
+    def stop_requested(self, step: int) -> bool:
+        """True on every rank when any rank got SIGTERM/SIGUSR1 (an all-reduce at the boundary after ``step``)."""
         flag = torch.tensor([0 if self._signal is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
-        self._maybe_inject_fault()
+        self._maybe_inject_fault(step)
         return bool(flag.item())
 
-    def _maybe_inject_fault(self) -> None:
+    def _maybe_inject_fault(self, current: int) -> None:
         step = os.environ.get("SPMDRL_FAULT_INJECT_STEP")
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if step is None or int(step) != self.r.step or not first_attempt:
+        if step is None or int(step) != current or not first_attempt:
             return
         rank = int(os.environ.get("SPMDRL_FAULT_INJECT_RANK", min(1, self.world_size - 1)))
         if rank == self.rank:
@@ -412,7 +430,7 @@ class Checkpointer:
         return freq > 0 and (step % freq == 0 or step == self.r.total_steps)
 
     def _engines(self) -> dict[str, Any]:
-        return {role: e for role, e in (("actor", self.r.actor), ("critic", self.r.critic)) if e is not None}
+        return self.r.engines
 
     def save(self, step: int) -> Path:
         """Write ``global_step_{step}``; returns its folder once it is complete and ``latest`` names it."""
@@ -444,8 +462,7 @@ class Checkpointer:
 
         def finish() -> int:
             files_dir = self._write_model_files(tmp)
-            state = {"step": step, "data": r.train_loader.state_dict(), "kl_ctrl": r.kl_ctrl.state_dict(),
-                     "extra_state": dict(r.extra_state)}
+            state = {"step": step, "data": r.loader.state_dict(), "kl_ctrl": r.kl_ctrl.state_dict()}
             _write_text(tmp / "trainer_state.json", json.dumps(state, indent=1))
             _write_text(tmp / "config.yaml", dump_config(r.cfg))
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -476,9 +493,9 @@ class Checkpointer:
 
     def _export_hf(self, tmp: Path) -> None:
         """The live actor as a Hugging Face folder ``hf/``: every rank gathers, rank 0 writes."""
-        from spmdrl.export import write_hf_folder
+        from spmdrl.hf_folder import write_hf_folder
 
-        weights = self.r.actor.export_weights()
+        weights = self.r.engines["actor"].export_weights()
         error = None
         if self.rank == 0:
             try:
@@ -528,7 +545,8 @@ class Checkpointer:
     # -- resuming
 
     def resume(self) -> Optional[Path]:
-        """Restore the checkpoint ``trainer.resume`` names; returns its folder, or None on a fresh start."""
+        """Restore the checkpoint ``trainer.resume`` names; returns its folder (``resumed_step`` is its step),
+        or None on a fresh start. The rollout engine still holds the initial weights afterwards."""
         r = self.r
         spec = r.cfg.trainer.resume
         path, manifest = self._from_rank0(lambda: self._choose(spec))
@@ -547,26 +565,23 @@ class Checkpointer:
         error = None
         try:
             trainer = json.loads((path / "trainer_state.json").read_text())
-            r.train_loader.load_state_dict(trainer["data"])
+            r.loader.load_state_dict(trainer["data"])
             r.kl_ctrl.load_state_dict(trainer["kl_ctrl"])
-            r.extra_state.update(trainer.get("extra_state", {}))
-            r.step = int(trainer["step"])
+            self.resumed_step = step = int(trainer["step"])
             if manifest["world_size"] == self.world_size:
                 rng = torch.load(path / f"rng_rank{self.rank}.pt", weights_only=True)
                 set_rng_state(rng, r.rollout, r.device)
             else:
-                reseed_rng(r.cfg.trainer.seed, r.step, self.rank, r.rollout)
+                reseed_rng(r.cfg.trainer.seed, step, self.rank, r.rollout)
         except Exception as err:  # a bad file must stop every rank with the same sentence
             error = f"checkpoint {str(path)!r} could not be loaded ({type(err).__name__}: {err})"
         self._all_ok(error, ConfigError)
-        # The rollout engine still holds the initial weights: push the actor's before the next rollout.
-        r.rollout_in_sync = False
-        self._from_rank0(lambda: trim_metrics(r.out_dir / "metrics.jsonl", r.step))
+        self._from_rank0(lambda: trim_metrics(r.out_dir / "metrics.jsonl", self.resumed_step))
         if manifest["world_size"] != self.world_size:
             log.warning("resumed a %d-rank checkpoint on %d ranks: parameters are exact, rollout samples are "
                         "not those of an uninterrupted run (per-rank sampling streams)",
                         manifest["world_size"], self.world_size)
-        self._say(f"resumed from {path} at step {r.step} in {time.perf_counter() - start:.2f} s")
+        self._say(f"resumed from {path} at step {self.resumed_step} in {time.perf_counter() - start:.2f} s")
         return path
 
     def _choose(self, spec: str) -> tuple[Optional[str], Optional[dict]]:

@@ -17,16 +17,12 @@ from typing import Optional, Sequence
 import jsonargparse
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from spmdrl.config import Config
+from spmdrl.config import Config, output_dir
+from spmdrl.errors import ConfigError
 
 # Estimators whose baseline is the group of n responses to one prompt.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "opo")
 LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
-STRATEGIES = ("fsdp2", "megatron")
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem: printed as one line, exit code 2."""
 
 
 def build_parser() -> ArgumentParser:
@@ -63,18 +59,6 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, bool]:
     return Config(**{k: ns[k] for k in asdict(Config()).keys()}), debug
 
 
-def dump_config(cfg: Config) -> str:
-    """YAML of the resolved config (written next to the run's outputs)."""
-    import yaml
-
-    return yaml.safe_dump(asdict(cfg), sort_keys=False)
-
-
-def output_dir(cfg: Config) -> Path:
-    t = cfg.trainer
-    return Path(t.output_dir.format(project_name=t.project_name, experiment_name=t.experiment_name))
-
-
 def _files(spec) -> list[str]:
     if spec is None:
         return []
@@ -88,11 +72,11 @@ def _check(cond: bool, msg: str) -> None:
 
 def validate(cfg: Config, world_size: int) -> None:
     """Range and consistency checks that need no process group; raises ConfigError."""
-    from spmdrl.algos.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-    from spmdrl.parallel import ParallelDims
-    from spmdrl.rollout.base import ROLLOUT_ENGINES
-
     import spmdrl.algos  # noqa: F401  (fills the registries)
+    from spmdrl.algos.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+    from spmdrl.engines import ENGINES, engine_class
+    from spmdrl.parallel import ParallelDims
+    from spmdrl.rollout.base import ROLLOUT_ENGINES, rollout_engine_class
 
     d, r, a, c, alg, t = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm, cfg.trainer
     # Ranges.
@@ -136,19 +120,6 @@ def validate(cfg: Config, world_size: int) -> None:
     _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
     _check(0 < r.gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
 
-    _check(
-        not (cfg.model.fused_kernels == "on" and cfg.parallel.tp > 1),
-        f"model.fused_kernels is 'on' with parallel.tp={cfg.parallel.tp}; the fused kernels do not support "
-        f"tensor parallelism: set model.fused_kernels to auto or off",
-    )
-    if r.engine == "native" and r.native_kernels == "on":
-        _check(r.dtype != "float16", "rollout.native_kernels is 'on' with rollout.dtype float16; the kernels "
-               "support float32 and bfloat16: change the dtype or set native_kernels to auto or off")
-        from spmdrl.rollout.native_kernels import build_tools_available
-
-        _check(build_tools_available(), "rollout.native_kernels is 'on' but g++ or "
-               "ninja is not on PATH to build them: install both or set native_kernels to auto or off")
-
     # Names that select components.
     for key, value, valid in (
         ("algorithm.adv_estimator", alg.adv_estimator, ADVANTAGES.names()),
@@ -157,7 +128,7 @@ def validate(cfg: Config, world_size: int) -> None:
         ("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS.names()),
         ("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS.names()),
         ("rollout.engine", r.engine, sorted(ROLLOUT_ENGINES)),
-        ("actor.strategy", a.strategy, list(STRATEGIES)),
+        ("actor.strategy", a.strategy, sorted(ENGINES)),
     ):
         _check(value in valid, f"{key} is {value!r}; valid values: {', '.join(valid)}")
     for name in t.logger:
@@ -194,11 +165,12 @@ def validate(cfg: Config, world_size: int) -> None:
         f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size} x {r.n} does not split evenly over "
         f"{world_size} ranks; make actor.ppo_mini_batch_size a multiple of {dims.rollout_dp}",
     )
-    _check(
-        not (r.engine in ("native", "hf") and cfg.parallel.rollout_tp > 1),
-        f"parallel.rollout_tp is {cfg.parallel.rollout_tp} but rollout.engine {r.engine!r} runs one engine per "
-        f"rank; use rollout.engine vllm or sglang for rollout tensor parallelism",
-    )
+    # Each backend checks its own keys (and that it can run here).
+    try:
+        rollout_engine_class(r.engine).check_config(cfg)
+        engine_class(a.strategy).check_config(cfg)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(str(err)) from err
 
     # Things on disk.
     for key, path in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),

@@ -13,7 +13,8 @@ user can read a config at a glance.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal, Optional, Union
 
 
@@ -78,7 +79,8 @@ class ParallelConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "native"
-    """Rollout engine: native (pure torch), hf (transformers generate), vllm or sglang (GPU)."""
+    """Rollout engine: native (pure torch, KV cache, C++ decode kernels on CPU) or hf (transformers
+    generate, a baseline for debugging)."""
     n: int = 8
     """Responses sampled per prompt."""
     temperature: float = 1.0
@@ -87,9 +89,10 @@ class RolloutConfig:
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
     """Keep the k most likely tokens; -1 keeps all."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Dtype of the rollout engine's weights and KV cache (bf16: about 2x float32's decode speed on CPU,
-    see bench/rollout.py; log-probs are still computed in float32)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the rollout engine's weights and KV cache. auto: bfloat16 where the device runs it natively
+    (GPUs with bf16, CPUs where oneDNN reports native bf16: AVX-512/AMX), float32 elsewhere (an AVX2 CPU
+    emulates bf16 at ~1/40 of the float32 rate). Log-probs are computed in float32 either way."""
     ignore_eos: bool = False
     """Keep sampling past EOS up to max_response_length (verl's rollout.ignore_eos): fixed-length work for
     benchmarks; the response mask then covers every generated token."""
@@ -112,7 +115,7 @@ class RolloutConfig:
 @dataclass
 class ActorConfig:
     strategy: str = "fsdp2"
-    """Training engine: fsdp2 (CPU and GPU) or megatron (GPU)."""
+    """Training engine (verl's actor.strategy) for actor, reference and critic: fsdp2."""
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0
@@ -155,16 +158,15 @@ class ActorConfig:
     """Weight of the KL loss."""
     kl_loss_type: str = "low_var_kl"
     """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), and '+' variants (k2 gradient)."""
-    param_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """FSDP2 MixedPrecisionPolicy param_dtype: the compute dtype of forward and backward (master weights,
-    gradients reduction and optimizer state stay in model.dtype / reduce_dtype). bf16 matmuls run ~3x
-    float32's rate on AVX512-BF16/AMX CPUs and on GPUs; verl's default too."""
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype of forward and backward for actor, reference and critic (FSDP2 MixedPrecisionPolicy
+    param_dtype; master weights, gradient reduction and optimizer state stay in model.dtype / reduce_dtype).
+    auto: bfloat16 where the device runs it natively (verl's default on GPU; ~3x float32's rate on
+    AVX512-BF16/AMX CPUs), float32 elsewhere (bf16 is emulated, ~40x slower, on AVX2-only CPUs)."""
     reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """FSDP2 MixedPrecisionPolicy reduce_dtype (gradient reduce-scatter dtype)."""
     cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: keep sharded params, grads and optimizer state on the CPU."""
-    offload_optimizer_during_rollout: bool = True
-    """Move optimizer state off the device while the rollout engine is awake (GPU only)."""
 
 
 @dataclass
@@ -287,7 +289,8 @@ class TrainerConfig:
     val_before_train: bool = False
     """Validate once before the first step."""
     colocate: bool = True
-    """Sleep the rollout engine during training and offload training state during rollout."""
+    """Sleep the rollout engine during training, and offload the actor's and critic's optimizer state and
+    gradients while the rollout engine is awake."""
     progress_bar: bool = True
     """Show a tqdm bar on rank 0."""
 
@@ -304,3 +307,16 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def dump_config(cfg: Config) -> str:
+    """YAML of the resolved config (written next to the run's outputs and into checkpoints)."""
+    import yaml
+
+    return yaml.safe_dump(asdict(cfg), sort_keys=False)
+
+
+def output_dir(cfg: Config) -> Path:
+    """``trainer.output_dir`` with {project_name} and {experiment_name} filled in."""
+    t = cfg.trainer
+    return Path(t.output_dir.format(project_name=t.project_name, experiment_name=t.experiment_name))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -25,19 +25,18 @@ from spmdrl.algos.dapo import filter_groups, overlong_penalty
 from spmdrl.algos.kl import apply_kl_penalty, build_kl_controller
 from spmdrl.algos.registry import ADVANTAGES, get_advantage
 from spmdrl.batch import Batch, from_generation, place_scores
-from spmdrl.cli import ConfigError, dump_config, output_dir
-from spmdrl.config import Config
+from spmdrl.config import Config, dump_config, output_dir
 from spmdrl.engines import build_engine
-from spmdrl.engines.base import LossFn
+from spmdrl.engines.base import LossFn, TrainEngine
+from spmdrl.errors import ConfigError
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
-from spmdrl.parallel import ParallelDims, device_for_rank
+from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords
+from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
 from spmdrl.rewards import RewardManager, decode_responses
-from spmdrl.rollout.base import RolloutEngine, SamplingParams, build_rollout
+from spmdrl.rollout.base import RolloutSession, SamplingParams, eos_ids_from_folder, rollout_engine_class
 
 log = logging.getLogger("spmdrl")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -52,10 +51,10 @@ class Run:
     tokenizer: object
     train_loader: object
     val_loader: Optional[object]
-    rollout: RolloutEngine
-    actor: object
-    ref: Optional[object]
-    critic: Optional[object]
+    rollout: RolloutSession  # the engine and the one owner of its wake/load/generate/sleep order
+    actor: TrainEngine
+    ref: Optional[TrainEngine]
+    critic: Optional[TrainEngine]
     reward: RewardManager
     kl_ctrl: object
     timer: PhaseTimer
@@ -63,13 +62,15 @@ class Run:
     actor_loss: LossFn
     critic_loss: LossFn
     step: int = 0
-    rollout_in_sync: bool = True  # rollout engine holds the actor's current weights
-    extra_state: dict = field(default_factory=dict)
 
     @property
-    def group(self) -> Optional[dist.ProcessGroup]:
-        """All ranks: the batch is sharded over the whole world in rollout order."""
-        return None
+    def group(self) -> dist.ProcessGroup:
+        """Batch-wide statistics reduce over every rank (the batch is sharded over the world)."""
+        return self.dims.batch_group
+
+    @property
+    def trained(self) -> list[TrainEngine]:
+        return [e for e in (self.actor, self.critic) if e is not None]
 
 
 def build(cfg: Config, dims: ParallelDims) -> Run:
@@ -78,21 +79,25 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
     from spmdrl.data import build_train_loader, build_val_loader
     from spmdrl.tools.tiny_model import resolve_builtin_model
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = device_for_rank(dims.device_type)
     torch.manual_seed(cfg.trainer.seed)
     model_path = resolve_builtin_model(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)
-    rollout_rank, rollout_world = dims.rollout_mesh.get_coordinate()[0], dims.rollout_dp
+    rollout_rank, _ = rollout_coords(dims.rollout_mesh)
     try:
-        train_loader = build_train_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=rollout_world,
+        train_loader = build_train_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp,
                                           seed=cfg.trainer.seed)
-        val_loader = build_val_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=rollout_world)
+        val_loader = build_val_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp)
         reward = RewardManager.from_config(cfg.reward)
     except (ValueError, FileNotFoundError, ImportError, AttributeError) as err:
         raise ConfigError(str(err)) from err
     total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * train_loader.steps_per_epoch
 
+    precision, emulated = precision_summary(cfg.actor.param_dtype, cfg.rollout.dtype, device.type)
+    if emulated and rank == 0:
+        log.warning("bfloat16 was asked for but this %s has no native bf16: bf16 matmuls are emulated, %s; "
+                    "the default (auto) picks float32 here", device.type.upper(), EMULATED_BF16_SLOWDOWN)
     adv_meta = ADVANTAGES.meta(cfg.algorithm.adv_estimator)
     actor = build_engine(cfg, model_path, role="actor", dims=dims, device=device, total_steps=total_steps)
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
@@ -101,13 +106,15 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
     if adv_meta.get("needs_values"):
         critic_path = resolve_builtin_model(cfg.critic.model_path or cfg.model.path)
         critic = build_engine(cfg, critic_path, role="critic", dims=dims, device=device, total_steps=total_steps)
-    rollout = build_rollout(
-        cfg.rollout.engine, model_path, mesh=dims.rollout_mesh, device=device, dtype=DTYPES[cfg.rollout.dtype],
-        max_num_seqs=cfg.rollout.max_num_seqs, seed=cfg.trainer.seed * 1000 + rollout_rank,
-        eos_token_ids=_eos_ids(tokenizer, model_path), pad_token_id=tokenizer.pad_token_id or 0,
-        **({"kernels": cfg.rollout.native_kernels} if cfg.rollout.engine == "native" else {}),
+    engine = rollout_engine_class(cfg.rollout.engine).from_config(
+        cfg, model_path, mesh=dims.rollout_mesh, device=device, pad_token_id=tokenizer.pad_token_id or 0,
+        eos_token_ids=eos_ids_from_folder(model_path, tokenizer.eos_token_id),
     )
-    print(_summary(rank, dims, device, model_path, actor), flush=True)
+    # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
+    rollout_dtype = resolve_dtype(cfg.rollout.dtype, device.type)
+    session = RolloutSession(engine, lambda: actor.export_weights(rollout_dtype),
+                             sleep_level=cfg.rollout.sleep_level, colocate=cfg.trainer.colocate)
+    print(_summary(rank, dims, device, model_path, actor, precision), flush=True)
     kc = cfg.algorithm.kl_ctrl
     out_dir = output_dir(cfg)
     if rank == 0:
@@ -115,32 +122,21 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
         (out_dir / "config.yaml").write_text(dump_config(cfg))
     return Run(
         cfg=cfg, dims=dims, device=device, rank=rank, out_dir=out_dir, tokenizer=tokenizer,
-        train_loader=train_loader, val_loader=val_loader, rollout=rollout, actor=actor, ref=ref, critic=critic,
+        train_loader=train_loader, val_loader=val_loader, rollout=session, actor=actor, ref=ref, critic=critic,
         reward=reward, kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon),
         timer=PhaseTimer(device), total_steps=total_steps, actor_loss=actor_loss_fn(cfg),
         critic_loss=critic_loss_fn(cfg),
     )
 
 
-def _summary(rank: int, dims: ParallelDims, device: torch.device, model_path: str, actor) -> str:
+def _summary(rank: int, dims: ParallelDims, device: torch.device, model_path: str, actor: TrainEngine,
+             precision: str) -> str:
     c = dims.coords(rank)
     return (
         f"[rank {rank}/{dims.world_size}] train mesh pp={c['pp']} dp_replicate={c['dp_replicate']} "
         f"dp_shard={c['dp_shard']} tp={c['tp']} | rollout mesh dp={c['rollout_dp']} tp={c['rollout_tp']} | "
-        f"device {device} | actor {actor.num_params() / 1e6:.2f}M params from {model_path}"
+        f"device {device} | actor {actor.num_params() / 1e6:.2f}M params from {model_path} | {precision}"
     )
-
-
-def _eos_ids(tokenizer, model_path: str) -> list[int]:
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id}
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos])
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        pass
-    return sorted(i for i in ids if i is not None)
 
 
 def sampling_params(cfg: Config, *, validation: bool = False) -> SamplingParams:
@@ -156,11 +152,8 @@ def sampling_params(cfg: Config, *, validation: bool = False) -> SamplingParams:
 
 
 def generate(r: Run, prompts: list, sampling: SamplingParams) -> Batch:
-    """Rollout of this rank's prompts; the engine wakes for it and sleeps after when colocated."""
-    r.rollout.wake_up(("kv_cache",))
-    gen = r.rollout.generate([p.prompt_ids for p in prompts], sampling)
-    if r.cfg.trainer.colocate:
-        r.rollout.sleep(r.cfg.rollout.sleep_level)
+    """Rollout of this rank's prompts; call inside ``r.rollout.awake()``."""
+    gen = r.rollout.engine.generate([p.prompt_ids for p in prompts], sampling)
     batch = from_generation(gen, torch.tensor([p.index for p in prompts], dtype=torch.long))
     per_row = gen.prompt_index.tolist()
     batch["data_source"] = [prompts[i].data_source for i in per_row]
@@ -190,17 +183,9 @@ def score(r: Run, batch: Batch) -> dict[str, float]:
     return metrics
 
 
-def sync_weights(r: Run) -> None:
-    """Push the actor's weights into the rollout engine when the actor changed since the last push."""
-    r.rollout.wake_up(("weights",))
-    if not r.rollout_in_sync:
-        # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
-        r.rollout.update_weights(r.actor.export_weights(getattr(torch, r.cfg.rollout.dtype)))
-        r.rollout_in_sync = True
-
-
 def collect(r: Run, prompts: list) -> tuple[Batch, dict[str, float]]:
-    """Rollout + reward; with DAPO dynamic sampling, more prompts until every rank has its share of groups."""
+    """Rollout + reward (inside ``r.rollout.awake()``); with DAPO dynamic sampling, more prompts until every
+    rank has its share of groups."""
     cfg, t = r.cfg, r.timer
     sampling = sampling_params(cfg)
     fg = cfg.algorithm.filter_groups
@@ -242,13 +227,17 @@ def train_step(r: Run) -> dict[str, float]:
     start = time.perf_counter()
     prompts = next(r.train_loader)
 
+    alg = cfg.algorithm
+    needs_baseline = ADVANTAGES.meta(alg.adv_estimator).get("needs_baseline")
+    if cfg.trainer.colocate:  # optimizer state and gradients leave the device while rollout runs
+        for engine in r.trained:
+            engine.offload()
+    with r.rollout.awake(lambda: t.phase("weight_sync")):
+        batch, metrics = collect(r, prompts)
+        baseline = _greedy_baseline(r, prompts, batch) if needs_baseline else None
     if cfg.trainer.colocate:
-        r.actor.offload()
-    with t.phase("weight_sync"):
-        sync_weights(r)
-    batch, metrics = collect(r, prompts)
-    if cfg.trainer.colocate:
-        r.actor.onload()
+        for engine in r.trained:
+            engine.onload()
     mask = batch["response_mask"]  # [N, R]
     rows = len(batch)
     mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size  # rows per rank per optimizer step
@@ -265,16 +254,15 @@ def train_step(r: Run) -> dict[str, float]:
         if r.critic is not None:
             batch["values"] = r.critic.forward_no_grad(batch, cfg.critic.ppo_micro_batch_size_per_gpu)["values"]
     with t.phase("adv"):
-        alg = cfg.algorithm
         token_rewards = batch["token_rewards"]
         if alg.use_kl_in_reward:
             token_rewards, kl_metrics = apply_kl_penalty(
                 token_rewards, batch["old_logp"], batch["ref_logp"], mask, kl_coef=r.kl_ctrl.value,
                 kl_penalty=alg.kl_penalty, group=r.group,
             )
-            r.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size)
+            # As verl: the controller advances by the number of responses (prompts x n) in the batch.
+            r.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], n_steps=_global_rows(r, batch))
             metrics.update(kl_metrics)
-        baseline = _greedy_baseline(r, prompts, batch) if ADVANTAGES.meta(alg.adv_estimator).get("needs_baseline") else None
         adv, returns = get_advantage(alg.adv_estimator)(
             token_rewards, mask, batch["index"], values=batch.get("values"), baseline=baseline, gamma=alg.gamma,
             lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo, group=r.group,
@@ -288,7 +276,7 @@ def train_step(r: Run) -> dict[str, float]:
                                                c.ppo_micro_batch_size_per_gpu, c.ppo_epochs))
         metrics.update(r.actor.train_step(batch, r.actor_loss, mini, cfg.actor.ppo_micro_batch_size_per_gpu,
                                           cfg.actor.ppo_epochs, entropy_grad=cfg.actor.entropy_coeff != 0))
-        r.rollout_in_sync = False
+        r.rollout.actor_changed()
 
     metrics.update(_batch_metrics(batch, cfg))
     metrics.update(t.pop())
@@ -303,6 +291,13 @@ def train_step(r: Run) -> dict[str, float]:
     return metrics
 
 
+def _global_rows(r: Run, batch: Batch) -> int:
+    """Responses in the whole batch (DAPO may keep fewer than train_batch_size x n)."""
+    rows = torch.tensor([len(batch)], dtype=torch.int64)
+    dist.all_reduce(rows, group=r.group)
+    return int(rows.item())
+
+
 def _gather_float(value: float) -> list[float]:
     """One float from every rank, in rank order."""
     out = torch.zeros(dist.get_world_size(), dtype=torch.float64)
@@ -312,9 +307,13 @@ def _gather_float(value: float) -> list[float]:
 
 
 def _greedy_baseline(r: Run, prompts: list, batch: Batch) -> torch.Tensor:
-    """ReMax: the reward of a greedy response to each prompt, as the baseline of its samples."""
-    greedy = generate(r, prompts, SamplingParams(n=1, max_tokens=r.cfg.data.max_response_length, temperature=0.0))
-    score(r, greedy)
+    """ReMax: the reward of a greedy response to each prompt, as the baseline of its samples (inside
+    ``r.rollout.awake()``, timed with the rollout and reward phases)."""
+    with r.timer.phase("rollout"):
+        greedy = generate(r, prompts, SamplingParams(n=1, max_tokens=r.cfg.data.max_response_length,
+                                                     temperature=0.0))
+    with r.timer.phase("reward"):
+        score(r, greedy)
     by_prompt = dict(zip(greedy["index"].tolist(), greedy["scores"].tolist()))
     return torch.tensor([by_prompt[i] for i in batch["index"].tolist()], dtype=torch.float32)  # [N]
 
@@ -340,15 +339,15 @@ def validate(r: Run) -> dict[str, float]:
     if r.val_loader is None:
         return {}
     sums: dict[str, list[float]] = {}
-    sync_weights(r)
-    for prompts in r.val_loader:
-        if prompts:
-            batch = generate(r, prompts, sampling_params(r.cfg, validation=True))
-            score(r, batch)
-            for source, s in zip(batch["data_source"], batch["scores"].tolist()):
-                acc = sums.setdefault(str(source), [0.0, 0.0])
-                acc[0] += s
-                acc[1] += 1
+    with r.rollout.awake():  # one wake for every validation batch
+        for prompts in r.val_loader:
+            if prompts:
+                batch = generate(r, prompts, sampling_params(r.cfg, validation=True))
+                score(r, batch)
+                for source, s in zip(batch["data_source"], batch["scores"].tolist()):
+                    acc = sums.setdefault(str(source), [0.0, 0.0])
+                    acc[0] += s
+                    acc[1] += 1
     # Ranks may have seen different sources; agree on the set, then sum.
     sources = [None] * dist.get_world_size()
     dist.all_gather_object(sources, sorted(sums))
@@ -359,11 +358,16 @@ def validate(r: Run) -> dict[str, float]:
 
 
 def run(cfg: Config, dims: ParallelDims) -> None:
-    from spmdrl.checkpoint import Checkpointer
+    from spmdrl.checkpoint import Checkpointer, RunState
 
     r = build(cfg, dims)
-    ckpt = Checkpointer(r)
-    ckpt.resume()  # trainer.resume: auto | off | PATH; restores step, engines, data, RNG, KL controller
+    engines = {role: e for role, e in (("actor", r.actor), ("critic", r.critic)) if e is not None}
+    ckpt = Checkpointer(RunState(cfg, r.out_dir, engines, r.rollout.engine, r.train_loader, r.kl_ctrl, r.tokenizer, r.device,
+                                 r.total_steps))
+    # trainer.resume: auto | off | PATH; restores engines, data, RNG and KL controller; returns the step.
+    if ckpt.resume() is not None:
+        r.step = ckpt.resumed_step
+        r.rollout.actor_changed()  # the rollout engine still holds the initial weights
     sink = MetricsSink(r.out_dir, cfg.trainer.logger, r.total_steps, rank=r.rank,
                        progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
                        experiment=cfg.trainer.experiment_name, initial_step=r.step)
@@ -377,7 +381,7 @@ def run(cfg: Config, dims: ParallelDims) -> None:
                 metrics.update(validate(r))
             sink.log(r.step, metrics)
             # A preemption signal (SIGTERM/SIGUSR1) turns into a checkpoint at this step boundary, then exit.
-            stop = ckpt.stop_requested()
+            stop = ckpt.stop_requested(r.step)
             if ckpt.due(r.step) or stop:
                 ckpt.save(r.step)
             if stop:

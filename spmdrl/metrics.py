@@ -99,8 +99,8 @@ def _nvml_used_gb(device: torch.device) -> float:
         return float("nan")
 
 
-def reduce_metrics(metrics: dict[str, float], group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
-    """Mean over the ranks that report each key; ``*/max`` keys take the max and ``*/min`` keys the min.
+def reduce_metrics(metrics: dict[str, float], group: dist.ProcessGroup) -> dict[str, float]:
+    """Mean over the ranks of ``group`` that report each key; ``*/max`` keys take the max, ``*/min`` the min.
 
     Memory and timing keys take the max too (the slowest / largest rank matters).
     Ranks may report different keys (a scorer's extras depend on the data

@@ -74,6 +74,20 @@ def device_for_rank(device_type: str) -> torch.device:
     return torch.device("cpu")
 
 
+def rollout_coords(mesh: Optional[DeviceMesh]) -> tuple[int, int]:
+    """(rollout-DP rank, rollout-TP size) of this rank on a rollout mesh; (0, 1) without a mesh.
+
+    The TP axis is the dimension whose name ends in "tp" (or the second of a 2-D
+    mesh without names); the DP axis is the other one.
+    """
+    if mesh is None:
+        return 0, 1
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_dim = next((i for i, n in enumerate(names) if n.endswith("tp")), 1 if mesh.ndim == 2 else None)
+    dp_dim = next((i for i in range(mesh.ndim) if i != tp_dim), None)
+    return (0 if dp_dim is None else mesh.get_local_rank(dp_dim)), (1 if tp_dim is None else mesh.size(tp_dim))
+
+
 @dataclass
 class ParallelDims:
     """The parallel degrees of one run, checked against the world size.
@@ -166,6 +180,12 @@ class ParallelDims:
     @property
     def rollout_mesh(self) -> DeviceMesh:
         return self._mesh("rollout")
+
+    @property
+    def batch_group(self) -> dist.ProcessGroup:
+        """The group batch-wide statistics reduce over: every rank, because the batch is sharded over the
+        whole world in rollout order (whatever the training mesh). Passed explicitly, never as None."""
+        return dist.group.WORLD
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` on both meshes (for the start-up summary line)."""

@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from spmdrl.cli import ConfigError, exit_with, parse_config, validate
+from spmdrl.cli import exit_with, parse_config, validate
+from spmdrl.errors import ConfigError
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

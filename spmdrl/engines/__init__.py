@@ -4,14 +4,13 @@
     actor = build_engine(cfg, model_path, role="actor", dims=dims, device=device, total_steps=100)
 
 ``cfg.actor.strategy`` picks the backend: ``fsdp2`` (``spmdrl.engines.fsdp2.FSDP2Engine``)
-runs on CPU and GPU; ``megatron`` needs CUDA and megatron-core.
+runs on CPU and GPU. Each engine class checks its own config keys (``check_config``)
+before any process group exists.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
@@ -21,28 +20,21 @@ if TYPE_CHECKING:
     from spmdrl.config import Config
     from spmdrl.parallel import ParallelDims
 
-# strategy name -> "module:class"; imported only when that strategy is built.
-ENGINES: dict[str, str] = {
-    "fsdp2": "spmdrl.engines.fsdp2:FSDP2Engine",
-    "megatron": "spmdrl.engines.megatron:MegatronEngine",
-}
+def _fsdp2() -> type[TrainEngine]:
+    from spmdrl.engines.fsdp2 import FSDP2Engine
+
+    return FSDP2Engine
+
+
+# strategy name (actor.strategy) -> factory returning the class; a backend is imported only when chosen.
+ENGINES: dict[str, Callable[[], type[TrainEngine]]] = {"fsdp2": _fsdp2}
 
 
 def engine_class(strategy: str) -> type[TrainEngine]:
     """The engine class of ``strategy`` (``actor.strategy`` in the config), imported on demand."""
     if strategy not in ENGINES:
-        raise ValueError(
-            f"unknown training strategy {strategy!r} (actor.strategy); valid: {', '.join(ENGINES)}"
-        )
-    if strategy == "megatron" and (
-        not torch.cuda.is_available() or importlib.util.find_spec("megatron") is None
-    ):
-        raise ValueError(
-            "actor.strategy='megatron' needs a CUDA GPU with megatron-core installed "
-            "(pip install 'spmdrl[megatron]'); use actor.strategy='fsdp2' on this machine"
-        )
-    module, cls = ENGINES[strategy].split(":")
-    return getattr(importlib.import_module(module), cls)
+        raise ValueError(f"actor.strategy is {strategy!r}; valid strategies: {', '.join(sorted(ENGINES))}")
+    return ENGINES[strategy]()
 
 
 def build_engine(
@@ -55,12 +47,7 @@ def build_engine(
     total_steps: int | None = None,
 ) -> TrainEngine:
     """The ``role`` engine on this rank's share of the training mesh (collective: call on every rank)."""
-    cls = engine_class(cfg.actor.strategy)
-    if cfg.actor.strategy == "fsdp2" and dims.pp > 1:
-        raise ValueError(
-            f"parallel.pp={dims.pp} needs actor.strategy='megatron'; the fsdp2 engine has no pipeline"
-        )
-    return cls.from_config(  # type: ignore[attr-defined]
+    return engine_class(cfg.actor.strategy).from_config(  # type: ignore[attr-defined]
         cfg,
         role,
         model_path=model_path,

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
 from spmdrl.batch import Batch
+
+if TYPE_CHECKING:
+    from spmdrl.config import Config
 
 
 @dataclass
@@ -39,6 +42,11 @@ LossFn = Callable[[dict[str, torch.Tensor], Batch, LossScale], tuple[torch.Tenso
 
 
 class TrainEngine(abc.ABC):
+    @classmethod
+    def check_config(cls, cfg: "Config") -> None:
+        """Raise ValueError (one sentence) when ``cfg`` asks this engine for something it cannot do;
+        runs before any process group or model exists. The default accepts everything."""
+
     @abc.abstractmethod
     def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Per-token outputs for every row, micro-batched, without gradients."""

@@ -56,20 +56,12 @@ from spmdrl.engines.weights import (
     iter_full_state,
     iter_unsharded_state,
 )
+from spmdrl.precision import resolve_dtype, to_dtype
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
 
 Role = Literal["actor", "ref", "critic"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def to_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not supported; valid: {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def resolve_attn_implementation(name: str, device_type: str, max_len: int) -> str:
@@ -226,6 +218,16 @@ class FSDP2Engine(TrainEngine):
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
 
     @classmethod
+    def check_config(cls, cfg: "Config") -> None:
+        p = cfg.parallel
+        if p.pp > 1:
+            raise ValueError(f"parallel.pp is {p.pp} but actor.strategy 'fsdp2' has no pipeline schedule; "
+                             f"set parallel.pp: 1")
+        if cfg.model.fused_kernels == "on" and p.tp > 1:
+            raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
+                             f"support tensor parallelism: set model.fused_kernels to auto or off")
+
+    @classmethod
     def from_config(
         cls,
         cfg: "Config",
@@ -245,7 +247,7 @@ class FSDP2Engine(TrainEngine):
             tp_mesh=tp_mesh,
             device=device,
             dtype=m.dtype,
-            param_dtype=a.param_dtype,
+            param_dtype=resolve_dtype(a.param_dtype, torch.device(device).type),
             reduce_dtype=a.reduce_dtype,
             attn_implementation=resolve_attn_implementation(
                 m.attn_implementation, torch.device(device).type,

@@ -1,29 +1,35 @@
 """The rollout-engine interface and what it returns.
 
-An engine lives in-process on every rank. The loop uses exactly four calls, in
-this order each step (see ../../DESIGN.md, "Weight sync order"):
+An engine lives in-process on every rank. Its calls come in this order
+(DESIGN.md, "Weight sync order"), owned by ``RolloutSession`` alone:
 
     engine.wake_up(("weights",))
-    engine.update_weights(actor.export_weights())   # (hf_name, full tensor) stream
+    engine.update_weights(actor.export_weights())   # (hf_name, full tensor) stream, when stale
     engine.wake_up(("kv_cache",))
-    out = engine.generate(prompts, sampling)
+    out = engine.generate(prompts, sampling)        # any number of calls
     engine.sleep(level)
 
-Backends are looked up by name and imported lazily (``build_rollout``), so a run
-with the native engine never imports vLLM or SGLang.
+Backends are looked up by name through factory functions that import them
+lazily (``rollout_engine_class``), so a run with the native engine never
+imports another backend; each engine checks its own config keys
+(``check_config``) before any work and builds itself (``from_config``).
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
+import contextlib
+import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from spmdrl.config import Config
 
 
 @dataclass
@@ -70,6 +76,20 @@ class GenerationOutput:
         return self.response_mask.sum(-1)
 
 
+def eos_ids_from_folder(model_path: str | Path, tokenizer_eos: Optional[int] = None) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS (when given) and the folder's
+    generation_config.json EOS, else config.json's (an int or a list in either)."""
+    ids: set[int] = set() if tokenizer_eos is None else {tokenizer_eos}
+    for fname in ("generation_config.json", "config.json"):
+        f = Path(model_path) / fname
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+                break
+    return sorted(ids)
+
+
 class RolloutEngine(abc.ABC):
     """One in-process generation engine per rank (one rollout DP x TP coordinate)."""
 
@@ -90,44 +110,90 @@ class RolloutEngine(abc.ABC):
         """Re-materialise what ``tags`` names ("weights", "kv_cache")."""
 
 
-# name -> "module:Class"; imported only when chosen.
-ROLLOUT_ENGINES: dict[str, str] = {
-    "native": "spmdrl.rollout.native:NativeRollout",
-    "hf": "spmdrl.rollout.hf:HFRollout",
-    "vllm": "spmdrl.rollout.vllm:VLLMRollout",
-    "sglang": "spmdrl.rollout.sglang:SGLangRollout",
-}
+    # ---- construction from the run config (each engine validates its own options) ----------------
+
+    @classmethod
+    def check_config(cls, cfg: "Config") -> None:
+        """Raise ValueError (one sentence) when ``cfg`` asks this engine for something it cannot do.
+
+        Runs before any process group or model exists; the default accepts everything.
+        """
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
+                    eos_token_ids: Sequence[int], pad_token_id: int) -> "RolloutEngine":
+        """Build this rank's engine from the run config (``model_path`` already resolved from ``builtin:``)."""
+
+
+def _native() -> type[RolloutEngine]:
+    from spmdrl.rollout.native import NativeRollout
+
+    return NativeRollout
+
+
+def _hf() -> type[RolloutEngine]:
+    from spmdrl.rollout.hf import HFRollout
+
+    return HFRollout
+
+
+# name -> factory returning the class; a backend's module is imported only when chosen.
+ROLLOUT_ENGINES: dict[str, Callable[[], type[RolloutEngine]]] = {"native": _native, "hf": _hf}
 
 
 def rollout_engine_class(name: str) -> type[RolloutEngine]:
     if name not in ROLLOUT_ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; valid engines: {', '.join(sorted(ROLLOUT_ENGINES))}")
-    module, cls = ROLLOUT_ENGINES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+        raise ValueError(f"rollout.engine is {name!r}; valid engines: {', '.join(sorted(ROLLOUT_ENGINES))}")
+    return ROLLOUT_ENGINES[name]()
 
 
-def build_rollout(
-    name: str,
-    model_path: str,
-    *,
-    mesh: Optional["DeviceMesh"] = None,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    max_num_seqs: int = 256,
-    seed: int = 0,
-    eos_token_ids: Sequence[int] = (),
-    pad_token_id: int = 0,
-    **kwargs,
-) -> RolloutEngine:
-    """Construct the engine called ``name`` with the common constructor arguments."""
-    return rollout_engine_class(name)(
-        model_path,
-        mesh=mesh,
-        device=device,
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
-        seed=seed,
-        eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id,
-        **kwargs,
-    )
+def build_rollout(name: str, model_path: str, **kwargs) -> RolloutEngine:
+    """Construct the engine called ``name`` directly (tests, benchmarks); the loop uses ``from_config``."""
+    return rollout_engine_class(name)(model_path, **kwargs)
+
+
+class RolloutSession:
+    """The one owner of the rollout order, so that no path generates from freed or stale weights:
+
+        with session.awake():        # wake weights, load the actor's when they are stale, wake KV cache
+            out = engine.generate(...)   # any number of calls: DAPO rounds, ReMax baselines, validation
+        # here the engine sleeps (colocated runs), at ``sleep_level``
+
+    Weights are stale after the actor trained (``actor_changed``), after a resume,
+    and after a level-2 sleep freed them.
+    """
+
+    def __init__(self, engine: RolloutEngine, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *,
+                 sleep_level: int, colocate: bool):
+        if sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level is {sleep_level}; valid levels: 1, 2")
+        self.engine, self._export = engine, export
+        self.sleep_level, self.colocate = sleep_level, colocate
+        self.stale = False  # the engine was built from the same folder as the actor
+        self._depth = 0
+
+    def actor_changed(self) -> None:
+        self.stale = True
+
+    @contextlib.contextmanager
+    def awake(self, sync_phase: Callable[[], ContextManager] = contextlib.nullcontext
+              ) -> Iterator[RolloutEngine]:
+        """The engine, awake with the actor's current weights; ``sync_phase`` times the wake and load."""
+        if self._depth:  # already awake: an inner caller shares the outer window
+            yield self.engine
+            return
+        with sync_phase():
+            self.engine.wake_up(("weights",))
+            if self.stale:
+                self.engine.update_weights(self._export())
+                self.stale = False
+            self.engine.wake_up(("kv_cache",))
+        self._depth += 1
+        try:
+            yield self.engine
+        finally:
+            self._depth -= 1
+            if self.colocate:
+                self.engine.sleep(self.sleep_level)
+                self.stale = self.stale or self.sleep_level == 2

@@ -17,13 +17,17 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
-from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
-from spmdrl.rollout.native import SLEEP_TAGS, as_dtype, eos_ids_from_folder, left_pad, rollout_dp_rank
+from spmdrl.parallel import rollout_coords
+from spmdrl.precision import resolve_dtype, to_dtype
+from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, eos_ids_from_folder
+from spmdrl.rollout.native import TP_UNSUPPORTED, SLEEP_TAGS, left_pad
 from spmdrl.rollout.weight_store import WeightStore
 from spmdrl.rollout.sampling import response_mask_and_reasons, stop_id_tensor, validate_sampling
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from spmdrl.config import Config
 
 
 class HFRollout(RolloutEngine):
@@ -51,8 +55,10 @@ class HFRollout(RolloutEngine):
     ):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.dp_rank = rollout_dp_rank(mesh)
-        self.device, self.dtype = torch.device(device), as_dtype(dtype)
+        self.dp_rank, tp = rollout_coords(mesh)
+        if tp > 1:
+            raise ValueError(TP_UNSUPPORTED.format(tp=tp))
+        self.device, self.dtype = torch.device(device), to_dtype(dtype)
         self.max_num_seqs, self.seed = max_num_seqs, seed
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
@@ -75,6 +81,19 @@ class HFRollout(RolloutEngine):
             slots[name] = seen[id(p)]
         self.weights = WeightStore(bases, slots, optional)
         self._weights_valid = True
+
+    @classmethod
+    def check_config(cls, cfg: "Config") -> None:
+        if cfg.parallel.rollout_tp > 1:
+            raise ValueError(TP_UNSUPPORTED.format(tp=cfg.parallel.rollout_tp))
+
+    @classmethod
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
+                    eos_token_ids: Sequence[int], pad_token_id: int) -> "HFRollout":
+        r = cfg.rollout
+        return cls(model_path, mesh=mesh, device=device, dtype=resolve_dtype(r.dtype, device.type),
+                   max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed * 1000, eos_token_ids=eos_token_ids,
+                   pad_token_id=pad_token_id)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -21,22 +21,29 @@ rollout TP is not supported here (use vllm or sglang for that).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import logging
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
-from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams
+from spmdrl.parallel import rollout_coords
+from spmdrl.precision import can_prepack, native_bf16, resolve_dtype, to_dtype
+from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, eos_ids_from_folder
 from spmdrl.rollout.native_cache import KVCache, KVView
 from spmdrl.rollout.native_kernels import KernelMode, ops as kernel_ops, resolve_kernels
-from spmdrl.rollout.native_model import Decoder, DecoderConfig, can_prepack
+from spmdrl.rollout.native_model import Decoder, DecoderConfig
 from spmdrl.rollout.sampling import sample, stop_id_tensor, validate_sampling
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from spmdrl.config import Config
+
+log = logging.getLogger(__name__)
+
 SLEEP_TAGS = ("weights", "kv_cache")
+TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the native and hf rollout engines run one engine per rank; "
+             "rollout tensor parallelism needs an engine that shards (set parallel.rollout_tp: 1)")
 # Cache columns are rounded up to this so calls with slightly different lengths reuse the cache.
 _SEQ_ROUND = 64
 # A chunk's cache view starts this many columns past the prompt and grows by half, in multiples of it.
@@ -45,49 +52,6 @@ _WIDTH_STEP = 16
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
-
-
-def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """Accept a torch dtype or its config spelling ("float32", "bfloat16", "float16", "bf16", "fp32")."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"rollout dtype {dtype!r} is not valid; valid: {', '.join(names)}")
-    return names[dtype]
-
-
-def rollout_dp_rank(mesh: Optional["DeviceMesh"]) -> int:
-    """This rank's rollout-DP coordinate; raises ValueError when the mesh has a TP axis larger than 1.
-
-    The TP axis is the dimension whose name ends in "tp" (or the second of a
-    2-D mesh without names); the DP axis is the other one.
-    """
-    if mesh is None:
-        return 0
-    names = tuple(mesh.mesh_dim_names or ())
-    tp_dim = next((i for i, n in enumerate(names) if n.endswith("tp")), 1 if mesh.ndim == 2 else None)
-    if tp_dim is not None and mesh.size(tp_dim) > 1:
-        raise ValueError(
-            f"rollout_tp={mesh.size(tp_dim)} is not supported by the native or hf rollout engines; "
-            "rollout_tp > 1 needs rollout.engine: vllm or sglang for now (or set parallel.rollout_tp: 1)"
-        )
-    dp_dim = next((i for i in range(mesh.ndim) if i != tp_dim), None)
-    return 0 if dp_dim is None else mesh.get_local_rank(dp_dim)
-
-
-def eos_ids_from_folder(model_path: str | Path) -> list[int]:
-    """EOS ids from generation_config.json, else config.json (an int or a list in either)."""
-    ids: list[int] = []
-    for fname in ("generation_config.json", "config.json"):
-        f = Path(model_path) / fname
-        if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                ids = [eos] if isinstance(eos, int) else list(eos)
-                break
-    return ids
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device
@@ -117,7 +81,8 @@ class NativeRollout(RolloutEngine):
         load_weights: False builds the model with uninitialised weights, to be filled by
             ``update_weights`` (the weights then come from a stream, not the folder).
         prepack: keep oneDNN-packed copies of the matmul weights while generating (faster
-            on CPU, costs one more copy of the weights until ``sleep``); None = when available.
+            on CPU, costs one more copy of the weights until ``sleep``); None = when this CPU and
+            dtype support it (``precision.can_prepack``: never for bf16 without native bf16).
         kernels: the C++ decode kernels of native_kernels.py: "auto" uses them when they build
             and fit the model (CPU, float32/bfloat16), "on" raises when they cannot, "off" never.
     """
@@ -138,10 +103,12 @@ class NativeRollout(RolloutEngine):
         prepack: Optional[bool] = None,
         kernels: KernelMode = "auto",
     ):
-        self.dp_rank = rollout_dp_rank(mesh)
+        self.dp_rank, tp = rollout_coords(mesh)
+        if tp > 1:
+            raise ValueError(TP_UNSUPPORTED.format(tp=tp))
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self.device, self.dtype = torch.device(device), as_dtype(dtype)
+        self.device, self.dtype = torch.device(device), to_dtype(dtype)
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.seed = seed
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
@@ -150,8 +117,8 @@ class NativeRollout(RolloutEngine):
         self.model = Decoder(self.config, self.device, self.dtype)
         self.prepack = can_prepack(self.device, self.dtype) if prepack is None else prepack
         if self.prepack and not can_prepack(self.device, self.dtype):
-            raise ValueError(f"prepack=True needs a CPU device with oneDNN and float32/bfloat16, "
-                             f"got {self.device} {self.dtype}")
+            raise ValueError(f"prepack=True needs a CPU with oneDNN and float32, or bfloat16 with native bf16 "
+                             f"support; got {self.device} {self.dtype} ({native_bf16('cpu')[1]})")
         self.model.kernels = resolve_kernels(kernels, self.device, self.dtype, self.config.head_dim)
         self.generator = torch.Generator(self.device).manual_seed(seed + self.dp_rank)
         self.cache: Optional[KVCache] = None
@@ -162,6 +129,29 @@ class NativeRollout(RolloutEngine):
             self.update_weights(Decoder.iter_checkpoint(model_path))
         if max_model_len is not None:
             self._ensure_cache(max_num_seqs, max_model_len)
+
+    @classmethod
+    def check_config(cls, cfg: "Config") -> None:
+        r = cfg.rollout
+        if cfg.parallel.rollout_tp > 1:
+            raise ValueError(TP_UNSUPPORTED.format(tp=cfg.parallel.rollout_tp))
+        if r.native_kernels == "on":
+            if r.dtype == "float16":
+                raise ValueError("rollout.native_kernels is 'on' with rollout.dtype float16; the kernels support "
+                                 "float32 and bfloat16: change the dtype or set native_kernels to auto or off")
+            from spmdrl.rollout.native_kernels import build_tools_available
+
+            if not build_tools_available():
+                raise ValueError("rollout.native_kernels is 'on' but g++ or ninja is not on PATH to build them: "
+                                 "install both or set native_kernels to auto or off")
+
+    @classmethod
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
+                    eos_token_ids: Sequence[int], pad_token_id: int) -> "NativeRollout":
+        r = cfg.rollout
+        return cls(model_path, mesh=mesh, device=device, dtype=resolve_dtype(r.dtype, device.type),
+                   max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed * 1000, eos_token_ids=eos_token_ids,
+                   pad_token_id=pad_token_id, kernels=r.native_kernels)
 
     # ---- weights and memory ----------------------------------------------------------------------
 

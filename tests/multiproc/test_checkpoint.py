@@ -39,12 +39,13 @@ class Position:
 
 
 def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
-    """The parts of ``loop.Run`` the Checkpointer touches, around a real FSDP2 actor."""
+    """The Checkpointer's ``RunState`` around a real FSDP2 actor (``actor``, ``train_loader``: shortcuts)."""
     from transformers import AutoTokenizer
 
     import torch.distributed as dist
 
     from spmdrl.algos.kl import build_kl_controller
+    from spmdrl.checkpoint import RunState
     from spmdrl.config import Config
     from spmdrl.engines.fsdp2 import FSDP2Engine
     from spmdrl.parallel import ParallelDims
@@ -55,13 +56,14 @@ def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
         setattr(cfg.trainer, key, value)
     dims = ParallelDims(dist.get_world_size()).build()
     actor = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", lr=1e-3, seed=0)
-    return SimpleNamespace(
-        cfg=cfg, device=torch.device("cpu"), rank=dist.get_rank(), out_dir=Path(out),
-        tokenizer=AutoTokenizer.from_pretrained(model_dir), train_loader=Position(),
+    state = RunState(
+        cfg=cfg, out_dir=Path(out), engines={"actor": actor}, device=torch.device("cpu"),
+        tokenizer=AutoTokenizer.from_pretrained(model_dir), loader=Position(),
         rollout=SimpleNamespace(generator=torch.Generator().manual_seed(100 + seed + dist.get_rank())),
-        actor=actor, critic=None, kl_ctrl=build_kl_controller("adaptive", 0.1, 0.05, 100), total_steps=10,
-        step=0, rollout_in_sync=True, extra_state={},
+        kl_ctrl=build_kl_controller("adaptive", 0.1, 0.05, 100), total_steps=10,
     )
+    state.actor, state.train_loader = actor, state.loader
+    return state
 
 
 def digest(t: torch.Tensor) -> str:
@@ -94,7 +96,7 @@ def _save_steps(rank: int, world: int, model_dir: str, out: str) -> dict:
         r.actor.train_step(mine, pg_loss, mini_batch_size=N // world, micro_batch_size=4)
         r.kl_ctrl.update(0.2, n_steps=8)
         torch.rand(3, generator=r.rollout.generator)  # the rollout's draws of this step
-        r.step, r.train_loader.position = step, step
+        r.train_loader.position = step
         ckpt.save(step)
     logp = r.actor.forward_no_grad(mine, micro_batch_size=4)["logp"]
     root = Path(out) / "checkpoints"
@@ -108,14 +110,14 @@ def _save_steps(rank: int, world: int, model_dir: str, out: str) -> dict:
 def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, other_model: str,
                            bad: dict) -> dict:
     from spmdrl.checkpoint import Checkpointer
-    from spmdrl.cli import ConfigError
+    from spmdrl.errors import ConfigError
 
     r = _run(model_dir, out, seed=7)
     ckpt = Checkpointer(r, install_signal_handlers=False)
     path = ckpt.resume()  # auto: newest complete, on a world size other than the one that saved
     result = {
-        "path": str(path), "step": r.step, "position": r.train_loader.position, "kl": r.kl_ctrl.value,
-        "in_sync": r.rollout_in_sync, "params": _params(r.actor), "optim": _optim(r.actor),
+        "path": str(path), "step": ckpt.resumed_step, "position": r.train_loader.position, "kl": r.kl_ctrl.value,
+        "params": _params(r.actor), "optim": _optim(r.actor),
         "sched": r.actor.scheduler.state_dict()["last_epoch"], "engine_step": r.actor.global_step,
         "errors": {},
     }
@@ -137,7 +139,6 @@ def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, othe
     older = _run(model_dir, str(copy), resume=str(root / "global_step_2"))
     ckpt = Checkpointer(older, install_signal_handlers=False)
     ckpt.resume()
-    older.step = 3
     ckpt.save(3)
     result["after_older_resume"] = {
         "listing": sorted(p.name for p in root.iterdir()), "latest": (root / "latest").read_text().strip(),
@@ -226,7 +227,7 @@ def test_two_rank_save_resumes_on_one_rank_exactly(results):
     saved, resumed = results["saved"][0], results["resumed"]
     assert resumed["path"].endswith("global_step_3")  # not the .tmp of step 9 nor the manifest-less step 8
     assert (resumed["step"], resumed["position"], resumed["engine_step"], resumed["sched"]) == (3, 3, 3, 3)
-    assert resumed["kl"] == saved["kl"] and not resumed["in_sync"]
+    assert resumed["kl"] == saved["kl"]
     for part in ("params", "optim"):
         assert sorted(resumed[part]) == sorted(saved[part])
         assert resumed[part] == saved[part]

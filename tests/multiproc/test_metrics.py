@@ -2,6 +2,8 @@
 
 import pytest
 
+import torch.distributed as dist
+
 from dist_utils import spawn
 from spmdrl.metrics import reduce_metrics
 
@@ -13,7 +15,7 @@ def _reduce(rank, world_size):
                "timing/step": 1.0 + rank}
     if rank == 1:
         metrics["reward/acc"] = 0.5  # only rank 1's scorer reported it
-    return reduce_metrics(metrics)
+    return reduce_metrics(metrics, dist.group.WORLD)
 
 
 def test_reduce_metrics_with_mismatched_keys():

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.cli import output_dir, parse_config
+from spmdrl.cli import parse_config
+from spmdrl.config import output_dir
 from spmdrl.train import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +38,11 @@ BAD = [
     (["--data.train_files", "/nonexistent/train.parquet"], "data.train_files names '/nonexistent/train.parquet'"),
     (["--algorithm.adv_estimator", "magic"], "algorithm.adv_estimator is 'magic'; valid values:"),
     (["--actor.policy_loss", "nope"], "actor.policy_loss is 'nope'; valid values:"),
-    (["--rollout.engine", "trt"], "rollout.engine is 'trt'; valid values: hf, native, sglang, vllm"),
+    (["--rollout.engine", "trt"], "rollout.engine is 'trt'; valid values: hf, native"),
+    # Backends that are not part of this version are refused before any work, not after start-up.
+    (["--rollout.engine", "vllm"], "rollout.engine is 'vllm'; valid values: hf, native"),
+    (["--actor.strategy", "megatron"], "actor.strategy is 'megatron'; valid values: fsdp2"),
+    (["--actor.param_dtype", "fp8"], "actor.param_dtype"),
     (["--actor.kl_loss_type", "k9"], "actor.kl_loss_type is 'k9'"),
     (["--actor.loss_agg_mode", "mean"], "actor.loss_agg_mode is 'mean'"),
     (["--actor.lr", "fast"], 'config key "actor.lr": Expected a float. Got value: fast'),
@@ -46,7 +51,6 @@ BAD = [
     (["--trainer.logger", "[console,mlflow]"], "trainer.logger has 'mlflow'"),
     (["--parallel.tp", "3"], "not divisible by parallel.dp_replicate x tp x pp = 3"),
     (["--parallel.rollout_tp", "2", "--parallel.tp", "1"], "does not divide the world size 1"),
-    (["--model.fused_kernels", "on", "--parallel.tp", "2"], "model.fused_kernels is 'on' with parallel.tp=2"),
     (["--model.fused_kernels", "fast"], "model.fused_kernels"),
     (["--rollout.native_kernels", "on", "--rollout.dtype", "float16"], "rollout.native_kernels is 'on' with"),
     (["--rollout.native_kernels", "fast"], "rollout.native_kernels"),
@@ -86,6 +90,16 @@ def test_world_size_consistency(monkeypatch, capsys):
     assert code == 2 and "make data.train_batch_size a multiple of 3" in err
 
 
+def test_backends_check_their_own_options(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, err = run_main(["--config", GRPO, "--parallel.rollout_tp", "2"], capsys)
+    assert code == 2 and "rollout_tp is 2 but the native and hf rollout engines run one engine per rank" in err
+    code, err = run_main(["--config", GRPO, "--parallel.pp", "2", "--parallel.dp_shard", "1"], capsys)
+    assert code == 2 and "parallel.pp is 2 but actor.strategy 'fsdp2' has no pipeline schedule" in err
+    code, err = run_main(["--config", GRPO, "--model.fused_kernels", "on", "--parallel.tp", "2"], capsys)
+    assert code == 2 and "model.fused_kernels is 'on' with parallel.tp=2" in err
+
+
 def test_overrides_and_output_dir():
     cfg, debug = parse_config(["--config", GRPO, "--actor.lr", "2e-5", "--trainer.experiment_name", "x", "--debug", "true"])
     assert cfg.actor.lr == 2e-5 and debug
@@ -94,7 +108,7 @@ def test_overrides_and_output_dir():
 
 
 def test_debug_shows_traceback():
-    from spmdrl.cli import ConfigError
+    from spmdrl.errors import ConfigError
 
     with pytest.raises(ConfigError):
         main(["--config", GRPO, "--actor.lr", "0", "--debug", "true"])

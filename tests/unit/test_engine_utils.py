@@ -97,11 +97,8 @@ def test_iter_full_state_skips_tied_duplicates_and_checkpoint_prefix():
 
 
 def test_engine_registry_errors():
-    with pytest.raises(ValueError, match="valid: fsdp2, megatron"):
+    with pytest.raises(ValueError, match="actor.strategy is 'deepspeed'; valid strategies: fsdp2"):
         engine_class("deepspeed")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="needs a CUDA GPU with megatron-core"):
-            engine_class("megatron")
     assert engine_class("fsdp2").__name__ == "FSDP2Engine"
 
 

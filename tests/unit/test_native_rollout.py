@@ -280,7 +280,7 @@ class _FakeMesh:
 
 
 def test_mesh_tp_rejected_and_dp_rank_offsets_seed(tiny_model_dir):
-    with pytest.raises(ValueError, match="rollout_tp=2.*vllm or sglang"):
+    with pytest.raises(ValueError, match="rollout_tp is 2.*one engine per rank"):
         _engine(tiny_model_dir, mesh=_FakeMesh(("dp", "tp"), (2, 2), (0, 1)))
     prompts = _prompts([4])
     sp = SamplingParams(n=2, max_tokens=8, seed=1)
