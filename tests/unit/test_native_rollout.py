@@ -328,3 +328,40 @@ def test_ignore_eos_generates_past_eos(tiny_model_dir, kind):
     full = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert full.finish_reasons == ["length", "length"] and bool(full.response_mask.all())
     assert torch.equal(full.response_ids, free.response_ids)
+
+
+def test_session_reloads_weights_freed_by_sleep_level_2(tiny_model_dir):
+    """RolloutSession owns the order: every generate inside ``awake`` sees loaded weights, however many
+    calls there are, and the next ``awake`` after a level-2 sleep reloads them from the export stream."""
+    from spmdrl.rollout.base import RolloutSession
+
+    eng = _engine(tiny_model_dir)
+    exports = []
+
+    def export():
+        exports.append(1)
+        return Decoder.iter_checkpoint(tiny_model_dir)
+
+    session = RolloutSession(eng, export, sleep_level=2, colocate=True)
+    greedy, prompts = SamplingParams(max_tokens=8, temperature=0.0), _prompts([4, 7])
+    with session.awake() as e:
+        first = e.generate(prompts, greedy)
+        with session.awake() as inner:  # a nested caller (e.g. a baseline) shares the window
+            assert torch.equal(inner.generate(prompts, greedy).response_ids, first.response_ids)
+    assert eng.memory_bytes() == 0 and not exports  # freed; the actor had not changed, nothing loaded
+    with pytest.raises(RuntimeError, match="asleep or were freed"):
+        eng.generate(prompts, greedy)
+    for _ in range(2):  # the first window after the sleep reloads; so does each later one at level 2
+        with session.awake() as e:
+            assert torch.equal(e.generate(prompts, greedy).response_ids, first.response_ids)
+    assert len(exports) == 2
+    level1 = RolloutSession(_engine(tiny_model_dir), export, sleep_level=1, colocate=True)
+    with level1.awake():
+        pass
+    with level1.awake() as e:  # level 1 keeps the weights: no reload unless the actor changed
+        assert torch.equal(e.generate(prompts, greedy).response_ids, first.response_ids)
+    assert len(exports) == 2
+    level1.actor_changed()
+    with level1.awake():
+        pass
+    assert len(exports) == 3
