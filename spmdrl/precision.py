@@ -93,7 +93,8 @@ def precision_summary(compute: str, rollout: str, device_type: str) -> tuple[str
     native, why = native_bf16(device_type)
     c, r = resolve_dtype(compute, device_type), resolve_dtype(rollout, device_type)
     auto = [k for k, v in (("compute", compute), ("rollout", rollout)) if v == "auto"]
-    reason = f"{'auto' if auto else 'as configured'}: {why}"
+    reason = "auto" if len(auto) == 2 else f"{auto[0]} auto" if auto else "as configured"
+    reason = f"{reason}: {why}"
     emulated = not native and torch.bfloat16 in (c, r)
     return f"precision: compute {dtype_name(c)}, rollout {dtype_name(r)} ({reason})", emulated
 

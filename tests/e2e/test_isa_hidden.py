@@ -1,0 +1,85 @@
+"""The CPU without native bf16, proved on whatever machine CI lands on: AVX-512 hidden by environment.
+
+``ONEDNN_MAX_CPU_ISA=AVX2`` caps oneDNN (and spmdrl's native-bf16 check reads it
+too, see spmdrl/precision.py) and ``ATEN_CPU_CAPABILITY=avx2`` makes torch, and
+the native engine's C++ kernels, dispatch at AVX2. Both are read at process
+start, so every run here is a subprocess. On an AVX2-only machine they change
+nothing and these tests repeat the plain ones; on an AVX-512 machine they take
+the paths an AVX2 machine takes: float32 by ``auto``, no bf16 prepacking,
+AVX2 kernels. Picked for the hardware decisions they exercise: the decisions
+themselves, the rollout engine's tests, the main job (short) and a
+checkpoint/resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TINY, read_metrics, train
+
+pytestmark = pytest.mark.e2e
+
+HIDDEN = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+_PROBE = """
+import json, torch
+from spmdrl.precision import can_prepack, native_bf16, resolve_dtype
+print(json.dumps({
+    "native_bf16": native_bf16("cpu")[0],
+    "auto": str(resolve_dtype("auto", "cpu")),
+    "prepack_bf16": can_prepack(torch.device("cpu"), torch.bfloat16),
+    "prepack_fp32": can_prepack(torch.device("cpu"), torch.float32),
+    "capability": torch.backends.cpu.get_cpu_capability(),
+}))
+"""
+
+
+def _python(code_or_args: list[str], env: dict) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    return subprocess.run([sys.executable, *code_or_args], cwd=REPO, env=full, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_hiding_flips_every_hardware_decision():
+    out = _python(["-c", _PROBE], HIDDEN)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["native_bf16"] is False and seen["auto"] == "torch.float32"
+    assert seen["prepack_bf16"] is False
+    assert seen["capability"] in ("AVX2", "DEFAULT")  # the kernels build for what torch dispatches to
+    visible = json.loads(_python(["-c", _PROBE], {}).stdout.strip().splitlines()[-1])
+    print(f"\nvisible ISA: {visible}\nhidden ISA:  {seen}")  # in CI's log: what this machine decided
+
+
+def test_rollout_tests_with_isa_hidden(spmdrl_cache):
+    files = ["tests/unit/test_native_rollout.py", "tests/unit/test_native_kernels.py", "tests/unit/test_precision.py"]
+    out = _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", *files], {**HIDDEN, "SPMDRL_CACHE": spmdrl_cache})
+    assert out.returncode == 0, out.stdout[-4000:]
+    print("\n" + out.stdout.strip().splitlines()[-1])
+
+
+def test_main_job_short_with_isa_hidden(tmp_path, spmdrl_cache):
+    """The README's main job with the defaults, shortened: 2 ranks, the reward rises."""
+    out = tmp_path / "grpo"
+    run = train(["--config", "configs/grpo.yaml", "--trainer.total_steps", "12", "--trainer.progress_bar", "false",
+                 "--trainer.resume", "off", "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2,
+                env=HIDDEN)
+    assert "precision: compute float32, rollout float32 (auto: ONEDNN_MAX_CPU_ISA=AVX2" in run.stdout
+    rows = read_metrics(out)
+    first = sum(r["reward/mean"] for r in rows[:3]) / 3
+    last = sum(r["reward/mean"] for r in rows[-3:]) / 3
+    assert last > first + 0.05, [round(r["reward/mean"], 3) for r in rows]
+
+
+def test_checkpoint_resume_with_isa_hidden(tmp_path, spmdrl_cache):
+    out = tmp_path / "run"
+    args = ["--config", "configs/grpo.yaml", *TINY[:-2], "--rollout.n", "2", "--trainer.save_freq", "2",
+            "--trainer.output_dir", str(out)]
+    train([*args, "--trainer.total_steps", "2"], cache=spmdrl_cache, nproc=2, env=HIDDEN)
+    run = train([*args, "--trainer.total_steps", "3"], cache=spmdrl_cache, nproc=2, env=HIDDEN)
+    assert "resumed from" in run.stdout and "at step 2" in run.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
