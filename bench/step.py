@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DTYPES = {"bf16": "bfloat16", "fp32": "float32", "auto": "auto"}
 sys.path.insert(0, str(REPO))  # runnable from a checkout without pip install
 
 
@@ -89,17 +89,29 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads per run, split over ranks")
     p.add_argument("--rounds", type=int, default=2, help="times every runner runs, interleaved")
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                   help="compute and rollout dtype of the main rows (auto: bf16 where native, else fp32)")
     a = p.parse_args()
 
-    from spmdrl.tools.tiny_model import resolve_builtin_model
+    import torch
+
     from spmdrl.tools.make_task import resolve_builtin_data
+    from spmdrl.tools.tiny_model import resolve_builtin_model
 
     model_dir = resolve_builtin_model(f"builtin:{a.model}")
     data = resolve_builtin_data("builtin:arith", "train")
-    # spmdrl's default precision (bf16 compute, float32 master weights) in every layout, and
-    # float32 compute on one rank: the like-for-like row against TRL's float32 reference figure.
-    runs = [(1, True, "bf16"), (1, False, "bf16"), (2, True, "bf16"), (2, False, "bf16"), (1, True, "fp32")]
-    trl_dtypes = ("fp32", "bf16") if not a.no_trl and importlib.util.find_spec("trl") else ()
+    # spmdrl's precision (by default what auto picks here: bf16 compute with float32 master weights where
+    # bf16 is native, else fp32) in every layout, and float32 compute on one rank: the like-for-like row
+    # against TRL's float32 reference figure.
+    main_dtype = a.dtype
+    if a.dtype == "auto":
+        from spmdrl.precision import resolve_dtype
+
+        main_dtype = "bf16" if resolve_dtype("auto", "cpu") == torch.bfloat16 else "fp32"
+    runs = [(1, True, main_dtype), (1, False, main_dtype), (2, True, main_dtype), (2, False, main_dtype)]
+    runs += [(1, True, "fp32")] if main_dtype != "fp32" else []
+    trl_dtypes = ("fp32", main_dtype) if not a.no_trl and importlib.util.find_spec("trl") else ()
+    trl_dtypes = tuple(dict.fromkeys(trl_dtypes))
     trl_steps: dict[str, dict[str, list[float]]] = {d: {"step_s": [], "length": []} for d in trl_dtypes}
     spmdrl_steps: dict[tuple, list[dict]] = {r: [] for r in runs}
     # Rounds interleave every runner, so a slow spell of a shared machine lands on all of them.
