@@ -176,18 +176,19 @@ def reinforce_plus_plus(
 ) -> AdvOut:
     """REINFORCE++: discounted return-to-go, whitened over the (global) batch; returns are unwhitened.
 
-    The running return is multiplied by the mask after each step, so nothing
-    leaks backwards across a masked position (it restarts at the last valid
-    token before it).
+    A masked position (padding, or tool output inside a response) is skipped as
+    in ``gae`` and verl: it carries the running return through unchanged, so a
+    valid token before it sees the rewards of the valid tokens after it,
+    discounted once per valid step.
     """
     mask = response_mask.to(token_rewards.dtype)
     returns = torch.zeros_like(token_rewards)  # [B, T]
     running = torch.zeros_like(token_rewards[:, 0])  # [B]
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]
-    returns = returns * mask
+        m = mask[:, t]
+        new = (token_rewards[:, t] + gamma * running) * m
+        returns[:, t] = new
+        running = new + running * (1 - m)
     adv = masked_whiten(returns, mask, group=group) * mask
     return adv, returns
 

@@ -30,6 +30,8 @@ LossOut = tuple[torch.Tensor, dict[str, float]]
 # Log-ratios are clamped before exp so one wildly off-policy token cannot make
 # the ratio (or its gradient) overflow to inf and poison the step with NaN.
 LOG_RATIO_CLAMP = 20.0
+# GSPO's combined (sequence) log-ratio is clamped from above only, at verl's 10.
+GSPO_LOG_RATIO_MAX = 10.0
 # Rows of the [rows, V] logits processed at once by the log-prob / entropy
 # helpers: bounds the float32 temporaries to about 256 MiB whatever the vocabulary.
 _CHUNK_ELEMENTS = 1 << 26
@@ -125,8 +127,8 @@ def agg_loss(
       ``actor.loss_scale_factor``), then the mean over responses. Dr. GRPO's
       fix: the constant is the same for every response, so there is no length
       bias, at the price of a gradient scale that shrinks when responses are
-      much shorter than ``norm_len``. (verl's version of this mode does not
-      divide by the number of responses; ours does, as TRL's ``dr_grpo``.)
+      much shorter than ``norm_len``. (verl 0.9.1 and TRL's ``dr_grpo`` also
+      divide by the number of responses.)
 
     The denominators default to the local counts when ``global_tokens`` /
     ``global_seqs`` are None; ``norm_len`` defaults to ``T``, the padded
@@ -176,8 +178,8 @@ def vanilla_policy_loss(
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (actor.clip_ratio_c), got {clip_ratio_c}")
     mask = mask.to(logp.dtype)
-    log_ratio = logp - old_logp  # [B, T]
-    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     clipped = torch.maximum(loss1, loss2)
@@ -217,24 +219,26 @@ def gspo_policy_loss(
     """GSPO: one importance ratio per response, exp(mean token log-ratio), clipped like PPO (no dual clip).
 
     Each token's ratio has the sequence ratio as its value and d/d logp_t = ratio,
-    via ``logp_t - sg(logp_t) + sg(mean_t(logp - old_logp))``. The loss is always
-    aggregated seq-mean-token-mean, the objective GSPO defines; ``loss_agg_mode``
-    and ``clip_ratio_c`` are accepted for the uniform signature and ignored.
+    via ``logp_t - sg(logp_t) + sg(mean_t(logp - old_logp))``, clamped above at
+    ``GSPO_LOG_RATIO_MAX`` as verl does. The token losses are aggregated with
+    ``loss_agg_mode`` like every policy loss (GSPO's paper uses
+    seq-mean-token-mean, which configs/gspo.yaml sets); ``clip_ratio_c`` is
+    accepted for the uniform signature and ignored.
     """
     mask = mask.to(logp.dtype)
     log_ratio = logp - old_logp  # [B, T]
     seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
     token_log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)  # [B, T]
-    ratio = torch.exp(token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
+    ratio = torch.exp(token_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))  # [B, T]
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     loss_mat = torch.maximum(loss1, loss2)  # [B, T]
-    mode = "seq-mean-token-mean"
     loss = agg_loss(
-        loss_mat, mask, mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
+        loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
     )
     metrics = _pg_metrics(
-        loss_mat, mask, mode, norm_len, pg_clipfrac=loss2 > loss1, pg_clipfrac_lower=torch.zeros_like(mask)
+        loss_mat, mask, loss_agg_mode, norm_len, pg_clipfrac=loss2 > loss1,
+        pg_clipfrac_lower=torch.zeros_like(mask),
     )
     metrics["actor/ppo_kl"] = float(masked_mean(-log_ratio.detach(), mask).item())
     return loss, metrics

@@ -171,7 +171,7 @@ def test_rloo():
     assert torch.equal(adv, ret)
 
 
-def test_reinforce_plus_plus_resets_the_return_past_the_mask():
+def test_reinforce_plus_plus_ignores_padding_rewards():
     rewards = T([[1.0, 0.0, 2.0, 5.0], [0.0, 3.0, 0.0, 0.0]])
     mask = T([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     adv, ret = get_advantage("reinforce_plus_plus")(rewards, mask, T([0, 1]), gamma=0.5)
@@ -180,6 +180,15 @@ def test_reinforce_plus_plus_resets_the_return_past_the_mask():
     # whiten 1.5, 1, 2, 1.5, 3: mean 1.8, unbiased var 2.3/4 = 0.575
     a, b, c, e = -0.39562828059722627, -1.05500874825927, 0.26375218706481746, 1.5825131223889048
     close(adv, [[a, b, c, 0.0], [a, e, 0.0, 0.0]])
+
+
+def test_reinforce_plus_plus_carries_the_return_across_interior_masked_tokens():
+    # A tool output (mask 0) inside the response: the return flows through it, discounted per valid token.
+    rewards = T([[0.0, 0.0, 9.0, 0.0, 0.0, 1.0]])  # the 9 sits on a masked token: no reward there
+    mask = T([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]])
+    _, ret = get_advantage("reinforce_plus_plus")(rewards, mask, T([0]), gamma=0.5)
+    # t5: 1; t4: 0.5; t3, t2: masked -> 0, carry 0.5; t1: 0.5 * 0.5 = 0.25; t0: 0.125
+    close(ret, [[0.125, 0.25, 0.0, 0.0, 0.5, 1.0]])
 
 
 def test_reinforce_plus_plus_baseline():

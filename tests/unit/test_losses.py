@@ -153,7 +153,7 @@ def test_vanilla_clamps_the_log_ratio_at_20():
     loss, metrics = get_policy_loss("vanilla")(logp, old, T([[-1.0]]), T([[1.0]]), clip_ratio_c=1e12)
     # A=-1: max(r, 1.2) with r = exp(20), not exp(25) = 7.2e10; the huge dual clip does not bind
     assert loss.item() == pytest.approx(485165195.4097903, rel=1e-6)
-    assert metrics["actor/ppo_kl"] == pytest.approx(-25.0)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-20.0)  # from the clamped log-ratio, as verl
     loss.backward()
     assert torch.isfinite(logp.grad).all() and logp.grad.item() == 0.0
 
@@ -170,10 +170,13 @@ def test_gspo_sequence_ratio_and_gradient():
     logp = T([[0.1, 0.3, 50.0], [-0.3, 0.0, 0.0]], requires_grad=True)
     adv = T([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
     mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    loss, metrics = get_policy_loss("gspo")(logp, old, adv, mask, loss_agg_mode="token-mean")
+    loss, metrics = get_policy_loss("gspo")(logp, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
     # row 0: A=1: max(-1.2214, -1.2) = -1.2 (clipped); row 1: A=-2: 2 * exp(-0.1) = 1.809675 (inside the clip)
-    # always seq-mean-token-mean: (-1.2 + 1.809675) / 2; token-mean would give 0.6058
+    # seq-mean-token-mean: (-1.2 + 1.809675) / 2
     close(loss, 0.30483741803595954)
+    # the configured mode is honoured (verl): token-mean weighs the 5 tokens alike
+    token_mean, _ = get_policy_loss("gspo")(logp.detach(), old, adv, mask, loss_agg_mode="token-mean")
+    close(token_mean, (-1.2 * 2 + 2 * math.exp(-0.1) * 3) / 5)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 5)
     assert metrics["actor/pg_clipfrac_lower"] == 0.0
     assert metrics["actor/ppo_kl"] == pytest.approx(-(0.1 + 0.3 - 0.3) / 5, abs=1e-6)
@@ -182,6 +185,15 @@ def test_gspo_sequence_ratio_and_gradient():
     # row 0 is clipped -> 0
     g = 0.30161247267865315
     close(logp.grad, [[0.0, 0.0, 0.0], [g, g, g]])
+
+
+def test_gspo_clamps_the_sequence_log_ratio_above_at_10():
+    old = T([[-20.0, -20.0]])
+    logp = T([[-5.0, -5.0]])  # sequence log-ratio 15
+    loss, metrics = get_policy_loss("gspo")(logp, old, T([[-1.0, -1.0]]), T([[1.0, 1.0]]))
+    # A=-1: max(r, clip(r)) = r with r = exp(10) (verl's bound), not exp(15) = 3.3e6
+    close(loss, math.exp(10.0))
+    assert metrics["actor/ppo_kl"] == pytest.approx(-15.0)  # verl reports GSPO's unclamped log-ratio
 
 
 def test_gpg_policy_loss():
