@@ -15,8 +15,9 @@ generated tokens (response mask); TTFT is the median wall time of the same call
 with max_tokens=1 (prefill of the whole batch plus one sampled token). Sampling
 is temperature 1 with EOS active, on random-token prompts of ``--prompt-len``.
 
-"limit" is the GEMM-bound rate: bf16 matmul FLOP/s measured in this run on the
-model's own decode-shaped matmuls (rows = sequences decoded at once, weights of
+"limit" is the GEMM-bound rate: matmul FLOP/s in the row's dtype (so float32
+rows are not divided by an emulated bf16 rate on a CPU without native bf16),
+measured in this run on the model's own decode-shaped matmuls (rows = sequences decoded at once, weights of
 every layer so they stream from memory as in decode) divided by 2 x parameters
 FLOP per generated token. "%lim" = tok/s / limit; "x hf" = tok/s / hf's tok/s for
 the same model, dtype and cell; measured in the same run. The table also prints
@@ -132,8 +133,9 @@ def worker(spec: dict) -> None:
 
 # ---- driver side ---------------------------------------------------------------------------------
 
-def gemm_times(config_path: Path, rows: int, repeats: int) -> tuple[int, list[float]]:
-    """FLOP of one pass over this model's decode matmuls with ``rows`` rows, and ``repeats`` timed passes."""
+def gemm_times(config_path: Path, rows: int, repeats: int, dtype: str) -> tuple[int, list[float]]:
+    """FLOP of one pass over this model's decode matmuls with ``rows`` rows in ``dtype`` (a torch dtype
+    name), and ``repeats`` timed passes."""
     import torch
     import torch.nn.functional as F
 
@@ -144,7 +146,7 @@ def gemm_times(config_path: Path, rows: int, repeats: int) -> tuple[int, list[fl
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
     shapes = [(h, (c.num_heads + 2 * c.num_kv_heads) * d), (c.num_heads * d, h), (h, 2 * i), (i, h)]
     g = torch.Generator().manual_seed(0)
-    bf = torch.bfloat16
+    bf = getattr(torch, dtype)
     layers = [[torch.randn(o, k, generator=g).to(bf) for k, o in shapes] for _ in range(c.num_layers)]
     head = torch.randn(c.vocab_size, h, generator=g).to(bf)
     xs = {k: torch.randn(rows, k, generator=g).to(bf) for k in {h, c.num_heads * d, i}}
@@ -163,7 +165,7 @@ def gemm_times(config_path: Path, rows: int, repeats: int) -> tuple[int, list[fl
 
 
 def gemm_limit(config_path: Path, flop: int, times: list[float]) -> tuple[float, float]:
-    """(bf16 GFLOP/s, GEMM-bound tok/s) from the median of the timed passes."""
+    """(GFLOP/s, GEMM-bound tok/s) from the median of the timed passes."""
     sys.path.insert(0, str(REPO))
     from spmdrl.rollout.native_model import DecoderConfig
 
@@ -244,10 +246,12 @@ def main(argv: list[str] | None = None) -> None:
                         acc["rates"] += r["rates"]
                         acc["ttfts"] += r["ttfts"]
                         acc["rss_mb"] = max(acc["rss_mb"], r["rss_mb"])
-            # The GEMM rate is sampled in every round too, so it sees the same spells as the engines.
-            for rows in sorted({min(c["batch"] * c["n"], args.max_num_seqs) for c in cells}):
-                flop, times = gemm_times(path, rows, repeats=max(5, args.repeats))
-                gemm.setdefault((model, rows), (flop, []))[1].extend(times)
+            # The GEMM rate is sampled in every round too, so it sees the same spells as the engines,
+            # in each measured dtype: the limit of a float32 row is the float32 matmul rate.
+            for dt in args.dtype:
+                for rows in sorted({min(c["batch"] * c["n"], args.max_num_seqs) for c in cells}):
+                    flop, times = gemm_times(path, rows, repeats=max(5, args.repeats), dtype=DTYPES[dt])
+                    gemm.setdefault((model, dt, rows), (flop, []))[1].extend(times)
     results = {k: {"tok_s": statistics.median(v["rates"]), "ttft_ms": 1e3 * statistics.median(v["ttfts"]),
                    "rss_mb": v["rss_mb"]} for k, v in pooled.items()}
     limits = {key: gemm_limit(paths[key[0]], flop, times) for key, (flop, times) in gemm.items()}
@@ -264,7 +268,7 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
           f"after {args.warmup} warm-up), max_num_seqs {args.max_num_seqs}; load average {load0[0]:.1f} at start, "
           f"{load1[0]:.1f} at end")
     hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<7} {'tok/s':>8} "
-           f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5} {'x vllm':>6}  bf16 GFLOP/s")
+           f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5} {'x vllm':>6}  GFLOP/s")
     print(hdr)
     print("-" * len(hdr))
 
@@ -275,7 +279,7 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
         for dt in args.dtype:
             for c in cells:
                 rows = min(c["batch"] * c["n"], args.max_num_seqs)
-                gflops, limit = limits[(model, rows)]
+                gflops, limit = limits[(model, dt, rows)]  # the matmul rate of this row's dtype
                 key = (model, dt, c["batch"], c["n"], c["new_tokens"])
                 hf, vllm = results.get(key + ("hf",)), results.get(key + ("vllm",))
                 for e in engines:
