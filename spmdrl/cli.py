@@ -165,21 +165,27 @@ def validate(cfg: Config, world_size: int) -> None:
         f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size} x {r.n} does not split evenly over "
         f"{world_size} ranks; make actor.ppo_mini_batch_size a multiple of {dims.rollout_dp}",
     )
+
+    # Things on disk: model folders first (config, weights, tokenizer), cheaply, before the backends' checks.
+    from spmdrl.model_check import validate_model_folder, validate_tokenizer_folder
+
+    try:
+        for key, path, tokenizer in (("model.path", cfg.model.path, cfg.model.tokenizer_path is None),
+                                     ("critic.model_path", c.model_path, False)):
+            if path is not None and not path.startswith("builtin:"):
+                validate_model_folder(path, key, need_tokenizer=tokenizer)
+        tok = cfg.model.tokenizer_path
+        if tok is not None and not tok.startswith("builtin:"):
+            validate_tokenizer_folder(tok, "model.tokenizer_path")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
     # Each backend checks its own keys (and that it can run here).
     try:
         rollout_engine_class(r.engine).check_config(cfg)
         engine_class(a.strategy).check_config(cfg)
     except (ValueError, ImportError) as err:
         raise ConfigError(str(err)) from err
-
-    # Things on disk.
-    for key, path in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
-                      ("critic.model_path", c.model_path)):
-        if path is None or path.startswith("builtin:"):
-            continue
-        _check(Path(path).is_dir(), f"{key} {path!r} is not a folder; give a Hugging Face model folder or builtin:tiny")
-        if key != "model.tokenizer_path":
-            _check((Path(path) / "config.json").is_file(), f"{key} {path!r} has no config.json; it is not a Hugging Face model folder")
     for key in ("train_files", "val_files"):
         for f in _files(getattr(d, key)):
             if f.startswith("builtin:"):

@@ -135,6 +135,8 @@ class NativeRollout(RolloutEngine):
         r = cfg.rollout
         if cfg.parallel.rollout_tp > 1:
             raise ValueError(TP_UNSUPPORTED.format(tp=cfg.parallel.rollout_tp))
+        if not cfg.model.path.startswith("builtin:"):  # an architecture this decoder implements
+            DecoderConfig.from_folder(cfg.model.path)
         if r.native_kernels == "on":
             if r.dtype == "float16":
                 raise ValueError("rollout.native_kernels is 'on' with rollout.dtype float16; the kernels support "

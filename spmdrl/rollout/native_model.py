@@ -70,7 +70,7 @@ class DecoderConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"native rollout: model_type {mt!r} in {source} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (use rollout.engine: hf or vllm for others)"
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (rollout.engine: hf runs others)"
             )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
