@@ -105,7 +105,7 @@ class RolloutConfig:
     sleep_level: Literal[1, 2] = 1
     """Sleep between rollouts: 1 frees the KV cache and offloads weights, 2 frees both."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of device memory vLLM/SGLang may take (ignored by native and hf)."""
+    """Fraction of device memory a server-style engine may take (verl's key; native and hf ignore it)."""
     val_temperature: float = 0.0
     """Temperature for validation rollouts (0: greedy)."""
     val_n: int = 1

@@ -16,7 +16,7 @@ the n samples of a prompt are never split across chunks):
    the loop ends at max_tokens or when no row is left.
 
 Each rank of a torchrun job runs its own engine on its own prompts (rollout DP);
-rollout TP is not supported here (use vllm or sglang for that).
+rollout TP is not supported here (it needs an engine that shards).
 """
 
 from __future__ import annotations
