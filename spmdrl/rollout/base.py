@@ -126,6 +126,15 @@ class RolloutEngine(abc.ABC):
         """Build this rank's engine from the run config (``model_path`` already resolved from ``builtin:``)."""
 
 
+def common_kwargs(cfg: "Config", device: torch.device) -> dict:
+    """Constructor arguments every in-process engine takes from the config: the resolved dtype
+    (``auto`` decided for ``device``), ``max_num_seqs`` and the base sampling seed (engines add their DP rank)."""
+    from spmdrl.precision import resolve_dtype
+
+    r = cfg.rollout
+    return dict(dtype=resolve_dtype(r.dtype, device.type), max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed * 1000)
+
+
 def _native() -> type[RolloutEngine]:
     from spmdrl.rollout.native import NativeRollout
 

@@ -18,8 +18,14 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 import torch
 
 from spmdrl.parallel import rollout_coords
-from spmdrl.precision import resolve_dtype, to_dtype
-from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, eos_ids_from_folder
+from spmdrl.precision import to_dtype
+from spmdrl.rollout.base import (
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+    common_kwargs,
+    eos_ids_from_folder,
+)
 from spmdrl.rollout.native import TP_UNSUPPORTED, SLEEP_TAGS, left_pad
 from spmdrl.rollout.weight_store import WeightStore
 from spmdrl.rollout.sampling import response_mask_and_reasons, stop_id_tensor, validate_sampling
@@ -90,10 +96,8 @@ class HFRollout(RolloutEngine):
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
                     eos_token_ids: Sequence[int], pad_token_id: int) -> "HFRollout":
-        r = cfg.rollout
-        return cls(model_path, mesh=mesh, device=device, dtype=resolve_dtype(r.dtype, device.type),
-                   max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed * 1000, eos_token_ids=eos_token_ids,
-                   pad_token_id=pad_token_id)
+        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   **common_kwargs(cfg, device))
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -27,8 +27,14 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 import torch
 
 from spmdrl.parallel import rollout_coords
-from spmdrl.precision import can_prepack, native_bf16, resolve_dtype, to_dtype
-from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, eos_ids_from_folder
+from spmdrl.precision import can_prepack, native_bf16, to_dtype
+from spmdrl.rollout.base import (
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+    common_kwargs,
+    eos_ids_from_folder,
+)
 from spmdrl.rollout.native_cache import KVCache, KVView
 from spmdrl.rollout.native_kernels import KernelMode, ops as kernel_ops, resolve_kernels
 from spmdrl.rollout.native_model import Decoder, DecoderConfig
@@ -150,10 +156,8 @@ class NativeRollout(RolloutEngine):
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
                     eos_token_ids: Sequence[int], pad_token_id: int) -> "NativeRollout":
-        r = cfg.rollout
-        return cls(model_path, mesh=mesh, device=device, dtype=resolve_dtype(r.dtype, device.type),
-                   max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed * 1000, eos_token_ids=eos_token_ids,
-                   pad_token_id=pad_token_id, kernels=r.native_kernels)
+        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   kernels=cfg.rollout.native_kernels, **common_kwargs(cfg, device))
 
     # ---- weights and memory ----------------------------------------------------------------------
 
