@@ -44,7 +44,6 @@ import json
 import logging
 import os
 import pickle
-import random
 import re
 import shutil
 import signal
@@ -54,7 +53,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -66,6 +64,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from spmdrl import __version__
 from spmdrl.config import dump_config
 from spmdrl.errors import ConfigError
+from spmdrl.rng import reseed_rng, rng_state, set_rng_state
 from spmdrl.tools.tiny_model import resolve_builtin_model
 
 if TYPE_CHECKING:
@@ -230,53 +229,6 @@ def resolve_resume(spec: str, out_dir: Path) -> Optional[Path]:
         path = found[-1][1]
     read_manifest(path)
     return path
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def _rollout_generator(rollout: Any) -> Optional[torch.Generator]:
-    """The sampling generator of the native and hf engines (vLLM/SGLang keep theirs out of reach)."""
-    gen = getattr(rollout, "generator", None)
-    return gen if isinstance(gen, torch.Generator) else None
-
-
-def rng_state(rollout: Any, device: torch.device) -> dict:
-    """Every RNG stream this rank draws from, as tensors and plain values (loadable weights-only)."""
-    version, mt, gauss = random.getstate()
-    name, key, pos, has_gauss, cached = np.random.get_state()
-    gen = _rollout_generator(rollout)
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "python": [version, list(mt), gauss],
-        "numpy": [name, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-        "rollout": gen.get_state() if gen is not None else None,
-    }
-
-
-def set_rng_state(state: dict, rollout: Any, device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-    version, mt, gauss = state["python"]
-    random.setstate((version, tuple(mt), gauss))
-    name, key, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, cached))
-    gen = _rollout_generator(rollout)
-    if gen is not None and state["rollout"] is not None:
-        gen.set_state(state["rollout"])
-
-
-def reseed_rng(seed: int, step: int, rank: int, rollout: Any) -> None:
-    """Streams for a resume on another world size: distinct per (seed, step, rank), not the step-0 ones."""
-    s = (seed * 1_000_003 + step) * 1_009 + rank
-    torch.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    gen = _rollout_generator(rollout)
-    if gen is not None:
-        gen.manual_seed(s)
 
 
 # ----------------------------------------------------------------------------- small files
