@@ -89,8 +89,9 @@ class AdaptiveKLController:
     """Adaptive KL coefficient of Ziegler et al. (2019): steer the measured KL towards ``target_kl``.
 
     The proportional error is clipped to +-20% so one noisy batch cannot swing
-    the coefficient; ``n_steps / horizon`` sets how fast it moves (samples seen
-    this update over the horizon in samples).
+    the coefficient; ``n_steps / horizon`` sets how fast it moves. ``n_steps``
+    is the number of responses (prompts x n) in the batch, as verl's trainer
+    passes it, so ``horizon`` is counted in responses too.
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:

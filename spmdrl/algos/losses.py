@@ -30,7 +30,9 @@ LossOut = tuple[torch.Tensor, dict[str, float]]
 # Log-ratios are clamped before exp so one wildly off-policy token cannot make
 # the ratio (or its gradient) overflow to inf and poison the step with NaN.
 LOG_RATIO_CLAMP = 20.0
-# GSPO's combined (sequence) log-ratio is clamped from above only, at verl's 10.
+# GSPO clamps its combined token log-ratio (whose value is the sequence log-ratio)
+# from above only, at 10, to match verl 0.9.1; no lower bound is needed, as exp
+# of a very negative log-ratio underflows harmlessly to 0.
 GSPO_LOG_RATIO_MAX = 10.0
 # Rows of the [rows, V] logits processed at once by the log-prob / entropy
 # helpers: bounds the float32 temporaries to about 256 MiB whatever the vocabulary.
@@ -127,8 +129,9 @@ def agg_loss(
       ``actor.loss_scale_factor``), then the mean over responses. Dr. GRPO's
       fix: the constant is the same for every response, so there is no length
       bias, at the price of a gradient scale that shrinks when responses are
-      much shorter than ``norm_len``. (verl 0.9.1 and TRL's ``dr_grpo`` also
-      divide by the number of responses.)
+      much shorter than ``norm_len``. verl 0.9.1 (the seq-mean of
+      seq-mean-token-sum, then divided by ``loss_scale_factor``) and TRL's
+      ``dr_grpo`` also divide by the number of responses.
 
     The denominators default to the local counts when ``global_tokens`` /
     ``global_seqs`` are None; ``norm_len`` defaults to ``T``, the padded
@@ -197,6 +200,7 @@ def vanilla_policy_loss(
         pg_clipfrac=loss2 > loss1,
         pg_clipfrac_lower=(clipped > loss3) & negative,
     )
+    # From the clamped log-ratio, as verl reports it: a token past the clamp counts as +-20.
     metrics["actor/ppo_kl"] = float(masked_mean(-log_ratio.detach(), mask).item())
     return loss, metrics
 
@@ -240,6 +244,7 @@ def gspo_policy_loss(
         loss_mat, mask, loss_agg_mode, norm_len, pg_clipfrac=loss2 > loss1,
         pg_clipfrac_lower=torch.zeros_like(mask),
     )
+    # verl reports GSPO's ppo_kl from the unclamped token log-ratios, not the clamped sequence one.
     metrics["actor/ppo_kl"] = float(masked_mean(-log_ratio.detach(), mask).item())
     return loss, metrics
 
@@ -265,6 +270,8 @@ def gpg_policy_loss(
     loss = agg_loss(
         loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
     )
+    # verl's GPG reports no metrics at all; ours keeps the keys every policy loss logs
+    # (nothing is clipped, and ppo_kl is the unclamped log-ratio, as GSPO's).
     zeros = torch.zeros_like(mask)
     metrics = _pg_metrics(loss_mat, mask, loss_agg_mode, norm_len, pg_clipfrac=zeros, pg_clipfrac_lower=zeros)
     metrics["actor/ppo_kl"] = float(masked_mean((old_logp - logp).detach(), mask).item())

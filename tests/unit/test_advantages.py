@@ -186,9 +186,14 @@ def test_reinforce_plus_plus_carries_the_return_across_interior_masked_tokens():
     # A tool output (mask 0) inside the response: the return flows through it, discounted per valid token.
     rewards = T([[0.0, 0.0, 9.0, 0.0, 0.0, 1.0]])  # the 9 sits on a masked token: no reward there
     mask = T([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]])
-    _, ret = get_advantage("reinforce_plus_plus")(rewards, mask, T([0]), gamma=0.5)
+    adv, ret = get_advantage("reinforce_plus_plus")(rewards, mask, T([0]), gamma=0.5)
     # t5: 1; t4: 0.5; t3, t2: masked -> 0, carry 0.5; t1: 0.5 * 0.5 = 0.25; t0: 0.125
+    # (restarting the return at the masked t3 would give 0, 0 at t0, t1)
     close(ret, [[0.125, 0.25, 0.0, 0.0, 0.5, 1.0]])
+    # whiten the 4 valid returns: mean 0.46875, deviations -0.34375, -0.21875, 0.03125, 0.53125,
+    # unbiased var 0.44921875 / 3 = 0.14974, std 0.38696; the masked positions stay 0
+    a, b, c, d = -0.8883301087334725, -0.5653009782849371, 0.08075728261213387, 1.3728738044062758
+    close(adv, [[a, b, 0.0, 0.0, c, d]])
 
 
 def test_reinforce_plus_plus_baseline():

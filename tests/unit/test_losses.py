@@ -158,6 +158,14 @@ def test_vanilla_clamps_the_log_ratio_at_20():
     assert torch.isfinite(logp.grad).all() and logp.grad.item() == 0.0
 
 
+def test_vanilla_ppo_kl_counts_a_clamped_token_as_20():
+    old = T([[-1.0, -1.0]])
+    logp = T([[-31.0, 0.0]])  # log-ratios -30 (clamped to -20) and 1
+    _, metrics = get_policy_loss("vanilla")(logp, old, T([[1.0, 1.0]]), T([[1.0, 1.0]]))
+    # mean of the negated clamped log-ratios: (20 - 1) / 2; unclamped it would be (30 - 1) / 2
+    assert metrics["actor/ppo_kl"] == pytest.approx(9.5)
+
+
 def test_vanilla_rejects_dual_clip_at_or_below_one():
     logp, old = _logps(RATIOS)
     with pytest.raises(ValueError, match="clip_ratio_c"):
@@ -175,8 +183,12 @@ def test_gspo_sequence_ratio_and_gradient():
     # seq-mean-token-mean: (-1.2 + 1.809675) / 2
     close(loss, 0.30483741803595954)
     # the configured mode is honoured (verl): token-mean weighs the 5 tokens alike
-    token_mean, _ = get_policy_loss("gspo")(logp.detach(), old, adv, mask, loss_agg_mode="token-mean")
+    token_mean, token_metrics = get_policy_loss("gspo")(
+        logp.detach(), old, adv, mask, loss_agg_mode="token-mean"
+    )
     close(token_mean, (-1.2 * 2 + 2 * math.exp(-0.1) * 3) / 5)
+    assert metrics["actor/pg_loss"] == pytest.approx(0.30483741803595954, abs=1e-6)
+    assert token_metrics["actor/pg_loss"] == pytest.approx((-2.4 + 6 * math.exp(-0.1)) / 5, abs=1e-6)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 5)
     assert metrics["actor/pg_clipfrac_lower"] == 0.0
     assert metrics["actor/ppo_kl"] == pytest.approx(-(0.1 + 0.3 - 0.3) / 5, abs=1e-6)
@@ -194,6 +206,14 @@ def test_gspo_clamps_the_sequence_log_ratio_above_at_10():
     # A=-1: max(r, clip(r)) = r with r = exp(10) (verl's bound), not exp(15) = 3.3e6
     close(loss, math.exp(10.0))
     assert metrics["actor/ppo_kl"] == pytest.approx(-15.0)  # verl reports GSPO's unclamped log-ratio
+
+
+def test_gspo_does_not_clamp_the_sequence_log_ratio_below():
+    old = T([[0.0, 0.0]])
+    logp = T([[-25.0, -25.0]])  # sequence log-ratio -25, past the per-token -20 of vanilla
+    loss, _ = get_policy_loss("gspo")(logp, old, T([[1.0, 1.0]]), T([[1.0, 1.0]]))
+    # A=1: max(-r, -0.8) = -r with r = exp(-25) (no lower clamp in verl), not exp(-20) = 2.1e-9
+    assert loss.item() == pytest.approx(-math.exp(-25.0), rel=1e-5)
 
 
 def test_gpg_policy_loss():
