@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Iterator, 
 
 import torch
 
+from spmdrl.precision import resolve_dtype
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -129,8 +131,6 @@ class RolloutEngine(abc.ABC):
 def common_kwargs(cfg: "Config", device: torch.device) -> dict:
     """Constructor arguments every in-process engine takes from the config: the resolved dtype
     (``auto`` decided for ``device``), ``max_num_seqs`` and the base sampling seed (engines add their DP rank)."""
-    from spmdrl.precision import resolve_dtype
-
     r = cfg.rollout
     return dict(dtype=resolve_dtype(r.dtype, device.type), max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed * 1000)
 
