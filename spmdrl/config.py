@@ -79,8 +79,9 @@ class ParallelConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "native"
-    """Rollout engine: native (pure torch, KV cache, C++ decode kernels on CPU) or hf (transformers
-    generate, a baseline for debugging)."""
+    """Rollout engine: native (pure torch, KV cache, C++ decode kernels on CPU), vllm (in-process vLLM on
+    every rank, tensor parallel over parallel.rollout_tp ranks; install it as the README says) or hf
+    (transformers generate, a baseline for debugging)."""
     n: int = 8
     """Responses sampled per prompt."""
     temperature: float = 1.0
@@ -105,7 +106,21 @@ class RolloutConfig:
     sleep_level: Literal[1, 2] = 1
     """Sleep between rollouts: 1 frees the KV cache and offloads weights, 2 frees both."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of device memory a server-style engine may take (verl's key; native and hf ignore it)."""
+    """Fraction of device memory vLLM may take for weights, activations and KV cache (verl's key; on CPU the
+    vLLM KV cache is sized from max_num_seqs x max_model_len instead; native and hf ignore it)."""
+    enforce_eager: bool = True
+    """vLLM: run eagerly, without CUDA graphs or torch.compile (verl's key; faster start, slower decode)."""
+    max_num_batched_tokens: int = 8192
+    """vLLM: most tokens in one scheduler step (prefill chunks and decode rows together; verl's key)."""
+    max_model_len: Optional[int] = None
+    """vLLM: longest prompt + response it accepts; null means data.max_prompt_length +
+    data.max_response_length."""
+    free_cache_engine: bool = True
+    """Put the rollout engine to sleep (rollout.sleep_level) after each rollout when colocated, freeing its
+    KV cache (and weights at level 2) for training (verl's key). false keeps it awake: faster, more memory."""
+    update_weights_bucket_megabytes: int = 512
+    """Weight sync streams the actor's weights into the engine in buckets of about this many MB: the most
+    exported bytes alive at once between the actor and the engine (verl's key)."""
     val_temperature: float = 0.0
     """Temperature for validation rollouts (0: greedy)."""
     val_n: int = 1

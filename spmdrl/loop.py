@@ -31,7 +31,7 @@ from spmdrl.engines.base import LossFn, TrainEngine
 from spmdrl.errors import ConfigError
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
-from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords
+from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords, rollout_tp_rank
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
 from spmdrl.rewards import RewardManager, decode_responses
 from spmdrl.rollout.base import RolloutSession, SamplingParams, eos_ids_from_folder, rollout_engine_class
@@ -112,8 +112,11 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
     )
     # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
     rollout_dtype = resolve_dtype(cfg.rollout.dtype, device.type)
+    # Colocated, the engine sleeps after each awake window unless rollout.free_cache_engine keeps it awake.
     session = RolloutSession(engine, lambda: actor.export_weights(rollout_dtype),
-                             sleep_level=cfg.rollout.sleep_level, colocate=cfg.trainer.colocate)
+                             sleep_level=cfg.rollout.sleep_level,
+                             colocate=cfg.trainer.colocate and cfg.rollout.free_cache_engine,
+                             tp_rank=rollout_tp_rank(dims.rollout_mesh), tp=dims.rollout_tp)
     print(_summary(rank, dims, device, model_path, actor, precision), flush=True)
     kc = cfg.algorithm.kl_ctrl
     out_dir = output_dir(cfg)
@@ -152,9 +155,11 @@ def sampling_params(cfg: Config, *, validation: bool = False) -> SamplingParams:
 
 
 def generate(r: Run, prompts: list, sampling: SamplingParams) -> Batch:
-    """Rollout of this rank's prompts; call inside ``r.rollout.awake()``."""
-    gen = r.rollout.engine.generate([p.prompt_ids for p in prompts], sampling)
+    """Rollout of this rank's rollout-DP prompts; call inside ``r.rollout.awake()``. Under rollout TP the
+    rank keeps its share of the TP group's responses (``RolloutSession.generate``)."""
+    gen = r.rollout.generate([p.prompt_ids for p in prompts], sampling)
     batch = from_generation(gen, torch.tensor([p.index for p in prompts], dtype=torch.long))
+    batch["rollout_logp"] = gen.logprobs  # [N, R] under the sampling distribution (rollout/sampling.py)
     per_row = gen.prompt_index.tolist()
     batch["data_source"] = [prompts[i].data_source for i in per_row]
     batch["ground_truth"] = [prompts[i].ground_truth for i in per_row]
@@ -247,6 +252,7 @@ def train_step(r: Run) -> dict[str, float]:
         # On-policy with one optimizer step: the loss uses the detached current log-probs instead.
         if not one_pass or cfg.algorithm.use_kl_in_reward:
             batch["old_logp"] = r.actor.forward_no_grad(batch, cfg.actor.log_prob_micro_batch_size_per_gpu)["logp"]
+            metrics.update(_rollout_actor_gap(batch, sampling_params(cfg)))
     with t.phase("ref"):
         if r.ref is not None:
             batch["ref_logp"] = r.ref.forward_no_grad(batch, cfg.ref.log_prob_micro_batch_size_per_gpu)["logp"]
@@ -289,6 +295,24 @@ def train_step(r: Run) -> dict[str, float]:
     # Throughput is a world-wide sum: every rank's tokens over the slowest rank's step time.
     metrics["perf/tokens_per_s"] = tokens * r.dims.world_size / metrics["timing/step"]
     return metrics
+
+
+def _rollout_actor_gap(batch: Batch, sampling: SamplingParams) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the actor's recomputation of the same tokens (verl's
+    training/rollout_probs_diff_*): a weight-sync or numerics check. Only comparable when the sampling
+    distribution is the actor's full one (no top-k / top-p truncation; see rollout/sampling.py)."""
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        return {}
+    mask = batch["response_mask"].bool()  # [N, R]
+    if not mask.any():
+        return {}
+    rollout, actor = batch["rollout_logp"][mask], batch["old_logp"][mask]  # [tokens]
+    probs_diff = (rollout.exp() - actor.exp()).abs()
+    return {
+        "training/rollout_probs_diff/mean": float(probs_diff.mean()),
+        "training/rollout_probs_diff/max": float(probs_diff.max()),
+        "training/rollout_logp_diff/max": float((rollout - actor).abs().max()),
+    }
 
 
 def _global_rows(r: Run, batch: Batch) -> int:
@@ -343,6 +367,8 @@ def validate(r: Run) -> dict[str, float]:
         for prompts in r.val_loader:
             if prompts:
                 batch = generate(r, prompts, sampling_params(r.cfg, validation=True))
+                if not len(batch):  # a TP share of a last, short validation batch can be empty
+                    continue
                 score(r, batch)
                 for source, s in zip(batch["data_source"], batch["scores"].tolist()):
                     acc = sums.setdefault(str(source), [0.0, 0.0])

@@ -88,6 +88,16 @@ def rollout_coords(mesh: Optional[DeviceMesh]) -> tuple[int, int]:
     return (0 if dp_dim is None else mesh.get_local_rank(dp_dim)), (1 if tp_dim is None else mesh.size(tp_dim))
 
 
+def rollout_tp_rank(mesh: Optional[DeviceMesh]) -> int:
+    """This rank's place inside its rollout TP group (0 without a mesh or without TP): which 1/tp share of
+    the group's outputs it keeps."""
+    if mesh is None or mesh.ndim < 2:
+        return 0
+    names = tuple(mesh.mesh_dim_names or ())
+    tp_dim = next((i for i, n in enumerate(names) if n.endswith("tp")), 1)
+    return mesh.get_local_rank(tp_dim)
+
+
 @dataclass
 class ParallelDims:
     """The parallel degrees of one run, checked against the world size.

@@ -77,6 +77,33 @@ class GenerationOutput:
     def response_lengths(self) -> torch.Tensor:  # [N]
         return self.response_mask.sum(-1)
 
+    def select(self, rows: torch.Tensor) -> "GenerationOutput":
+        """The rows ``rows`` [M] int64 (prompt_index still refers to the call's input prompts)."""
+        return GenerationOutput(
+            self.prompt_ids[rows], self.prompt_mask[rows], self.response_ids[rows], self.response_mask[rows],
+            self.logprobs[rows], [self.finish_reasons[i] for i in rows.tolist()],
+            None if self.prompt_index is None else self.prompt_index[rows],
+        )
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> ids [P, T] int64 left-padded with ``pad`` and valid [P, T] bool."""
+    T = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    valid = torch.tensor([[False] * (T - len(p)) + [True] * len(p) for p in prompts], device=device)
+    return ids, valid
+
+
+def tp_share(num_prompts: int, tp_rank: int, tp: int) -> range:
+    """The input prompts whose responses rank ``tp_rank`` of a rollout TP group keeps: a contiguous 1/tp of
+    them (whole prompt groups, so group statistics stay rank-local). Every rank of the group generated all
+    of them; concatenated over the group's ranks, the shares are the group's outputs in rollout order.
+    When ``tp`` does not divide ``num_prompts`` (validation batches) the first ranks keep one more."""
+    base, extra = divmod(num_prompts, tp)
+    start = tp_rank * base + min(tp_rank, extra)
+    return range(start, start + base + (tp_rank < extra))
+
 
 def eos_ids_from_folder(model_path: str | Path, tokenizer_eos: Optional[int] = None) -> list[int]:
     """The ids that end a response: the tokenizer's EOS (when given) and the folder's
@@ -147,8 +174,14 @@ def _hf() -> type[RolloutEngine]:
     return HFRollout
 
 
+def _vllm() -> type[RolloutEngine]:
+    from spmdrl.rollout.vllm import VLLMRollout
+
+    return VLLMRollout
+
+
 # name -> factory returning the class; a backend's module is imported only when chosen.
-ROLLOUT_ENGINES: dict[str, Callable[[], type[RolloutEngine]]] = {"native": _native, "hf": _hf}
+ROLLOUT_ENGINES: dict[str, Callable[[], type[RolloutEngine]]] = {"native": _native, "hf": _hf, "vllm": _vllm}
 
 
 def rollout_engine_class(name: str) -> type[RolloutEngine]:
@@ -174,16 +207,32 @@ class RolloutSession:
     """
 
     def __init__(self, engine: RolloutEngine, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *,
-                 sleep_level: int, colocate: bool):
+                 sleep_level: int, colocate: bool, tp_rank: int = 0, tp: int = 1):
         if sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level is {sleep_level}; valid levels: 1, 2")
+        if not 0 <= tp_rank < tp:
+            raise ValueError(f"rollout TP rank {tp_rank} is outside a TP group of {tp}")
         self.engine, self._export = engine, export
         self.sleep_level, self.colocate = sleep_level, colocate
+        self.tp_rank, self.tp = tp_rank, tp
         self.stale = False  # the engine was built from the same folder as the actor
         self._depth = 0
 
     def actor_changed(self) -> None:
         self.stale = True
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        """This rank's share of the responses to ``prompts`` (inside ``awake``). Every rank of a rollout TP
+        group passes the group's prompts; each keeps ``tp_share`` of them, so the batch ends up sharded over
+        the world in rollout order (DESIGN.md, "Meshes"). With tp == 1 that is every row."""
+        if not self._depth:
+            raise RuntimeError("RolloutSession.generate called outside `with session.awake():`")
+        out = self.engine.generate(prompts, sampling)
+        if self.tp == 1:
+            return out
+        share = tp_share(len(prompts), self.tp_rank, self.tp)
+        keep = (out.prompt_index >= share.start) & (out.prompt_index < share.stop)  # [N]
+        return out.select(keep.nonzero().squeeze(-1))
 
     @contextlib.contextmanager
     def awake(self, sync_phase: Callable[[], ContextManager] = contextlib.nullcontext

@@ -3,8 +3,9 @@
 It is the reference the native engine is tested against and the baseline it is
 benchmarked against; it is not fast. Same outputs as the native engine: prompts
 left-padded, responses right-padded, response mask up to and including the stop
-token, log-probs of the sampled tokens as ``log_softmax(logits / T)`` over the
-full vocabulary (see spmdrl.rollout.sampling), finish reasons.
+token, log-probs of the sampled tokens under the distribution they were drawn
+from (after temperature, top-k and top-p; see spmdrl.rollout.sampling), finish
+reasons.
 
 The checkpoint's generation_config.json is replaced by one that holds only the
 pad and EOS ids, so only the SamplingParams of each call shape sampling (no
@@ -25,10 +26,11 @@ from spmdrl.rollout.base import (
     SamplingParams,
     common_kwargs,
     eos_ids_from_folder,
+    left_pad,
 )
-from spmdrl.rollout.native import TP_UNSUPPORTED, SLEEP_TAGS, left_pad
+from spmdrl.rollout.native import TP_UNSUPPORTED, SLEEP_TAGS
 from spmdrl.rollout.weight_store import WeightStore
-from spmdrl.rollout.sampling import response_mask_and_reasons, stop_id_tensor, validate_sampling
+from spmdrl.rollout.sampling import response_mask_and_reasons, stop_id_tensor, truncate_logits, validate_sampling
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -169,8 +171,10 @@ class HFRollout(RolloutEngine):
                 output_logits=True, return_dict_in_generate=True, **kw)
         resp = out.sequences[:, ids.shape[1]:].cpu()  # [P*n, R'] with R' <= R when all rows stopped early
         logits = torch.stack(out.logits, 1).float().cpu()  # [P*n, R', V] raw logits
-        if not sampling.greedy:
-            logits = logits / sampling.temperature
+        if not sampling.greedy:  # the distribution transformers sampled from: temperature, top-k, top-p
+            P, Rr, V = logits.shape
+            logits = truncate_logits((logits / sampling.temperature).view(P * Rr, V), sampling.top_k,
+                                     sampling.top_p).view(P, Rr, V)
         lp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)  # [P*n, R']
         pad = R - resp.shape[1]
         resp = torch.nn.functional.pad(resp, (0, pad), value=self.pad_token_id)

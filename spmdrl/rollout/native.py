@@ -34,6 +34,7 @@ from spmdrl.rollout.base import (
     SamplingParams,
     common_kwargs,
     eos_ids_from_folder,
+    left_pad,
 )
 from spmdrl.rollout.native_cache import KVCache, KVView
 from spmdrl.rollout.native_kernels import KernelMode, ops as kernel_ops, resolve_kernels
@@ -58,15 +59,6 @@ _WIDTH_STEP = 16
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad: int, device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts -> ids [P, T] int64 left-padded with ``pad`` and valid [P, T] bool."""
-    T = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (T - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
-    valid = torch.tensor([[False] * (T - len(p)) + [True] * len(p) for p in prompts], device=device)
-    return ids, valid
 
 
 class NativeRollout(RolloutEngine):

@@ -1,11 +1,14 @@
 """Next-token sampling shared by the rollout engines: temperature, top-k, top-p, greedy, log-probs.
 
-Log-prob convention (the one verl and vLLM use, and what the actor recomputes):
-the returned log-prob of a sampled token is ``log_softmax(logits / T)`` over the
-FULL vocabulary, i.e. after temperature and BEFORE top-k / top-p truncation. The
-token itself is drawn from the truncated, renormalised distribution. With
-``top_k=-1, top_p=1`` the two are the same distribution. Greedy (T = 0) returns
-``log_softmax(logits)`` at the argmax (temperature 1).
+Log-prob convention, shared by every engine (vLLM's ``logprobs_mode="processed_logprobs"``):
+the returned log-prob of a sampled token is its log-probability under the
+distribution it was drawn from: ``log_softmax`` of ``logits / T`` with the tokens
+outside top-k / top-p set to -inf, i.e. renormalised over the kept tokens. Greedy
+(T = 0) returns ``log_softmax(logits)`` at the argmax (temperature 1). With
+``top_k=-1, top_p=1`` (the default for training rollouts) this is exactly what the
+actor recomputes, ``log_softmax(logits / T)`` over the full vocabulary; with
+truncation on it is the behaviour policy's log-prob, which is larger than the
+actor's full-vocabulary one (their gap is the truncation, not a bug).
 
 Order of the filters is transformers' and vLLM's: temperature, then top-k, then top-p.
 """
@@ -63,13 +66,13 @@ def sample(
         logp = torch.log_softmax(logits, -1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
     scaled = logits / sampling.temperature if sampling.temperature != 1.0 else logits
-    logp = torch.log_softmax(scaled, -1)  # [B, V] full-vocabulary log-probs
     if sampling.top_k > 0 or sampling.top_p < 1.0:
-        probs = truncate_logits(scaled, sampling.top_k, sampling.top_p).softmax(-1)
-    else:
-        probs = torch.softmax(scaled, -1)  # one fused pass; exp(logp) measured ~1.5x slower
+        scaled = truncate_logits(scaled, sampling.top_k, sampling.top_p)  # [B, V], -inf outside the kept set
+    probs = torch.softmax(scaled, -1)  # one fused pass; exp(log_softmax) measured ~1.5x slower
     tokens = draw(probs, generator)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    # log_softmax of the (truncated) logits, taken at the drawn tokens only: [B]
+    picked = scaled.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, picked - torch.logsumexp(scaled, -1)
 
 
 def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None, block: int = 128) -> torch.Tensor:

@@ -144,15 +144,21 @@ def test_greedy_matches_transformers_generate(engine, hf_model):
     assert torch.equal(out.prompt_ids, ids) and torch.equal(out.prompt_mask, valid)
 
 
-def _hf_logprobs(model, out, temperature: float) -> torch.Tensor:
-    """log_softmax(transformers logits / T) at the response tokens, 0 on padding. -> [N, R]"""
+def _hf_logprobs(model, out, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """log_softmax(truncate(transformers logits / T)) at the response tokens, 0 on padding: the sampling
+    distribution's log-probs (spmdrl.rollout.sampling). -> [N, R]"""
+    from spmdrl.rollout.sampling import truncate_logits
+
     full = torch.cat([out.prompt_ids, out.response_ids], 1)
     mask = torch.cat([out.prompt_mask, out.response_mask], 1)
     with torch.inference_mode():
         logits = model(input_ids=full, attention_mask=mask.long(), position_ids=_positions(mask)).logits
     P = out.prompt_ids.shape[1]
-    lp = torch.log_softmax(logits[:, P - 1:-1].float() / temperature, -1)
-    return lp.gather(-1, out.response_ids[..., None]).squeeze(-1) * out.response_mask
+    scaled = logits[:, P - 1:-1].float() / temperature  # [N, R, V]
+    N, R, V = scaled.shape
+    lp = torch.log_softmax(truncate_logits(scaled.reshape(N * R, V), top_k, top_p).view(N, R, V), -1)
+    lp = lp.gather(-1, out.response_ids[..., None]).squeeze(-1)  # padding may be outside the kept set: -inf
+    return torch.where(out.response_mask, lp, 0.0)
 
 
 def test_sampled_logprobs_match_transformers_with_early_stops(hf_model, tiny_model_dir):
@@ -166,7 +172,7 @@ def test_sampled_logprobs_match_transformers_with_early_stops(hf_model, tiny_mod
     assert len(out) == 12 and out.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     lengths = out.response_lengths
     assert 1 <= lengths.min() < lengths.max()
-    torch.testing.assert_close(out.logprobs, _hf_logprobs(hf_model, out, 0.7), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.logprobs, _hf_logprobs(hf_model, out, 0.7, top_k=50, top_p=0.9), atol=1e-4, rtol=0)
     stop_t = torch.tensor(stop + [EOS])
     for i, reason in enumerate(out.finish_reasons):
         n = int(lengths[i])
@@ -300,6 +306,8 @@ def test_hf_engine_matches_native(engine, tiny_model_dir):
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
     s = hf.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=0.8, seed=3))
     torch.testing.assert_close(s.logprobs, _hf_logprobs(hf.model, s, 0.8), atol=1e-4, rtol=0)
+    t = hf.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=3))
+    torch.testing.assert_close(t.logprobs, _hf_logprobs(hf.model, t, 0.8, top_k=20, top_p=0.9), atol=1e-4, rtol=0)
     hf.sleep(2)
     assert hf.memory_bytes() == 0
     hf.wake_up()

