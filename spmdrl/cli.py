@@ -161,6 +161,12 @@ def validate(cfg: Config, world_size: int) -> None:
         f"data.train_batch_size a multiple of {dims.rollout_dp}",
     )
     _check(
+        d.train_batch_size % world_size == 0,
+        f"data.train_batch_size is {d.train_batch_size}: each of the {dims.rollout_dp} rollout TP groups of "
+        f"{dims.rollout_tp} ranks generates {d.train_batch_size // dims.rollout_dp} prompts and each rank keeps "
+        f"1/{dims.rollout_tp} of them as whole groups; make data.train_batch_size a multiple of {world_size}",
+    ) if dims.rollout_tp > 1 else None
+    _check(
         (a.ppo_mini_batch_size * r.n) % world_size == 0 and a.ppo_mini_batch_size % dims.rollout_dp == 0,
         f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size} x {r.n} does not split evenly over "
         f"{world_size} ranks; make actor.ppo_mini_batch_size a multiple of {dims.rollout_dp}",

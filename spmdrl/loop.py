@@ -416,3 +416,6 @@ def run(cfg: Config, dims: ParallelDims) -> None:
     finally:
         sink.close()
         r.reward.close()
+    # Every rank is done with every collective; then the engine may tear down what it started.
+    dist.barrier()
+    r.rollout.engine.close()

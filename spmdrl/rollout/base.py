@@ -139,6 +139,9 @@ class RolloutEngine(abc.ABC):
         """Re-materialise what ``tags`` names ("weights", "kv_cache")."""
 
 
+    def close(self) -> None:
+        """Release what the engine started (threads, process groups) at the end of a run; default: nothing."""
+
     # ---- construction from the run config (each engine validates its own options) ----------------
 
     @classmethod

@@ -238,6 +238,12 @@ class VLLMRollout(RolloutEngine):
             self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
 
+    def close(self) -> None:
+        """Shut vLLM down now rather than from its exit-time finalizer, which would find torch's process
+        group already destroyed. vLLM's shutdown destroys its own groups and, as it does for an external
+        launcher, torch's default group too: call it last."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     # ---- generation ------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:

@@ -40,7 +40,7 @@ BAD = [
     (["--actor.policy_loss", "nope"], "actor.policy_loss is 'nope'; valid values:"),
     (["--rollout.engine", "trt"], "rollout.engine is 'trt'; valid values: hf, native"),
     # Backends that are not part of this version are refused before any work, not after start-up.
-    (["--rollout.engine", "vllm"], "rollout.engine is 'vllm'; valid values: hf, native"),
+    (["--rollout.engine", "sglang"], "rollout.engine is 'sglang'; valid values: hf, native, vllm"),
     (["--actor.strategy", "megatron"], "actor.strategy is 'megatron'; valid values: fsdp2"),
     (["--actor.param_dtype", "fp8"], "actor.param_dtype"),
     (["--actor.kl_loss_type", "k9"], "actor.kl_loss_type is 'k9'"),
@@ -129,3 +129,20 @@ def test_cli_subprocess_help_and_error():
         [sys.executable, "-m", "spmdrl.train", "--config", GRPO, "--print_config"], capture_output=True, text=True, env=env
     )
     assert out.returncode == 0 and "adv_estimator: grpo" in out.stdout
+
+
+def test_vllm_engine_needs_vllm_and_a_dividing_tp(monkeypatch, capsys):
+    import importlib.util
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code, err = run_main(["--config", GRPO, "--rollout.engine", "vllm", "--parallel.rollout_tp", "2"], capsys)
+    assert code == 2 and "parallel.rollout_tp is 2, which does not divide the world size 3" in err
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    code, err = run_main(["--config", GRPO, "--rollout.engine", "vllm", "--parallel.rollout_tp", "2",
+                          "--data.train_batch_size", "6", "--actor.ppo_mini_batch_size", "2"], capsys)
+    assert code == 2 and "make data.train_batch_size a multiple of 4" in err, err
+    if importlib.util.find_spec("vllm") is None:  # tests/vllm cover the installed case
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        code, err = run_main(["--config", GRPO, "--rollout.engine", "vllm"], capsys)
+        assert code == 2 and "rollout.engine is 'vllm' but vLLM is not installed in this Python environment" in err
+        assert err.count("\n") == 1

