@@ -94,7 +94,8 @@ class VLLMOptions:
 
 def vllm_available() -> Optional[str]:
     """None when vLLM can be imported here, else why not (one sentence)."""
-    if importlib.util.find_spec("vllm") is None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:  # origin None: a namespace package (a stray folder named vllm)
         return "vLLM is not installed in this Python environment"
     return None
 

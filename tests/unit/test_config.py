@@ -132,7 +132,7 @@ def test_cli_subprocess_help_and_error():
 
 
 def test_vllm_engine_needs_vllm_and_a_dividing_tp(monkeypatch, capsys):
-    import importlib.util
+    from spmdrl.rollout.vllm import vllm_available
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     code, err = run_main(["--config", GRPO, "--rollout.engine", "vllm", "--parallel.rollout_tp", "2"], capsys)
@@ -141,7 +141,7 @@ def test_vllm_engine_needs_vllm_and_a_dividing_tp(monkeypatch, capsys):
     code, err = run_main(["--config", GRPO, "--rollout.engine", "vllm", "--parallel.rollout_tp", "2",
                           "--data.train_batch_size", "6", "--actor.ppo_mini_batch_size", "2"], capsys)
     assert code == 2 and "make data.train_batch_size a multiple of 4" in err, err
-    if importlib.util.find_spec("vllm") is None:  # tests/vllm cover the installed case
+    if vllm_available() is not None:  # tests/vllm_engine cover the installed case
         monkeypatch.setenv("WORLD_SIZE", "2")
         code, err = run_main(["--config", GRPO, "--rollout.engine", "vllm"], capsys)
         assert code == 2 and "rollout.engine is 'vllm' but vLLM is not installed in this Python environment" in err

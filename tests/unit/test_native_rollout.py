@@ -373,3 +373,25 @@ def test_session_reloads_weights_freed_by_sleep_level_2(tiny_model_dir):
     with level1.awake():
         pass
     assert len(exports) == 3
+
+
+def test_session_keeps_the_tp_share_in_whole_groups(engine):
+    """Each rank of a rollout TP group keeps a contiguous 1/tp of the group's prompts with all their samples;
+    the shares, concatenated in rank order, are the group's output (the batch stays in rollout order)."""
+    from spmdrl.rollout.base import RolloutSession, tp_share
+
+    prompts = _prompts([4, 6, 3, 5, 2], seed=12)
+    sp = SamplingParams(n=3, max_tokens=6, seed=4)
+    full = engine.generate(prompts, sp)
+    shares = []
+    for rank in range(2):
+        session = RolloutSession(engine, lambda: iter(()), sleep_level=1, colocate=False, tp_rank=rank, tp=2)
+        with session.awake():
+            shares.append(session.generate(prompts, sp))
+    assert [s.prompt_index.unique().tolist() for s in shares] == [[0, 1, 2], [3, 4]]
+    for key in ("prompt_ids", "response_ids", "response_mask", "logprobs", "prompt_index"):
+        assert torch.equal(torch.cat([getattr(s, key) for s in shares]), getattr(full, key)), key
+    assert shares[0].finish_reasons + shares[1].finish_reasons == full.finish_reasons
+    assert [list(tp_share(2, r, 4)) for r in range(4)] == [[0], [1], [], []]
+    with pytest.raises(RuntimeError, match="outside"):
+        RolloutSession(engine, lambda: iter(()), sleep_level=1, colocate=False).generate(prompts, sp)
