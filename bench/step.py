@@ -2,6 +2,7 @@
 
     python bench/step.py                       # tiny model, 8 prompts x 8 responses x 64 new tokens
     python bench/step.py --model small --steps 5
+    python bench/step.py --vllm-python .venv-vllm/bin/python   # adds rollout.engine vllm at rollout TP 1 and 2
 
 Every spmdrl row is a real ``python -m spmdrl.train`` (torchrun for 2 ranks)
 run of configs/grpo.yaml at the same global batch; the figure is the median
@@ -30,9 +31,11 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32", "auto": "auto"}
 sys.path.insert(0, str(REPO))  # runnable from a checkout without pip install
 
 
-def spmdrl_run(model: str, world: int, colocate: bool, dtype: str, a: argparse.Namespace, tmp: Path) -> list[dict]:
-    """The metrics.jsonl rows of one training run, warm-up step dropped."""
-    out = tmp / f"w{world}_c{int(colocate)}_{dtype}"
+def spmdrl_run(model: str, run: tuple, a: argparse.Namespace, tmp: Path) -> list[dict]:
+    """The metrics.jsonl rows of one training run (world, colocate, dtype, engine, rollout TP), warm-up step
+    dropped; vllm runs use ``--vllm-python``."""
+    world, colocate, dtype, engine, tp = run
+    out = tmp / f"w{world}_c{int(colocate)}_{dtype}_{engine}{tp}"
     shutil.rmtree(out, ignore_errors=True)
     args = [
         "--config", "configs/grpo.yaml", "--model.path", f"builtin:{model}", "--trainer.total_steps", str(a.steps),
@@ -43,16 +46,18 @@ def spmdrl_run(model: str, world: int, colocate: bool, dtype: str, a: argparse.N
         "--trainer.logger", "[jsonl]", "--trainer.output_dir", str(out),
         "--rollout.dtype", DTYPES[dtype], "--actor.param_dtype", DTYPES[dtype],
         "--rollout.ignore_eos", "true",  # every response is new_tokens long, in TRL's run too: equal work
+        "--rollout.engine", engine, "--parallel.rollout_tp", str(tp),
     ]
+    python = a.vllm_python if engine == "vllm" else sys.executable
     if world == 1:
-        cmd = [sys.executable, "-m", "spmdrl.train", *args]
+        cmd = [python, "-m", "spmdrl.train", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                "-m", "spmdrl.train", *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(max(1, a.threads // world))}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"spmdrl run failed ({world} ranks, colocate {colocate}):\n{done.stderr[-3000:]}")
+        raise SystemExit(f"spmdrl run failed ({run}):\n{done.stderr[-3000:]}")
     return [json.loads(l) for l in open(out / "metrics.jsonl")][1:]
 
 
@@ -61,6 +66,7 @@ def summarize(rows: list[dict]) -> dict:
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     return {
         "step_s": med("timing/step"), "rollout_s": med("timing/rollout"), "update_s": med("timing/update"),
+        "sync_s": med("timing/weight_sync"),
         "length": med("response_length/mean"),
         "peak_gb": max(r["memory/overall_peak_gb"] for r in rows),
         "max_phase_gb": max(max(v for k, v in r.items() if k.endswith("_peak_gb") and "overall" not in k
@@ -89,6 +95,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads per run, split over ranks")
     p.add_argument("--rounds", type=int, default=2, help="times every runner runs, interleaved")
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a venv with vllm (.venv-vllm/bin/python): adds 2-rank rows with rollout.engine vllm")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="compute and rollout dtype of the main rows (auto: bf16 where native, else fp32)")
     a = p.parse_args()
@@ -108,8 +116,11 @@ def main() -> None:
         from spmdrl.precision import resolve_dtype
 
         main_dtype = "bf16" if resolve_dtype("auto", "cpu") == torch.bfloat16 else "fp32"
-    runs = [(1, True, main_dtype), (1, False, main_dtype), (2, True, main_dtype), (2, False, main_dtype)]
-    runs += [(1, True, "fp32")] if main_dtype != "fp32" else []
+    runs = [(1, True, main_dtype, "native", 1), (1, False, main_dtype, "native", 1), (2, True, main_dtype, "native", 1),
+            (2, False, main_dtype, "native", 1)]
+    runs += [(1, True, "fp32", "native", 1)] if main_dtype != "fp32" else []
+    if a.vllm_python:  # the same 2-rank colocated work, rolled out by vLLM: one engine per rank, then one over both
+        runs += [(2, True, main_dtype, "vllm", 1), (2, True, main_dtype, "vllm", 2)]
     trl_dtypes = ("fp32", main_dtype) if not a.no_trl and importlib.util.find_spec("trl") else ()
     trl_dtypes = tuple(dict.fromkeys(trl_dtypes))
     trl_steps: dict[str, dict[str, list[float]]] = {d: {"step_s": [], "length": []} for d in trl_dtypes}
@@ -121,10 +132,10 @@ def main() -> None:
             for d in trl_dtypes:
                 for k, v in trl_run(model_dir, data, d, a, tmp).items():
                     trl_steps[d][k] += v
-            for w, c, d in runs:
-                spmdrl_steps[(w, c, d)] += spmdrl_run(a.model, w, c, d, a, tmp)
+            for run in runs:
+                spmdrl_steps[run] += spmdrl_run(a.model, run, a, tmp)
     trl = {d: {k: statistics.median(v) if v else float("nan") for k, v in r.items()} for d, r in trl_steps.items()}
-    rows = [(w, c, d, summarize(spmdrl_steps[(w, c, d)])) for w, c, d in runs]
+    rows = [(run, summarize(spmdrl_steps[run])) for run in runs]
     tokens = a.prompts * a.n * a.new_tokens
     base = trl.get("fp32")
     print(f"\nGRPO step, {a.model} model, {a.prompts} prompts x {a.n} responses x {a.new_tokens} new tokens, "
@@ -132,18 +143,18 @@ def main() -> None:
           f"(rounds interleaved). "
           f"bf16 = bf16 compute with float32 master weights (TRL: bf16=True autocast; spmdrl: FSDP2 param_dtype "
           f"and rollout dtype). 'vs TRL' divides TRL fp32's s/step by the row's.\n")
-    print("| runner | precision | ranks | sleep/wake | resp len | s/step | gen tok/s | rollout s | update s "
-          "| peak GB | max phase GB | vs TRL fp32 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| runner | rollout | precision | ranks | sleep/wake | resp len | s/step | gen tok/s | rollout s | sync s "
+          "| update s | peak GB | max phase GB | vs TRL fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d, r in trl.items():
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
-        print(f"| TRL GRPOTrainer | {d} | 1 | - | {r['length']:.1f} | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} "
-              f"| | | | | {ratio} |")
-    for world, colocate, d, r in rows:
+        print(f"| TRL GRPOTrainer | transformers | {d} | 1 | - | {r['length']:.1f} | {r['step_s']:.2f} | "
+              f"{tokens / r['step_s']:.0f} | | | | | | {ratio} |")
+    for (world, colocate, d, engine, tp), r in rows:
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
-        print(f"| spmdrl | {d} | {world} | {'on' if colocate else 'off'} | {r['length']:.1f} | {r['step_s']:.2f} | "
-              f"{tokens / r['step_s']:.0f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | {r['peak_gb']:.2f} | "
-              f"{r['max_phase_gb']:.2f} | {ratio} |")
+        print(f"| spmdrl | {engine} tp={tp} | {d} | {world} | {'on' if colocate else 'off'} | {r['length']:.1f} | "
+              f"{r['step_s']:.2f} | {tokens / r['step_s']:.0f} | {r['rollout_s']:.2f} | {r['sync_s']:.3f} | "
+              f"{r['update_s']:.2f} | {r['peak_gb']:.2f} | {r['max_phase_gb']:.2f} | {ratio} |")
 
 
 if __name__ == "__main__":
