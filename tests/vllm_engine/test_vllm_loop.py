@@ -26,7 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 # loop reports training/rollout_logp_diff (the rollout against the actor, after the step's weight sync).
 ARGS = ["--config", "configs/grpo.yaml", "--rollout.engine", "vllm", "--trainer.total_steps", "3",
         "--data.train_batch_size", "8", "--actor.ppo_mini_batch_size", "4", "--trainer.progress_bar", "false",
-        "--trainer.resume", "off"]
+        "--trainer.resume", "off",
+        # float32 on both sides whatever auto picks on this CPU: the agreement below is a float32 tolerance.
+        "--rollout.dtype", "float32", "--actor.param_dtype", "float32"]
 # The tolerance of the native engine's round trip (tests/multiproc/test_weight_sync.py), fp32 both sides.
 LOGP_TOL = 1e-4
 
