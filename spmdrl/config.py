@@ -77,6 +77,40 @@ class ParallelConfig:
 
 
 @dataclass
+class ValKwargsConfig:
+    """Sampling of validation rollouts (verl's rollout.val_kwargs)."""
+
+    n: int = 1
+    """Responses per validation prompt; n > 1 adds mean@n / best@n / maj@n / pass@n metrics."""
+    do_sample: bool = False
+    """Sample with temperature / top_p / top_k below; false means greedy whatever the temperature."""
+    temperature: float = 0.0
+    """Temperature of validation sampling (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass of validation sampling in (0, 1]."""
+    top_k: int = -1
+    """Top-k of validation sampling; -1 keeps every token."""
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tool calls (verl's rollout.multi_turn)."""
+
+    enable: bool = False
+    """Let responses call tools mid-response; tool output is appended and masked out of the loss."""
+    max_assistant_turns: Optional[int] = None
+    """Most assistant turns per trajectory (null: until data.max_response_length runs out)."""
+    max_tool_response_length: int = 256
+    """Most tokens of one tool response fed back to the model (longer ones are truncated)."""
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    """Which part of an over-long tool response is cut away."""
+    tool_config_path: Optional[str] = None
+    """YAML file listing the tools (OpenAI function schema and implementing class)."""
+    format: Literal["hermes"] = "hermes"
+    """Tool-call syntax the model writes: hermes is <tool_call>{"name": ..., "arguments": ...}</tool_call>."""
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "native"
     """Rollout engine: native (pure torch, KV cache, C++ decode kernels on CPU), vllm (in-process vLLM on
@@ -121,10 +155,8 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = 512
     """Weight sync streams the actor's weights into the engine in buckets of about this many MB: the most
     exported bytes alive at once between the actor and the engine (verl's key)."""
-    val_temperature: float = 0.0
-    """Temperature for validation rollouts (0: greedy)."""
-    val_n: int = 1
-    """Responses per prompt in validation."""
+    val_kwargs: ValKwargsConfig = field(default_factory=lambda: ValKwargsConfig())
+    multi_turn: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig())
 
 
 @dataclass
@@ -274,6 +306,27 @@ class RewardConfig:
 
 
 @dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None
+    """Hugging Face sequence-classification model folder (num_labels 1) that scores prompt + response."""
+    input_tokenizer: Optional[str] = None
+    """Tokenizer of the policy, when the reward model's chat template differs (responses are re-rendered)."""
+
+
+@dataclass
+class RewardModelConfig:
+    """A model-based reward (verl's reward_model section)."""
+
+    enable: bool = False
+    """Score responses with reward_model.model.path as well as (or instead of) the rule-based reward."""
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int = 16
+    """Responses per no-grad forward of the reward model on one rank."""
+    max_length: Optional[int] = None
+    """Most tokens of a rendered prompt + response given to the reward model (null: no limit)."""
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = "spmdrl"
     """Project name (wandb project, output folder)."""
@@ -308,6 +361,10 @@ class TrainerConfig:
     gradients while the rollout engine is awake."""
     progress_bar: bool = True
     """Show a tqdm bar on rank 0."""
+    val_only: bool = False
+    """Only validate (with the initial or resumed weights), then exit (verl's trainer.val_only)."""
+    plot_freq: int = -1
+    """Write PNG figures of the run (spmdrl.plot) into output_dir every N steps and at the end (-1: never)."""
 
 
 @dataclass
@@ -321,6 +378,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 

@@ -144,14 +144,12 @@ def _summary(rank: int, dims: ParallelDims, device: torch.device, model_path: st
 
 def sampling_params(cfg: Config, *, validation: bool = False) -> SamplingParams:
     r = cfg.rollout
-    return SamplingParams(
-        n=r.val_n if validation else r.n,
-        max_tokens=cfg.data.max_response_length,
-        temperature=r.val_temperature if validation else r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        ignore_eos=r.ignore_eos and not validation,
-    )
+    if validation:
+        v = r.val_kwargs  # verl: do_sample false is greedy whatever the temperature
+        return SamplingParams(n=v.n, max_tokens=cfg.data.max_response_length,
+                              temperature=v.temperature if v.do_sample else 0.0, top_p=v.top_p, top_k=v.top_k)
+    return SamplingParams(n=r.n, max_tokens=cfg.data.max_response_length, temperature=r.temperature,
+                          top_p=r.top_p, top_k=r.top_k, ignore_eos=r.ignore_eos)
 
 
 def generate(r: Run, prompts: list, sampling: SamplingParams) -> Batch:
@@ -359,7 +357,7 @@ def _batch_metrics(batch: Batch, cfg: Config) -> dict[str, float]:
 
 
 def validate(r: Run) -> dict[str, float]:
-    """Greedy (``rollout.val_temperature``) responses to every validation prompt; mean score per data source."""
+    """``rollout.val_kwargs`` responses to every validation prompt; mean score per data source."""
     if r.val_loader is None:
         return {}
     sums: dict[str, list[float]] = {}
