@@ -1,0 +1,153 @@
+"""Multi-turn generation with tools: Hermes parsing, chat-template tokens, masks, and the native engine.
+
+    pytest tests/unit/test_multiturn.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from spmdrl.agent.chat import ChatTokens, ParsedCall, parse_hermes, truncate
+from spmdrl.agent.rollout import ToolAgent
+from spmdrl.agent.tools import CALCULATOR_SCHEMA, ToolSpec
+from spmdrl.batch import from_generation
+from spmdrl.rollout.base import SamplingParams
+
+_spec = importlib.util.spec_from_file_location("scripted_policy", Path(__file__).parents[1] / "e2e" / "scripted_policy.py")
+scripted = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scripted)
+
+QUESTION = "What is 48213 * 9321? Use the calculator, then write Answer: <number>."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _agent(tokenizer, **kw) -> ToolAgent:
+    kw.setdefault("num_workers", 1)
+    return ToolAgent([ToolSpec("calculator", {}, CALCULATOR_SCHEMA)], tokenizer, [tokenizer.eos_token_id], **kw)
+
+
+def _prompt(tokenizer) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_parse_hermes():
+    calls = parse_hermes('think <tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
+                         '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+                         "<tool_call>{oops}</tool_call><tool_call>[1]</tool_call>"
+                         '<tool_call>{"name": "g", "arguments": 3}</tool_call> <tool_call>unclosed')
+    assert [(c.name, c.arguments) for c in calls[:2]] == [("calculator", {"expression": "1+2"}), ("f", {"x": 1})]
+    assert "not valid JSON" in calls[2].error and '"name" string' in calls[3].error
+    assert calls[4].name == "g" and "must be a JSON object" in calls[4].error
+    assert len(calls) == 5 and parse_hermes("Answer: 7") == []
+
+
+def test_truncate_sides():
+    ids = list(range(10))
+    assert truncate(ids, 4, "left") == ([0, 1, 2, 3], True)
+    assert truncate(ids, 4, "right") == ([6, 7, 8, 9], True)
+    assert truncate(ids, 5, "middle") == ([0, 1, 7, 8, 9], True)
+    assert truncate(ids, 10, "middle") == (ids, False)
+
+
+def test_sequence_equals_chat_template_token_for_token(tokenizer):
+    """Prompt + response of every trajectory is the template's tokenization of its whole conversation, and the
+    response mask is 1 exactly on the assistant's tokens."""
+    agent = _agent(tokenizer)
+    engine = scripted.ScriptedRollout(tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    try:
+        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)], SamplingParams(n=4, max_tokens=160))
+    finally:
+        agent.close()
+    assert engine.calls == 2  # every sample finished within two turns
+    assert [t.turns for t in trajs] == [2, 1, 2, 2]
+    assert trajs[0].messages[1] == {"role": "tool", "content": str(48213 * 9321)}
+    assert trajs[0].messages[2]["content"] == f"Answer: {48213 * 9321}"
+    assert trajs[2].tool_calls[0]["error"] and trajs[3].tool_calls[0]["error"] and not trajs[0].tool_calls[0]["error"]
+    batch = from_generation(gen, torch.tensor([0]))
+    R = gen.response_ids.shape[1]
+    for k, t in enumerate(trajs):
+        conversation = [{"role": "user", "content": QUESTION}] + t.messages
+        want = tokenizer.encode(tokenizer.apply_chat_template(conversation, tokenize=False), add_special_tokens=False)
+        assert want[-1] == tokenizer.encode("\n")[0]  # the template ends the last turn with a newline ...
+        want = want[:-1]  # ... which the model does not generate: it stops at EOS
+        attn = batch["attention_mask"][k].bool()
+        assert batch["input_ids"][k][attn].tolist() == want
+        # The mask marks the assistant's tokens (text + EOS) and nothing else.
+        resp = gen.response_ids[k][gen.response_mask[k]].tolist()
+        assistant = [m["content"] for m in t.messages if m["role"] == "assistant"]
+        assert resp == [i for text in assistant for i in tokenizer.encode(text) + [tokenizer.eos_token_id]]
+        masked_out = gen.response_ids[k][(~gen.response_mask[k]) & gen.response_attention[k]]
+        assert (gen.logprobs[k][~gen.response_mask[k]] == 0).all()
+        if t.turns == 2:
+            assert tokenizer.decode(masked_out) == f"\n<|im_start|>tool\n{t.messages[1]['content']}<|im_end|>\n" \
+                                                   "<|im_start|>assistant\n"
+        # Positions run on through the tool tokens, as they would in the whole conversation.
+        pos = batch["position_ids"][k][attn]
+        assert pos.tolist() == list(range(len(want)))
+        assert batch["response_mask"][k].sum() == len(resp) and R == 160
+
+
+def test_limits_turns_budget_and_tool_output(tokenizer):
+    # max_assistant_turns=1: the call is made but not executed; the trajectory ends there.
+    agent = _agent(tokenizer, max_assistant_turns=1)
+    engine = scripted.ScriptedRollout(tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    try:
+        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)], SamplingParams(n=1, max_tokens=160))
+        assert engine.calls == 1 and trajs[0].tool_calls == [] and gen.finish_reasons == ["stop"]
+        # A response budget that ends inside the tool turn: finished as "length", nothing half-appended.
+        call_len = int(gen.response_mask[0].sum())
+        agent.max_turns = None
+        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)], SamplingParams(n=1, max_tokens=call_len + 3))
+        assert gen.finish_reasons == ["length"] and int(gen.response_attention[0].sum()) == call_len
+        # Tool output is cut to max_tool_response_length tokens (middle: both ends kept).
+        agent.chat.max_len = 4
+        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)], SamplingParams(n=1, max_tokens=160))
+        full = str(48213 * 9321)
+        assert trajs[0].messages[1]["content"] == full[:2] + full[-2:]
+    finally:
+        agent.close()
+
+
+def test_native_engine_multi_turn_logprobs_match_transformers(tokenizer, tiny_model_dir):
+    """Through the native engine (random weights, so every turn is made to call the tool): the log-probs the
+    engine reports for later turns equal transformers' on the final sequence, so each turn continued the
+    whole conversation at the right positions."""
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.rollout.native import NativeRollout
+
+    torch.set_num_threads(1)
+    engine = NativeRollout(str(tiny_model_dir), pad_token_id=tokenizer.pad_token_id,
+                           eos_token_ids=[tokenizer.eos_token_id], seed=3)
+    agent = _agent(tokenizer, max_assistant_turns=3)
+    agent.parse = lambda text: [ParsedCall("calculator", {"expression": "6*7"})]
+    # Many stop ids end turns early, so that three turns fit in the budget.
+    stops = list(range(3, 2048, 13))
+    try:
+        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer), _prompt(tokenizer)[:-9]],
+                                    SamplingParams(n=2, max_tokens=48, stop_token_ids=stops))
+    finally:
+        agent.close()
+    assert any(t.turns == 3 for t in trajs)
+    batch = from_generation(gen, torch.tensor([0, 1]))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits.float()
+    R = gen.response_ids.shape[1]
+    lp = torch.log_softmax(logits[:, -R - 1:-1], -1).gather(-1, gen.response_ids[..., None]).squeeze(-1)
+    mask = gen.response_mask
+    torch.testing.assert_close(torch.where(mask, lp, 0.0), gen.logprobs, atol=1e-4, rtol=0)
+    assert (gen.response_attention & ~mask).any()  # there were tool tokens inside responses
