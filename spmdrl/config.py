@@ -108,6 +108,12 @@ class MultiTurnConfig:
     """YAML file listing the tools (OpenAI function schema and implementing class)."""
     format: Literal["hermes"] = "hermes"
     """Tool-call syntax the model writes: hermes is <tool_call>{"name": ..., "arguments": ...}</tool_call>."""
+    tool_num_workers: int = 2
+    """Worker processes per rank that execute tool calls (spmdrl.agent.sandbox)."""
+    tool_timeout_s: float = 10.0
+    """Seconds one tool call may run; past that its worker is killed and the model sees an error."""
+    tool_memory_mb: int = 1024
+    """Address-space limit (RLIMIT_AS) of a tool worker, in MiB."""
 
 
 @dataclass

@@ -35,6 +35,7 @@ from spmdrl.agent.tools import Tool, ToolSpec, load_tool_config
 from spmdrl.rollout.base import GenerationOutput, SamplingParams, left_pad
 
 if TYPE_CHECKING:
+    from spmdrl.batch import Batch
     from spmdrl.config import Config
     from spmdrl.parallel import ParallelDims
 
@@ -228,3 +229,27 @@ def trajectory_info(t: Trajectory) -> dict:
     """What the reward function gets in ``extra_info`` besides the row's own: the conversation and the calls."""
     return {**t.extra_info, "messages": t.messages, "tool_calls": t.tool_calls, "num_turns": t.turns,
             "tool_reward": t.tool_reward}
+
+
+def annotate(batch: "Batch", trajectories: Sequence[Trajectory]) -> None:
+    """Per-row results of a multi-turn rollout into ``batch``: the conversation and tool calls in
+    ``extra_info`` (for reward functions), the tools' reward and the counts behind the metrics."""
+    batch["extra_info"] = [trajectory_info(t) for t in trajectories]
+    for key, attr in (("tool_reward", "tool_reward"), ("num_turns", "turns"), ("tool_errors", "tool_errors"),
+                      ("tool_timeouts", "tool_timeouts")):
+        batch[key] = torch.tensor([float(getattr(t, attr)) for t in trajectories])  # [N]
+    batch["num_tool_calls"] = torch.tensor([float(len(t.tool_calls)) for t in trajectories])  # [N]
+
+
+def multi_turn_metrics(batch: "Batch") -> dict[str, float]:
+    """Turns and tool calls per trajectory (means over ranks, max reduced), tool errors and timeouts per
+    trajectory; nothing for a single-turn batch."""
+    if "num_turns" not in batch:
+        return {}
+    turns, calls = batch["num_turns"], batch["num_tool_calls"]
+    return {
+        "multi_turn/turns/mean": float(turns.mean()), "multi_turn/turns/max": float(turns.max()),
+        "multi_turn/tool_calls/mean": float(calls.mean()), "multi_turn/tool_calls/max": float(calls.max()),
+        "multi_turn/tool_errors/mean": float(batch["tool_errors"].mean()),
+        "multi_turn/tool_timeouts/mean": float(batch["tool_timeouts"].mean()),
+    }
