@@ -118,3 +118,37 @@ def test_sandbox_state_round_trip():
         assert tool.calc_reward(state) == pytest.approx(0.2)
     finally:
         runner.close()
+
+
+GRPO_TOOLS = str(Path(__file__).resolve().parents[2] / "configs" / "grpo_tools.yaml")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("tools: [a, b", "is not valid YAML at line 1"),
+    ("tools:\n  - class_name: nosuch_tool\n    tool_schema: {type: function, function: {name: a}}",
+     "'nosuch_tool' is not a built-in tool"),
+    ("tools:\n  - class_name: calculator\n    tool_schema: {type: function}", "a function mapping"),
+    (None, "does not exist"),
+])
+def test_bad_tool_config_exits_2_before_any_work(tmp_path, capsys, text, needle):
+    from spmdrl.train import main
+
+    path = tmp_path / "tools.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", GRPO_TOOLS, "--rollout.multi_turn.tool_config_path", str(path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and needle in err, err
+    assert err.startswith("spmdrl.train: error: rollout.multi_turn.tool_config_path") and err.count("\n") == 1
+
+
+def test_multi_turn_needs_a_tool_config_and_one_rollout_tp_rank(capsys):
+    from spmdrl.train import main
+
+    for extra, needle in ((["--rollout.multi_turn.tool_config_path", "null"], "tool_config_path is not"),
+                          (["--rollout.multi_turn.max_tool_response_length", "0"], "must be >= 1")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", GRPO_TOOLS, *extra])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and needle in err, err
