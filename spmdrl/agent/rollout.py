@@ -17,8 +17,10 @@ tool and template tokens): ``response_mask`` is 1 on the tokens the model
 generated and 0 on tool output and template tokens inside the response,
 ``response_attention`` is 1 on all of them, and log-probs are 0 where the mask is.
 
-Each turn re-prefills the conversation (the engines' ``generate`` takes token
-prompts); continuing from the native engine's KV cache is not built yet.
+Calls ask the engine to keep each row's KV cache (``SamplingParams.keep_prefix``):
+the native engine then prefills only the tokens a continuing row added (its stop
+token and the tool turn) and reuses the rest; engines without it (hf; vllm
+unless its own prefix caching is on) prefill the whole conversation each turn.
 """
 
 from __future__ import annotations
@@ -129,11 +131,11 @@ class ToolAgent:
         while active:
             budget = max(R - len(trajs[i].ids) for i in active)
             if turn == 0:  # the engine expands each prompt into its n samples, sharing the prefill
-                out = generate(list(prompts), replace(sampling, max_tokens=budget))
+                out = generate(list(prompts), replace(sampling, max_tokens=budget, keep_prefix=True))
             else:  # one row per running trajectory: its prompt and its response so far
                 seed = None if sampling.seed is None else sampling.seed + turn
                 out = generate([trajs[i].prompt + trajs[i].ids for i in active],
-                               replace(sampling, n=1, max_tokens=budget, seed=seed))
+                               replace(sampling, n=1, max_tokens=budget, seed=seed, keep_prefix=True))
             self._append_turns(trajs, active, out, R)
             paused = [i for i in active if trajs[i].finish is None]
             if paused:

@@ -46,6 +46,9 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()  # besides the tokenizer's EOS ids
     ignore_eos: bool = False  # keep generating past EOS (stop_token_ids still stop), as vLLM's ignore_eos
     seed: Optional[int] = None  # reseeds the engine's generator for this call when set
+    # Keep each row's KV cache for a next call whose prompt continues that row (multi-turn rollouts), so the
+    # next call prefills only the new tokens; engines without it ignore this (the native engine has it).
+    keep_prefix: bool = False
 
     @property
     def greedy(self) -> bool:

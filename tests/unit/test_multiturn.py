@@ -120,27 +120,42 @@ def test_limits_turns_budget_and_tool_output(tokenizer):
         agent.close()
 
 
-def test_native_engine_multi_turn_logprobs_match_transformers(tokenizer, tiny_model_dir):
-    """Through the native engine (random weights, so every turn is made to call the tool): the log-probs the
+@pytest.mark.parametrize("name", ["native", "hf"])
+def test_engine_multi_turn_logprobs_match_transformers(tokenizer, tiny_model_dir, name):
+    """Through a real engine (random weights, so every turn is made to call the tool): the log-probs the
     engine reports for later turns equal transformers' on the final sequence, so each turn continued the
-    whole conversation at the right positions."""
+    whole conversation at the right positions; the native engine does so from its kept KV cache."""
     from transformers import AutoModelForCausalLM
 
-    from spmdrl.rollout.native import NativeRollout
+    from spmdrl.rollout.base import build_rollout
 
     torch.set_num_threads(1)
-    engine = NativeRollout(str(tiny_model_dir), pad_token_id=tokenizer.pad_token_id,
+    engine = build_rollout(name, str(tiny_model_dir), pad_token_id=tokenizer.pad_token_id,
                            eos_token_ids=[tokenizer.eos_token_id], seed=3)
     agent = _agent(tokenizer, max_assistant_turns=3)
     agent.parse = lambda text: [ParsedCall("calculator", {"expression": "6*7"})]
     # Many stop ids end turns early, so that three turns fit in the budget.
     stops = list(range(3, 2048, 13))
+    calls = []  # per call: (token columns prefilled, the same without reuse)
+
+    def generate(prompts, sampling):
+        before = getattr(engine, "prefill_tokens", 0)
+        out = engine.generate(prompts, sampling)
+        calls.append((getattr(engine, "prefill_tokens", 0) - before, len(prompts), max(len(p) for p in prompts)))
+        return out
+
     try:
-        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer), _prompt(tokenizer)[:-9]],
+        gen, trajs = agent.generate(generate, [_prompt(tokenizer), _prompt(tokenizer)[:-9]],
                                     SamplingParams(n=2, max_tokens=48, stop_token_ids=stops))
     finally:
         agent.close()
-    assert any(t.turns == 3 for t in trajs)
+    assert any(t.turns == 3 for t in trajs) and len(calls) == 3
+    # Later turns prefill only what is new since each row stopped (its stop token, then the tool turn with
+    # the tool's output "42"), not the conversation.
+    new_tokens = 1 + len(agent.chat.tool_turn(["42"]))
+    if name == "native":
+        assert calls[0][0] == calls[0][1] * calls[0][2]
+        assert [done for done, _, _ in calls[1:]] == [rows * new_tokens for _, rows, _ in calls[1:]]
     batch = from_generation(gen, torch.tensor([0, 1]))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
