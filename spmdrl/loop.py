@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.agent.rollout import ToolAgent, annotate, multi_turn_metrics
+from spmdrl.agent.tools import load_tool_config
 from spmdrl.algos.dapo import filter_groups, overlong_penalty
 from spmdrl.algos.kl import apply_kl_penalty, build_kl_controller
 from spmdrl.algos.registry import ADVANTAGES, get_advantage
@@ -87,10 +88,13 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
     model_path = resolve_builtin_model(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)
     rollout_rank, _ = rollout_coords(dims.rollout_mesh)
+    mt = cfg.rollout.multi_turn
+    tools = [s.tool_schema for s in load_tool_config(mt.tool_config_path)] if mt.enable else None
     try:
         train_loader = build_train_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp,
-                                          seed=cfg.trainer.seed)
-        val_loader = build_val_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp)
+                                          seed=cfg.trainer.seed, tools=tools)
+        val_loader = build_val_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp,
+                                      tools=tools)
         reward = RewardManager.from_config(cfg.reward)
     except (ValueError, FileNotFoundError, ImportError, AttributeError) as err:
         raise ConfigError(str(err)) from err

@@ -166,3 +166,22 @@ def test_engine_multi_turn_logprobs_match_transformers(tokenizer, tiny_model_dir
     mask = gen.response_mask
     torch.testing.assert_close(torch.where(mask, lp, 0.0), gen.logprobs, atol=1e-4, rtol=0)
     assert (gen.response_attention & ~mask).any()  # there were tool tokens inside responses
+
+
+def test_prompts_show_the_tools_to_templates_that_render_them(tokenizer, tmp_path):
+    """With tools, the dataset renders prompts with ``tools=`` (as Qwen2.5's Hermes template lists them)."""
+    import copy
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from spmdrl.data import PromptDataset
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }};{% endfor %}"
+                         "<|im_end|>\n{% endif %}" + tokenizer.chat_template)
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "hi"}]], "data_source": ["x"]}), path)
+    plain = PromptDataset(str(path), tok)[0].raw_prompt
+    with_tools = PromptDataset(str(path), tok, tools=[CALCULATOR_SCHEMA])[0].raw_prompt
+    assert with_tools == "<|im_start|>system\ncalculator;<|im_end|>\n" + plain
