@@ -185,3 +185,37 @@ def test_prompts_show_the_tools_to_templates_that_render_them(tokenizer, tmp_pat
     plain = PromptDataset(str(path), tok)[0].raw_prompt
     with_tools = PromptDataset(str(path), tok, tools=[CALCULATOR_SCHEMA])[0].raw_prompt
     assert with_tools == "<|im_start|>system\ncalculator;<|im_end|>\n" + plain
+
+
+# A Hermes-style template (our own, written for this test) that renders tool messages the way Qwen2.5's does:
+# consecutive tool messages share one user turn, each wrapped in <tool_response> tags.
+HERMES_STYLE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_tool_turn_with_a_hermes_style_template(tokenizer):
+    """Two calls in one turn: both responses in one user turn, and the whole conversation still matches."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = HERMES_STYLE
+    chat = ChatTokens(tok, [tok.eos_token_id], max_tool_response_length=64, truncate_side="middle")
+    turn = chat.tool_turn(["42", "7"])
+    assert tok.decode(turn) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n7\n"
+                                "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    calls = ('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+             '<tool_call>{"name": "calculator", "arguments": {"expression": "1+6"}}</tool_call>')
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": calls},
+                    {"role": "tool", "content": "42"}, {"role": "tool", "content": "7"},
+                    {"role": "assistant", "content": "Answer: 49"}]
+    ids = chat.render(conversation[:1], add_generation_prompt=True)
+    ids += chat.encode(calls) + [tok.eos_token_id] + turn + chat.encode("Answer: 49") + [tok.eos_token_id]
+    assert ids == chat.render(conversation, add_generation_prompt=False)[:-1]
