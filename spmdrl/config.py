@@ -103,7 +103,8 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256
     """Most tokens of one tool response fed back to the model (longer ones are truncated)."""
     tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
-    """Which part of an over-long tool response is cut away."""
+    """Which part of an over-long tool response is kept, as verl: left keeps the beginning, right the end,
+    middle both ends."""
     tool_config_path: Optional[str] = None
     """YAML file listing the tools (OpenAI function schema and implementing class)."""
     format: Literal["hermes"] = "hermes"

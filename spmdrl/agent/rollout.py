@@ -110,11 +110,6 @@ class ToolAgent:
                    truncate_side=mt.tool_response_truncate_side, format=mt.format, num_workers=mt.tool_num_workers,
                    timeout_s=mt.tool_timeout_s, memory_mb=mt.tool_memory_mb)
 
-    @property
-    def schemas(self) -> list[dict]:
-        """The tools' OpenAI schemas (for ``apply_chat_template(..., tools=...)``)."""
-        return [t.tool_schema for t in self.tools.values()]
-
     def close(self) -> None:
         self.runner.close()
 
@@ -171,7 +166,9 @@ class ToolAgent:
                 t.finish = "stop"
 
     def _run_tools(self, trajs: list[Trajectory], paused: list[int], R: int) -> None:
-        """Execute the calls of every paused row in one batch, then append their tool turns."""
+        """Execute the calls of every paused row in one batch, then append their tool turns. Calls of one
+        turn run concurrently, each from the tool's state before the turn; the last successful one's state
+        is kept."""
         calls: list[ToolCall] = []
         owners: list[tuple[int, ParsedCall]] = []
         for i in paused:
