@@ -103,7 +103,9 @@ def from_generation(gen: "GenerationOutput", prompt_index: torch.Tensor) -> Batc
     """
     prompt_mask = gen.prompt_mask.long()  # [N, P]
     response_mask = gen.response_mask.long()  # [N, R]
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)  # [N, P+R]
+    # Tool output inside a multi-turn response is attended to (attention 1) but not trained on (mask 0).
+    response_attention = response_mask if gen.response_attention is None else gen.response_attention.long()
+    attention_mask = torch.cat([prompt_mask, response_attention], dim=1)  # [N, P+R]
     # Left padding: positions count real tokens only, as the rollout engine saw them.
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [N, P+R]
     return Batch(
@@ -118,9 +120,11 @@ def from_generation(gen: "GenerationOutput", prompt_index: torch.Tensor) -> Batc
 
 
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Token rewards [N, R]: each sequence score [N] on its last response token."""
-    lengths = response_mask.sum(-1).long()  # [N]
+    """Token rewards [N, R]: each sequence score [N] on its last generated token (the mask may have interior
+    zeros: tool output inside a multi-turn response)."""
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)  # [R]
+    last = torch.where(response_mask.bool(), positions, -1).max(-1).values  # [N]; -1 for an empty row
     token_rewards = torch.zeros_like(response_mask, dtype=torch.float32)
     rows = torch.arange(len(scores))
-    token_rewards[rows, (lengths - 1).clamp(min=0)] = scores.float() * (lengths > 0)
+    token_rewards[rows, last.clamp(min=0)] = scores.float() * (last >= 0)
     return token_rewards

@@ -144,7 +144,7 @@ def validate(cfg: Config, world_size: int) -> None:
     )
 
     # Keys that exist (so verl configs parse) but whose feature is still being built: refuse, never ignore.
-    for key, on in (("rollout.multi_turn.enable", r.multi_turn.enable), ("reward_model.enable", cfg.reward_model.enable),
+    for key, on in (("reward_model.enable", cfg.reward_model.enable),
                     ("trainer.val_only", t.val_only), ("trainer.plot_freq", t.plot_freq != -1)):
         _check(not on, f"{key} is set, which this spmdrl version does not support yet")
 
@@ -213,6 +213,13 @@ def validate(cfg: Config, world_size: int) -> None:
             f"reward.function is {cfg.reward.function!r}; it must be 'builtin' or 'path/to/file.py:function'",
         )
         _check(Path(path).is_file(), f"reward.function names the file {path!r}, which does not exist")
+    if r.multi_turn.enable:
+        from spmdrl.agent.rollout import check_multi_turn_config
+
+        try:
+            check_multi_turn_config(cfg, dims)  # imports every tool class: a bad tool config stops here
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     if t.resume not in ("auto", "off"):
         from spmdrl.checkpoint import resolve_resume
 

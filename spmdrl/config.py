@@ -103,11 +103,18 @@ class MultiTurnConfig:
     max_tool_response_length: int = 256
     """Most tokens of one tool response fed back to the model (longer ones are truncated)."""
     tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
-    """Which part of an over-long tool response is cut away."""
+    """Which part of an over-long tool response is kept, as verl: left keeps the beginning, right the end,
+    middle both ends."""
     tool_config_path: Optional[str] = None
     """YAML file listing the tools (OpenAI function schema and implementing class)."""
     format: Literal["hermes"] = "hermes"
     """Tool-call syntax the model writes: hermes is <tool_call>{"name": ..., "arguments": ...}</tool_call>."""
+    tool_num_workers: int = 2
+    """Worker processes per rank that execute tool calls (spmdrl.agent.sandbox)."""
+    tool_timeout_s: float = 10.0
+    """Seconds one tool call may run; past that its worker is killed and the model sees an error."""
+    tool_memory_mb: int = 1024
+    """Address-space limit (RLIMIT_AS) of a tool worker, in MiB."""
 
 
 @dataclass

@@ -104,7 +104,9 @@ class PromptDataset:
         max_prompt_length: int = 1024,
         truncation: str = "error",
         apply_chat_template: bool = True,
+        tools: Optional[list[dict]] = None,
     ) -> None:
+        """``tools``: OpenAI function schemas the chat template shows the model (multi-turn rollouts)."""
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r} is not one of {', '.join(TRUNCATION_MODES)}")
         if max_prompt_length < 1:
@@ -116,7 +118,7 @@ class PromptDataset:
         self.items: list[PromptItem] = []
         self.num_filtered = 0
         for path in files:
-            self._load(path, tokenizer, prompt_key, max_prompt_length, truncation, apply_chat_template)
+            self._load(path, tokenizer, prompt_key, max_prompt_length, truncation, apply_chat_template, tools)
         if not self.items:
             raise ValueError(
                 f"no prompts left in {', '.join(files)} after filtering {self.num_filtered} rows over "
@@ -126,11 +128,12 @@ class PromptDataset:
             log.warning("dropped %d prompts over data.max_prompt_length=%d from %s", self.num_filtered,
                         max_prompt_length, ", ".join(files))
 
-    def _load(self, path: str, tokenizer: Any, prompt_key: str, max_len: int, truncation: str, chat: bool) -> None:
+    def _load(self, path: str, tokenizer: Any, prompt_key: str, max_len: int, truncation: str, chat: bool,
+              tools: Optional[list[dict]] = None) -> None:
         rows = _read_rows(path, prompt_key)
         texts, templated = [], []
         for i, prompt in enumerate(rows["prompt"]):
-            text, used_template = self._render(prompt, tokenizer, chat, path, i, prompt_key)
+            text, used_template = self._render(prompt, tokenizer, chat, path, i, prompt_key, tools)
             texts.append(text)
             templated.append(used_template)
         # Templated text already carries the model's special tokens (BOS, role
@@ -169,7 +172,8 @@ class PromptDataset:
             )
 
     @staticmethod
-    def _render(prompt: Any, tokenizer: Any, chat: bool, path: str, row: int, key: str) -> tuple[str, bool]:
+    def _render(prompt: Any, tokenizer: Any, chat: bool, path: str, row: int, key: str,
+                tools: Optional[list[dict]] = None) -> tuple[str, bool]:
         if isinstance(prompt, str):
             return prompt, False
         if not (isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)):
@@ -187,7 +191,9 @@ class PromptDataset:
         # Parquet struct columns come back with every key of every message;
         # drop the null ones so templates that test `'key' in message` behave.
         messages = [{k: v for k, v in m.items() if v is not None} for m in prompt]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # With tools, templates that know them (Qwen2.5's Hermes template) list them in the system prompt.
+        extra = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return text, True
 
     def __len__(self) -> int:
@@ -315,31 +321,33 @@ class ValidationLoader:
             yield [self.dataset[i] for i in batch[_share(len(batch), self.rank, self.world_size)]]
 
 
-def _dataset(cfg: "DataConfig", files: list[str], tokenizer: Any) -> PromptDataset:
+def _dataset(cfg: "DataConfig", files: list[str], tokenizer: Any, tools: Optional[list[dict]] = None) -> PromptDataset:
     return PromptDataset(
         files, tokenizer, prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length,
-        truncation=cfg.truncation, apply_chat_template=cfg.apply_chat_template,
+        truncation=cfg.truncation, apply_chat_template=cfg.apply_chat_template, tools=tools,
     )
 
 
 def build_train_loader(
     cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, seed: int, num_epochs: Optional[int] = None,
-    data_seed: int = 0,
+    data_seed: int = 0, tools: Optional[list[dict]] = None,
 ) -> PromptLoader:
-    """The training loader of ``cfg``; ``seed`` orders the prompts, ``data_seed`` generates builtin tasks."""
+    """The training loader of ``cfg``; ``seed`` orders the prompts, ``data_seed`` generates builtin tasks;
+    ``tools`` (function schemas) go to the chat template."""
     files = resolve_data_files(cfg.train_files, "train", data_seed)
     return PromptLoader(
-        _dataset(cfg, files, tokenizer), batch_size=cfg.train_batch_size, rank=rank, world_size=world_size,
+        _dataset(cfg, files, tokenizer, tools), batch_size=cfg.train_batch_size, rank=rank, world_size=world_size,
         shuffle=cfg.shuffle, seed=seed, num_epochs=num_epochs,
     )
 
 
 def build_val_loader(
-    cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, data_seed: int = 0
+    cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, data_seed: int = 0,
+    tools: Optional[list[dict]] = None,
 ) -> Optional[ValidationLoader]:
     """The validation loader of ``cfg``, or None when ``data.val_files`` is null/empty."""
     files = resolve_data_files(cfg.val_files, "val", data_seed)
     if not files:
         return None
-    return ValidationLoader(_dataset(cfg, files, tokenizer), batch_size=cfg.val_batch_size, rank=rank,
+    return ValidationLoader(_dataset(cfg, files, tokenizer, tools), batch_size=cfg.val_batch_size, rank=rank,
                             world_size=world_size)

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from spmdrl.agent.rollout import ToolAgent, annotate, multi_turn_metrics
+from spmdrl.agent.tools import load_tool_config
 from spmdrl.algos.dapo import filter_groups, overlong_penalty
 from spmdrl.algos.kl import apply_kl_penalty, build_kl_controller
 from spmdrl.algos.registry import ADVANTAGES, get_advantage
@@ -62,6 +64,7 @@ class Run:
     actor_loss: LossFn
     critic_loss: LossFn
     step: int = 0
+    agent: Optional[ToolAgent] = None  # multi-turn rollouts with tools (rollout.multi_turn.enable)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -85,10 +88,13 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
     model_path = resolve_builtin_model(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or model_path)
     rollout_rank, _ = rollout_coords(dims.rollout_mesh)
+    mt = cfg.rollout.multi_turn
+    tools = [s.tool_schema for s in load_tool_config(mt.tool_config_path)] if mt.enable else None
     try:
         train_loader = build_train_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp,
-                                          seed=cfg.trainer.seed)
-        val_loader = build_val_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp)
+                                          seed=cfg.trainer.seed, tools=tools)
+        val_loader = build_val_loader(cfg.data, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp,
+                                      tools=tools)
         reward = RewardManager.from_config(cfg.reward)
     except (ValueError, FileNotFoundError, ImportError, AttributeError) as err:
         raise ConfigError(str(err)) from err
@@ -106,10 +112,12 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
     if adv_meta.get("needs_values"):
         critic_path = resolve_builtin_model(cfg.critic.model_path or cfg.model.path)
         critic = build_engine(cfg, critic_path, role="critic", dims=dims, device=device, total_steps=total_steps)
+    eos_ids = eos_ids_from_folder(model_path, tokenizer.eos_token_id)
     engine = rollout_engine_class(cfg.rollout.engine).from_config(
         cfg, model_path, mesh=dims.rollout_mesh, device=device, pad_token_id=tokenizer.pad_token_id or 0,
-        eos_token_ids=eos_ids_from_folder(model_path, tokenizer.eos_token_id),
+        eos_token_ids=eos_ids,
     )
+    agent = ToolAgent.from_config(cfg, tokenizer, eos_ids) if cfg.rollout.multi_turn.enable else None
     # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
     rollout_dtype = resolve_dtype(cfg.rollout.dtype, device.type)
     # Colocated, the engine sleeps after each awake window unless rollout.free_cache_engine keeps it awake.
@@ -128,7 +136,7 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
         train_loader=train_loader, val_loader=val_loader, rollout=session, actor=actor, ref=ref, critic=critic,
         reward=reward, kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon),
         timer=PhaseTimer(device), total_steps=total_steps, actor_loss=actor_loss_fn(cfg),
-        critic_loss=critic_loss_fn(cfg),
+        critic_loss=critic_loss_fn(cfg), agent=agent,
     )
 
 
@@ -155,7 +163,12 @@ def sampling_params(cfg: Config, *, validation: bool = False) -> SamplingParams:
 def generate(r: Run, prompts: list, sampling: SamplingParams) -> Batch:
     """Rollout of this rank's rollout-DP prompts; call inside ``r.rollout.awake()``. Under rollout TP the
     rank keeps its share of the TP group's responses (``RolloutSession.generate``)."""
-    gen = r.rollout.generate([p.prompt_ids for p in prompts], sampling)
+    ids = [p.prompt_ids for p in prompts]
+    if r.agent is not None:  # turns of the same engine calls, with tool output between them
+        gen, trajectories = r.agent.generate(r.rollout.generate, ids, sampling, [p.extra_info for p in prompts],
+                                             tool_phase=lambda: r.timer.phase("tools"))
+    else:
+        gen, trajectories = r.rollout.generate(ids, sampling), None
     batch = from_generation(gen, torch.tensor([p.index for p in prompts], dtype=torch.long))
     batch["rollout_logp"] = gen.logprobs  # [N, R] under the sampling distribution (rollout/sampling.py)
     per_row = gen.prompt_index.tolist()
@@ -163,15 +176,18 @@ def generate(r: Run, prompts: list, sampling: SamplingParams) -> Batch:
     batch["ground_truth"] = [prompts[i].ground_truth for i in per_row]
     batch["extra_info"] = [prompts[i].extra_info for i in per_row]
     batch["finish_reason"] = gen.finish_reasons
+    if trajectories is not None:
+        annotate(batch, trajectories)  # conversation and tool calls into extra_info; per-row tool counts
     return batch
 
 
 def score(r: Run, batch: Batch) -> dict[str, float]:
     """Sequence scores (+ DAPO overlong shaping) into ``scores`` and ``token_rewards``."""
-    texts = decode_responses(r.tokenizer, batch["input_ids"][:, -batch["response_mask"].shape[1]:],
-                             batch["response_mask"])
+    R = batch["response_mask"].shape[1]
+    # The whole response, tool output included (as verl decodes it); equal to the generated tokens single-turn.
+    texts = decode_responses(r.tokenizer, batch["input_ids"][:, -R:], batch["attention_mask"][:, -R:])
     out = r.reward(batch["data_source"], texts, batch["ground_truth"], batch["extra_info"])
-    scores = out.scores  # [N]
+    scores = out.scores + batch.get("tool_reward", 0.0)  # [N]; tools' calc_reward, multi-turn only
     ob = r.cfg.reward.overlong_buffer
     if ob.enable:
         scores = scores + overlong_penalty(batch["response_mask"].sum(-1), max_response_length=r.cfg.data.max_response_length,
@@ -353,6 +369,7 @@ def _batch_metrics(batch: Batch, cfg: Config) -> dict[str, float]:
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(clipped.mean()),
         "batch/responses": float(len(batch)),
+        **multi_turn_metrics(batch),
     }
 
 
@@ -414,6 +431,8 @@ def run(cfg: Config, dims: ParallelDims) -> None:
     finally:
         sink.close()
         r.reward.close()
+        if r.agent is not None:
+            r.agent.close()
     # Every rank is done with every collective; then the engine may tear down what it started.
     dist.barrier()
     r.rollout.engine.close()

@@ -260,12 +260,55 @@ def math_score(data_source: str, solution_str: str, ground_truth: Any, extra_inf
     return 1.0 if a == b or _same_number(a, b) else 0.0
 
 
+# --------------------------------------------------------------------------- calc (tools)
+
+CALC_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "..."}}</tool_call>'
+
+
+def generate_calc(split: str, num: int, seed: int) -> list[Row]:
+    """``What is 4821 * 937?``: products of 3-4 digit numbers and sums of 6-7 digit numbers, answers a tiny
+    model cannot compute in its head but gets exactly from the calculator tool (multi-turn rollouts with
+    ``configs/tools/calculator.yaml``). The prompt names the call syntax (Hermes) and the answer format."""
+    rng = _rng("calc", split, seed)
+    rows = []
+    for i in range(num):
+        if rng.random() < 0.5:
+            a, b, op = rng.randint(100, 9999), rng.randint(100, 9999), "*"
+        else:
+            a, b, op = rng.randint(100_000, 9_999_999), rng.randint(100_000, 9_999_999), "+"
+        ans = a * b if op == "*" else a + b
+        content = f"What is {a} {op} {b}? Call the calculator: {CALC_CALL} Then write Answer: <number>."
+        rows.append(_row("spmdrl/calc", "math", content, str(ans), split, i, a=a, b=b, op=op))
+    return rows
+
+
+_ANSWER = re.compile(r"Answer:\s*(-?\d+)")
+
+
+def calc_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None) -> dict:
+    """1.0 when the last assistant turn says ``Answer: <the exact value>``; otherwise 0.2 for a calculator call
+    that ran without error (credit for using the tool), 0.1 for an ``Answer: <integer>`` that is wrong, else 0.
+
+    The answer is read from the last assistant message of ``extra_info["messages"]`` (multi-turn rollouts put
+    the conversation there), else from the end of ``solution_str``, so tool output is never taken for it.
+    """
+    info = extra_info or {}
+    assistant = [m["content"] for m in info.get("messages") or [] if m.get("role") == "assistant"]
+    text = assistant[-1] if assistant else _strip_special(solution_str)
+    found = _ANSWER.findall(text)
+    correct = bool(found) and found[-1] == str(ground_truth).strip()
+    used = any(not c.get("error") for c in info.get("tool_calls") or [])
+    score = 1.0 if correct else 0.2 if used else 0.1 if found else 0.0
+    return {"score": score, "acc": float(correct), "tool_used": float(used)}
+
+
 # --------------------------------------------------------------------------- registries
 
 TASKS: dict[str, Callable[[str, int, int], list[Row]]] = {
     "arith": generate_arith,
     "copy": generate_copy,
     "reverse": generate_reverse,
+    "calc": generate_calc,
 }
 
 # data_source -> scorer. The aliases are the names verl's datasets carry.
@@ -273,6 +316,7 @@ SCORERS: dict[str, ScoreFn] = {
     "spmdrl/arith": arith_score,
     "spmdrl/copy": string_match_score,
     "spmdrl/reverse": string_match_score,
+    "spmdrl/calc": calc_score,
     "gsm8k": gsm8k_score,
     "openai/gsm8k": gsm8k_score,
     "math": math_score,

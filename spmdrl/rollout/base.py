@@ -46,6 +46,9 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()  # besides the tokenizer's EOS ids
     ignore_eos: bool = False  # keep generating past EOS (stop_token_ids still stop), as vLLM's ignore_eos
     seed: Optional[int] = None  # reseeds the engine's generator for this call when set
+    # Keep each row's KV cache for a next call whose prompt continues that row (multi-turn rollouts), so the
+    # next call prefills only the new tokens; engines without it ignore this (the native engine has it).
+    keep_prefix: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +72,9 @@ class GenerationOutput:
     logprobs: torch.Tensor  # [N, R] float32, log p(token) under the sampling distribution, 0 on padding
     finish_reasons: list[str] = field(default_factory=list)  # [N] "stop" (EOS/stop token) or "length"
     prompt_index: Optional[torch.Tensor] = None  # [N] int64, which input prompt each row came from
+    # [N, R] bool, True on every real response token; None means response_mask. Multi-turn rollouts
+    # (spmdrl.agent) attend to tool output inside the response but do not train on it.
+    response_attention: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -83,6 +89,7 @@ class GenerationOutput:
             self.prompt_ids[rows], self.prompt_mask[rows], self.response_ids[rows], self.response_mask[rows],
             self.logprobs[rows], [self.finish_reasons[i] for i in rows.tolist()],
             None if self.prompt_index is None else self.prompt_index[rows],
+            None if self.response_attention is None else self.response_attention[rows],
         )
 
 

@@ -15,6 +15,10 @@ the n samples of a prompt are never split across chunks):
    slots, so the cost is one copy per finished row, never a full-batch copy);
    the loop ends at max_tokens or when no row is left.
 
+With ``SamplingParams.keep_prefix`` (multi-turn rollouts) a row that stops keeps its
+K/V until the next call; a prompt of that call that continues it (the row's tokens,
+then more) gets them copied back and only its new tokens are prefilled (``extend``).
+
 Each rank of a torchrun job runs its own engine on its own prompts (rollout DP);
 rollout TP is not supported here (it needs an engine that shards).
 """
@@ -123,6 +127,10 @@ class NativeRollout(RolloutEngine):
         self._cache_shape: Optional[tuple[int, int]] = None  # (rows, seq) to restore at wake-up
         self._kv_awake = True
         self._weights_valid = False  # False until loaded; again False after sleep(2)
+        # K/V of the rows of the last call made with SamplingParams.keep_prefix, by token sequence
+        # ({seq: (k, v)}, k/v [L, K, len(seq), D]); the next call continues them and drops the rest.
+        self._prefixes: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prefill_tokens = 0  # token columns run through prefill so far (prompt rows x width)
         if load_weights:
             self.update_weights(Decoder.iter_checkpoint(model_path))
         if max_model_len is not None:
@@ -161,6 +169,7 @@ class NativeRollout(RolloutEngine):
         stream ends without some weight (a tied lm_head may be absent).
         """
         self.model.unpack()  # packed copies would be stale; generate repacks
+        self._prefixes = {}  # K/V of the old weights
         self.model.weights.load(named_tensors)
         self._weights_valid = True
 
@@ -176,6 +185,7 @@ class NativeRollout(RolloutEngine):
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self.cache = None
+        self._prefixes = {}
         self._kv_awake = False
         self.model.unpack()
         if level == 1:
@@ -239,9 +249,10 @@ class NativeRollout(RolloutEngine):
         out_ids = torch.full((N, R), self.pad_token_id, dtype=torch.long, device=self.device)
         out_lp = torch.zeros(N, R, dtype=torch.float32, device=self.device)
         stopped = torch.zeros(N, dtype=torch.bool, device=self.device)
+        kept, self._prefixes = self._prefixes, {}  # entries this call does not continue are dropped
         for s in range(0, len(prompts), per_chunk):
             self._generate_chunk(prompts[s:s + per_chunk], s * n, sampling, cache, stop_ids,
-                                 out_ids, out_lp, stopped)
+                                 out_ids, out_lp, stopped, kept)
 
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, self.device)
         idx = torch.arange(len(prompts), device=self.device).repeat_interleave(n)  # [N]
@@ -259,6 +270,32 @@ class NativeRollout(RolloutEngine):
             prompt_index=idx.cpu(),
         )
 
+    def _restore_prefixes(self, prompts: Sequence[Sequence[int]], kept: dict, kv: KVView, T: int) -> int:
+        """Copy the kept K/V of every prompt that continues a kept row into its (left-padded) cache row;
+        returns the first column that still needs a prefill (0: none continues)."""
+        lengths = sorted({len(s) for s in kept}, reverse=True)
+        new = []  # per prompt: tokens not in the cache
+        for i, p in enumerate(prompts):
+            hit = next((L for L in lengths if L < len(p) and tuple(p[:L]) in kept), 0)
+            if hit:
+                k, v = kept[tuple(p[:hit])]
+                c = T - len(p)
+                kv.k[:, i, :, c:c + hit] = k
+                kv.v[:, i, :, c:c + hit] = v
+            new.append(len(p) - hit)
+        return T - max(new)
+
+    def _keep_prefixes(self, slots: torch.Tensor, rows: torch.Tensor, row0: int, n: int,
+                       prompts: Sequence[Sequence[int]], out_ids: torch.Tensor, kv: KVView, step: int) -> None:
+        """Keep the K/V of the rows in batch ``slots`` that just stopped: their prompt and every generated
+        token but the last (the stop token was sampled, never fed), i.e. the columns their bias opens."""
+        for slot in slots.tolist():
+            out_row = int(rows[slot])
+            seq = tuple(prompts[(out_row - row0) // n]) + tuple(out_ids[out_row, :step].tolist())
+            cols = kv.bias[slot] == 0  # [S]
+            if int(cols.sum()) == len(seq):
+                self._prefixes[seq] = (kv.k[:, slot][:, :, cols], kv.v[:, slot][:, :, cols])  # [L, K, len, D]
+
     def _sample(self, logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """sampling.sample, or the C++ kernel for its untruncated and greedy cases (same convention)."""
         V = logits.shape[-1]
@@ -271,7 +308,7 @@ class NativeRollout(RolloutEngine):
 
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], row0: int, sampling: SamplingParams,
                         cache: KVCache, stop_ids: torch.Tensor, out_ids: torch.Tensor, out_lp: torch.Tensor,
-                        stopped: torch.Tensor) -> None:
+                        stopped: torch.Tensor, kept: dict) -> None:
         """Generate rows [row0, row0 + len(prompts)*n) of the outputs (written in place)."""
         dev, n, R = self.device, sampling.n, sampling.max_tokens
         ids, valid = left_pad(prompts, self.pad_token_id, dev)  # [P, T]
@@ -282,7 +319,12 @@ class NativeRollout(RolloutEngine):
         width = min(full, _round_up(T + _WIDTH_STEP, _WIDTH_STEP))
         kv: KVView = cache.layout(B, width)
         pos = (valid.long().cumsum(-1) - 1).clamp_(min=0)  # RoPE positions count real tokens only
-        hidden = self.model.prefill(ids, pos, valid, kv)  # [P, T, h]
+        start = self._restore_prefixes(prompts, kept, kv, T) if n == 1 and kept else 0
+        if start:  # only columns [start, T) are new; the rest came from the last call
+            hidden = self.model.extend(ids[:, start:], pos[:, start:], valid, kv, start)  # [P, T-start, h]
+        else:
+            hidden = self.model.prefill(ids, pos, valid, kv)  # [P, T, h]
+        self.prefill_tokens += P * (T - start)
         logits = self.model.logits(hidden[:, -1])  # [P, V]
         if n > 1:  # share the prefill: row i*n + j is sample j of prompt i
             src = torch.arange(P, device=dev).repeat_interleave(n)
@@ -301,6 +343,8 @@ class NativeRollout(RolloutEngine):
             any_done = bool(done.any())
             if any_done:
                 stopped[rows[done]] = True
+                if sampling.keep_prefix:
+                    self._keep_prefixes(done.nonzero().squeeze(-1), rows, row0, n, prompts, out_ids, kv, step)
             if step == R - 1:
                 break
             if any_done:

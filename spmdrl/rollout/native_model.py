@@ -431,6 +431,31 @@ class Decoder:
             x = self._out_mlp(L, x, a.transpose(1, 2).flatten(2))
         return x
 
+    def extend(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, cache: KVView, start: int
+               ) -> torch.Tensor:
+        """Prefill the last columns [start, T) of left-padded rows whose K/V for columns [0, start) are
+        already in cache rows [0, B). ids, pos [B, T-start]; valid [B, T] bool. Returns hidden [B, T-start, h].
+
+        Each query attends to the valid columns up to its own (and a padding query to itself only), as in
+        ``prefill``, so the result equals a full prefill of the rows.
+        """
+        B, Ts = ids.shape
+        T = start + Ts
+        cos, sin = cache.cos[pos].unsqueeze(-2), cache.sin[pos].unsqueeze(-2)  # [B, Ts, 1, D]
+        cols = torch.arange(T, device=self.device)
+        own = cols[None, :] == cols[start:, None]  # [Ts, T]
+        mask = ((cols[None, :] <= cols[start:, None]) & valid[:, None, :]) | own  # [B, Ts, T]
+        mask = mask.unsqueeze(1)  # [B, 1, Ts, T]
+        x = F.embedding(ids, self.embed)
+        for li, L in enumerate(self.layers):
+            q, k, v = self._qkv(L, x, cos, sin)  # [B, Ts, n, D]
+            cache.k[li, :B, :, start:T] = k.transpose(1, 2)
+            cache.v[li, :B, :, start:T] = v.transpose(1, 2)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[li, :B, :, :T], cache.v[li, :B, :, :T],
+                                               attn_mask=mask, scale=self.scale, enable_gqa=True)
+            x = self._out_mlp(L, x, a.transpose(1, 2).flatten(2))
+        return x
+
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVView, col: int, B: int
                ) -> torch.Tensor:
         """One token for each of the first B rows: tokens, pos [B]; K/V written at column ``col``.

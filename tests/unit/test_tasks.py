@@ -134,7 +134,7 @@ def test_scorer_registry() -> None:
     assert tasks.compute_score("openai/gsm8k", "#### 4", "4") == 1.0
     with pytest.raises(ValueError, match="known data sources: .*spmdrl/arith"):
         tasks.get_scorer("nope/data")
-    with pytest.raises(ValueError, match="valid tasks: arith, copy, reverse"):
+    with pytest.raises(ValueError, match="valid tasks: arith, calc, copy, reverse"):
         tasks.get_task("sort")
 
 
@@ -163,3 +163,25 @@ def test_resolve_builtin_data_builds_once_under_cache(tmp_path, monkeypatch) -> 
         make_task.resolve_builtin_data("builtin:sort", "train")
     with pytest.raises(ValueError, match="valid splits: train, val"):
         make_task.resolve_builtin_data("builtin:arith", "test")
+
+
+def test_calc_task_and_scorer() -> None:
+    rows = tasks.generate_calc("train", 50, 0)
+    assert rows == tasks.generate_calc("train", 50, 0) and rows != tasks.generate_calc("val", 50, 0)
+    for r in rows:
+        info = r["extra_info"]
+        value = info["a"] * info["b"] if info["op"] == "*" else info["a"] + info["b"]
+        assert r["reward_model"]["ground_truth"] == str(value) and len(str(value)) >= 5
+        assert "<tool_call>" in r["prompt"][0]["content"]
+    score = tasks.get_scorer("spmdrl/calc")
+    ok_call = {"tool_calls": [{"name": "calculator", "error": ""}]}
+    # The answer is read from the last assistant message, never from the tool output before it.
+    conv = {"messages": [{"role": "assistant", "content": "<tool_call>..."}, {"role": "tool", "content": "391"},
+                         {"role": "assistant", "content": "Answer: 390"}], **ok_call}
+    assert score("spmdrl/calc", "Answer: 391", "391", conv)["score"] == 0.2
+    conv["messages"][-1]["content"] = "so Answer: 391"
+    assert score("spmdrl/calc", "", "391", conv) == {"score": 1.0, "acc": 1.0, "tool_used": 1.0}
+    assert score("spmdrl/calc", "Answer: 7<|im_end|>", "391")["score"] == 0.1
+    assert score("spmdrl/calc", "391", "391")["score"] == 0.0
+    failed = {"tool_calls": [{"name": "calculator", "error": "ValueError: division by zero"}]}
+    assert score("spmdrl/calc", "no answer", "391", failed)["score"] == 0.0

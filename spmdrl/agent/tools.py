@@ -1,0 +1,258 @@
+"""Tools a policy may call mid-response, and the tool config that lists them (verl's YAML format).
+
+    tools:
+      - class_name: calculator                      # built-in name, pkg.module.Class or path/file.py:Class
+        config: {type: native}                      # passed to the class as ``config``
+        tool_schema:                                # OpenAI function schema, as the chat template shows it
+          type: function
+          function:
+            name: calculator
+            description: Evaluate an arithmetic expression.
+            parameters:
+              type: object
+              properties: {expression: {type: string, description: "e.g. 12*(3+4)"}}
+              required: [expression]
+
+A tool is a class with four methods (``Tool``): ``create`` makes the state of one
+trajectory (in the training process), ``execute`` runs one call with the parsed
+arguments (in a worker process, ``spmdrl.agent.sandbox``: the state travels to the
+worker and back, so it must pickle), ``calc_reward`` returns an optional reward
+contribution at the end of the trajectory, ``release`` frees what ``create`` made.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import math
+import operator
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+
+class Tool:
+    """Base class of a tool; a subclass overrides ``execute`` and, when it keeps state, the others."""
+
+    def __init__(self, config: dict, tool_schema: dict) -> None:
+        self.config = config
+        self.tool_schema = tool_schema
+
+    @property
+    def name(self) -> str:
+        return self.tool_schema["function"]["name"]
+
+    def create(self, **kwargs: Any) -> dict:
+        """State of one trajectory (``kwargs``: the row's ``extra_info["tools_kwargs"][name]``, when given)."""
+        return dict(kwargs)
+
+    def execute(self, parameters: dict, state: dict) -> str:
+        """The text the model sees for one call; may update ``state`` in place. Runs in a worker process."""
+        raise NotImplementedError
+
+    def calc_reward(self, state: dict) -> float:
+        """Reward this tool adds to its trajectory's score (default: none)."""
+        return 0.0
+
+    def release(self, state: dict) -> None:
+        """Free what ``create`` made (default: nothing)."""
+
+
+# --------------------------------------------------------------------------- calculator
+
+_BINARY: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+}
+_UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+# Bounds that keep one expression cheap: ``9**9**9`` would otherwise run for hours before any timeout fires.
+MAX_DIGITS = 1000
+MAX_EXPONENT = 10_000
+MAX_NODES = 200
+
+
+def safe_eval(expression: str) -> int | float:
+    """Value of an arithmetic expression: numbers, + - * / // % **, unary signs and parentheses only.
+
+    Parsed with ``ast`` and evaluated node by node (never ``eval``); names, calls, attributes and every
+    other syntax raise ValueError, as do results over ``MAX_DIGITS`` digits and exponents over ``MAX_EXPONENT``.
+    """
+    if len(expression) > 2000:
+        raise ValueError("expression is longer than 2000 characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as err:
+        raise ValueError(f"not an arithmetic expression: {err.msg}") from None
+    if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
+        raise ValueError(f"expression has more than {MAX_NODES} syntax nodes")
+
+    def ev(node: ast.AST) -> int | float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](ev(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+                raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
+            value = _BINARY[type(node.op)](left, right)
+            if isinstance(value, complex):
+                raise ValueError("result is complex")
+            if isinstance(value, int) and value.bit_length() > MAX_DIGITS * 3.33:
+                raise ValueError(f"result has more than {MAX_DIGITS} digits")
+            return value
+        raise ValueError(f"{type(node).__name__} is not allowed in an arithmetic expression")
+
+    try:
+        value = ev(tree.body)
+    except ZeroDivisionError:
+        raise ValueError("division by zero") from None
+    except OverflowError:
+        raise ValueError("result is too large") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("result is not finite")
+    return value
+
+
+class CalculatorTool(Tool):
+    """``calculator(expression)``: the exact value of an arithmetic expression (integers stay exact)."""
+
+    def execute(self, parameters: dict, state: dict) -> str:
+        expression = parameters.get("expression")
+        if not isinstance(expression, str):
+            raise ValueError("argument 'expression' must be a string")
+        value = safe_eval(expression)
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+            value = int(value)
+        return str(value)
+
+
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses) exactly.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "for example 123456 * 789"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+# Built-in tools by short name (a tool config may also name pkg.module.Class or path/file.py:Class).
+BUILTIN_TOOLS: dict[str, type[Tool]] = {"calculator": CalculatorTool}
+
+
+# --------------------------------------------------------------------------- tool config
+
+
+@dataclass
+class ToolSpec:
+    """One entry of the tool config: enough to rebuild the tool in a worker process."""
+
+    class_name: str
+    config: dict
+    tool_schema: dict
+
+    @property
+    def name(self) -> str:
+        return self.tool_schema["function"]["name"]
+
+    def build(self) -> Tool:
+        return load_tool_class(self.class_name)(self.config, self.tool_schema)
+
+
+def load_tool_class(spec: str) -> type[Tool]:
+    """A built-in name, ``pkg.module.Class`` or ``path/file.py:Class`` -> the class (ValueError otherwise)."""
+    if spec in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[spec]
+    path, sep, cls_name = spec.rpartition(":")
+    if sep:
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise ValueError(f"tool class {spec!r}: file {str(file)!r} does not exist")
+        module_name = f"spmdrl_user_tool_{abs(hash(str(file.resolve())))}"
+        mod_spec = importlib.util.spec_from_file_location(module_name, file)
+        if mod_spec is None or mod_spec.loader is None:
+            raise ValueError(f"tool class {spec!r}: {str(file)!r} cannot be imported as Python")
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[module_name] = module  # before running it, so pickle and dataclasses find it
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as err:
+            del sys.modules[module_name]
+            raise ValueError(f"tool class {spec!r}: importing {str(file)!r} failed: {err!r}") from err
+    else:
+        module_name, _, cls_name = spec.rpartition(".")
+        if not module_name:
+            raise ValueError(f"tool class {spec!r} is not a built-in tool ({', '.join(sorted(BUILTIN_TOOLS))}), "
+                             f"a pkg.module.Class or a path/file.py:Class")
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as err:
+            raise ValueError(f"tool class {spec!r}: importing module {module_name!r} failed: {err!r}") from err
+    cls = getattr(module, cls_name, None)
+    if not (isinstance(cls, type) and all(callable(getattr(cls, m, None)) for m in ("execute", "create", "release"))):
+        raise ValueError(f"tool class {spec!r}: {cls_name!r} is not a class with create/execute/release methods")
+    return cls
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """An OpenAI function schema: {type: function, function: {name, description?, parameters: object}}."""
+    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
+        raise ValueError(f"{where}.tool_schema must be a mapping with type: function and a function mapping")
+    fn = schema["function"]
+    if not isinstance(fn.get("name"), str) or not fn["name"].isidentifier():
+        raise ValueError(f"{where}.tool_schema.function.name is {fn.get('name')!r}; it must be an identifier")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict) or params.get("type") != "object":
+        raise ValueError(f"{where}.tool_schema.function.parameters must be a JSON schema with type: object")
+    props = params.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+        raise ValueError(f"{where}.tool_schema.function.parameters.properties must map names to schemas")
+    required = params.get("required", [])
+    if not isinstance(required, list) or any(r not in props for r in required):
+        raise ValueError(f"{where}.tool_schema.function.parameters.required names {required!r}, "
+                         f"which are not all in properties {sorted(props)}")
+
+
+def load_tool_config(path: str | Path) -> list[ToolSpec]:
+    """The tools listed in ``path`` (verl's tool_config YAML), each class imported once to check it exists.
+
+    Raises ValueError with one sentence naming the file and the bad entry.
+    """
+    where = f"rollout.multi_turn.tool_config_path {str(path)!r}"
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{where} does not exist")
+    try:
+        doc = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{where} is not valid YAML{at}: {getattr(err, 'problem', None) or err}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tools"), list) or not doc["tools"]:
+        raise ValueError(f"{where} must be a mapping with a non-empty list under 'tools'")
+    specs: list[ToolSpec] = []
+    for i, entry in enumerate(doc["tools"]):
+        at = f"{where}: tools[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
+            raise ValueError(f"{at} needs a class_name string")
+        config = entry.get("config") or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{at}.config must be a mapping")
+        _check_schema(entry.get("tool_schema"), at)
+        try:
+            load_tool_class(entry["class_name"])
+        except ValueError as err:
+            raise ValueError(f"{at}: {err}") from None
+        specs.append(ToolSpec(entry["class_name"], config, entry["tool_schema"]))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where} names a tool twice: {names}")
+    return specs

@@ -1,0 +1,37 @@
+"""configs/grpo_tools.yaml under torchrun on 2 ranks with a deterministic policy (tests/e2e/scripted_policy.py):
+tool calls are parsed, executed, masked and scored; the metrics count them. Mechanics, not learning."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO, read_metrics
+
+
+def test_grpo_tools_two_ranks_scripted_policy(tmp_path, spmdrl_cache):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tests" / "e2e" / "scripted_train.py"), "--config", "configs/grpo_tools.yaml",
+           "--rollout.engine", "scripted", "--data.train_batch_size", "4", "--actor.ppo_mini_batch_size", "4",
+           "--rollout.n", "4", "--data.max_response_length", "160", "--trainer.total_steps", "2",
+           "--trainer.test_freq", "-1", "--trainer.progress_bar", "false", "--trainer.resume", "off",
+           "--trainer.output_dir", str(out), "--rollout.multi_turn.tool_num_workers", "1"]
+    env = {**os.environ, "SPMDRL_CACHE": spmdrl_cache, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for m in rows:
+        # Per prompt the script makes samples 0, 2, 3 call the tool (2 and 3 badly) and sample 1 answer at once.
+        assert m["multi_turn/turns/mean"] == 1.75 and m["multi_turn/turns/max"] == 2
+        assert m["multi_turn/tool_calls/mean"] == 0.75
+        assert m["multi_turn/tool_errors/mean"] == 0.5 and m["multi_turn/tool_timeouts/mean"] == 0
+        # Only sample 0 answers right (1.0); the others score 0.1 ("Answer: 0"): the scorer saw the conversation.
+        assert abs(m["reward/mean"] - (1.0 + 3 * 0.1) / 4) < 1e-6
+        assert m["reward/acc"] == 0.25 and m["reward/tool_used"] == 0.25
+        assert m["timing/tools"] > 0
+        # Response length counts generated tokens only: the script's texts, not the tool turns between them.
+        assert m["response_length/mean"] < m["response_length/max"] <= 160
