@@ -209,3 +209,46 @@ def test_architecture_and_install_checks(tiny_model_dir, tmp_path):
     cfg.trainer.device = "cpu"
     with pytest.raises(ValueError, match="head_dim 16"):
         VLLMRollout.check_config(cfg)
+
+
+def test_multi_turn_tool_calls_continue_the_conversation(engine, tiny_model_dir):
+    """Multi-turn generation with the calculator through this engine (the agent's one code path; vLLM's
+    prefix caching stands in for the native engine's kept KV cache): every turn is made to call the tool,
+    and the log-probs vLLM reports for every turn equal transformers' on the final sequence, so each turn
+    continued the whole conversation (tool output included) at the right positions."""
+    from transformers import AutoTokenizer
+
+    from spmdrl.agent.chat import ParsedCall
+    from spmdrl.agent.rollout import ToolAgent
+    from spmdrl.agent.tools import CALCULATOR_SCHEMA, ToolSpec
+    from spmdrl.batch import from_generation
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    agent = ToolAgent([ToolSpec("calculator", {}, CALCULATOR_SCHEMA)], tok, [EOS], num_workers=1,
+                      max_assistant_turns=3)
+    agent.parse = lambda text: [ParsedCall("calculator", {"expression": "6*7"})]
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 48213 * 9321?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    prompt = tok.encode(text, add_special_tokens=False)
+    calls = []
+
+    def generate(prompts, sampling):
+        calls.append(len(prompts))
+        return engine.generate(prompts, sampling)
+
+    stops = list(range(3, 2048, 13))  # many stop ids end turns early, so three turns fit in the budget
+    try:
+        gen, trajs = agent.generate(generate, [prompt, prompt[:-5]],
+                                    SamplingParams(n=2, max_tokens=64, stop_token_ids=stops, seed=5))
+    finally:
+        agent.close()
+    assert len(calls) == 3 and any(t.turns == 3 for t in trajs)
+    assert (gen.response_attention & ~gen.response_mask).any()  # tool tokens inside the responses
+    batch = from_generation(gen, torch.tensor([0, 1]))
+    hf = _hf_with(tiny_model_dir, {})
+    with torch.inference_mode():
+        logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"]).logits.float()
+    R = gen.response_ids.shape[1]
+    lp = torch.log_softmax(logits[:, -R - 1:-1], -1).gather(-1, gen.response_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(torch.where(gen.response_mask, lp, 0.0), gen.logprobs, atol=ATOL, rtol=0)
