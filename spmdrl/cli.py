@@ -29,7 +29,8 @@ def build_parser() -> ArgumentParser:
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = ArgumentParser(
         prog="python -m spmdrl.train",
-        description="spmdrl: GRPO/PPO post-training as one SPMD torchrun program.",
+        description="spmdrl: GRPO/PPO post-training as one SPMD torchrun program. verl's key=value words "
+        "and --verl-config FILE (a verl YAML) are accepted too and mapped onto these keys (docs/verl.md).",
         exit_on_error=False,
         default_env=False,
     )
@@ -48,11 +49,15 @@ def _one_sentence(err: Exception) -> str:
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, bool]:
     """Parse argv into a ``Config``; returns (config, debug). Raises ConfigError on bad input."""
+    from spmdrl.verl_compat import annotate, rewrite_argv
+
     parser = build_parser()
+    # verl's key=value words and --verl-config become one YAML --config, in precedence order.
+    argv, verl_origin = rewrite_argv(list(argv) if argv is not None else sys.argv[1:])
     try:
-        ns = parser.parse_args(list(argv) if argv is not None else None)
+        ns = parser.parse_args(argv)
     except jsonargparse.ArgumentError as err:
-        raise ConfigError(_one_sentence(err)) from err
+        raise ConfigError(annotate(_one_sentence(err), verl_origin)) from err
     debug = bool(ns.pop("debug", False))
     ns.pop("config", None)
     ns = parser.instantiate(ns)

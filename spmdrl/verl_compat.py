@@ -1,0 +1,746 @@
+"""verl's command line and YAML, mapped onto spmdrl's typed config.
+
+    python -m spmdrl.train data.train_batch_size=256 actor_rollout_ref.actor.optim.lr=1e-6 ...
+    torchrun --standalone --nproc-per-node 8 -m spmdrl.train --verl-config my_verl.yaml trainer.n_gpus_per_node=8
+    python -m spmdrl.verl_compat --write-docs      # regenerate docs/verl.md from TABLE
+
+``rewrite_argv`` runs before jsonargparse: it takes the Hydra-style
+``key=value`` words and the ``--verl-config FILE`` out of the command line,
+translates them through ``TABLE`` (one row per verl key: its spmdrl key and the
+value conversion) and hands the result to jsonargparse as one YAML ``--config``
+string, so types, ``--print_config`` and the spmdrl checks apply unchanged.
+
+Precedence, lowest first: spmdrl's defaults; verl's defaults for the keys in
+``VERL_DEFAULTS`` (only when the run is given in verl terms and no ``--config``,
+so a verl command line means what it means in verl); ``--config`` files; the
+``--verl-config`` file; verl ``key=value`` words; ``--section.key`` flags.
+Keys about Ray, placement and resource pools are accepted and ignored with one
+info line (torchrun places the ranks); a verl key with no spmdrl equivalent
+stops the run with one sentence naming it (exit 2), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import yaml
+
+from spmdrl.errors import ConfigError
+
+SKIP = object()  # a converter's "this value sets nothing" (e.g. verl's null meaning "use the default")
+_OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)+)=(.*)$", re.S)
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_INT = re.compile(r"^[-+]?\d+$")
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def parse_value(text: str) -> Any:
+    """A Hydra override value: null, true/false, int, float (1e-6 too), [list], {dict}, 'quoted' or a string."""
+    s = text.strip()
+    if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"":
+        return s[1:-1]
+    low = s.lower()
+    if low in ("null", "~"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    if _INT.match(s):
+        return int(s)
+    if _FLOAT.match(s):
+        return float(s)
+    if s[:1] in "[{":
+        try:
+            loaded = yaml.safe_load(s)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"cannot read the value {s!r}: {' '.join(str(err).split())}") from err
+        return _numbers(loaded)
+    return s
+
+
+def _numbers(value: Any) -> Any:
+    """YAML reads 1e-6 as a string; Hydra (OmegaConf) reads it as a float. Follow Hydra."""
+    if isinstance(value, str) and _FLOAT.match(value.strip()) and not _INT.match(value.strip()):
+        return float(value)
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    return value
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a converter may look at besides its own value."""
+
+    world_size: int
+    verl: dict[str, Any]  # every verl key of the run (defaults, file, command line), flattened
+
+
+@dataclass(frozen=True)
+class Rule:
+    verl: str  # dotted verl key; "prefix.*" matches a whole subtree
+    spmdrl: str  # spmdrl key(s) it sets, for the docs; "" when it sets nothing
+    convert: Callable[[Any, Ctx], dict[str, Any]]  # value -> {spmdrl key: value}; {} sets nothing
+    note: str = ""
+    ignored: bool = False  # accepted and reported in the info line
+
+    def matches(self, key: str) -> bool:
+        if self.verl.endswith(".*"):
+            return key.startswith(self.verl[:-1])
+        return key == self.verl
+
+
+def m(verl: str, spmdrl: str, conv: Optional[Callable[[Any], Any]] = None, note: str = "") -> Rule:
+    """verl key -> one spmdrl key, the value converted by ``conv`` (which may return SKIP)."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        out = conv(value) if conv is not None else value
+        return {} if out is SKIP else {spmdrl: out}
+
+    return Rule(verl, spmdrl, convert, note)
+
+
+def ignore(verl: str, why: str) -> Rule:
+    return Rule(verl, "", lambda v, ctx: {}, why, ignored=True)
+
+
+def only(verl: str, allowed: tuple, why: str) -> Rule:
+    """Accepted when the value is one spmdrl always behaves as; any other value stops the run."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        if value not in allowed:
+            shown = " or ".join(repr(a) for a in allowed)
+            raise ConfigError(f"verl key {verl}={value!r} is not supported: spmdrl accepts only {shown} ({why})")
+        return {}
+
+    return Rule(verl, "", convert, f"only {', '.join(repr(a) for a in allowed)}: {why}")
+
+
+def _choice(key: str, mapping: dict[Any, Any]) -> Callable[[Any], Any]:
+    def conv(value: Any) -> Any:
+        if value not in mapping:
+            valid = ", ".join(repr(k) for k in mapping)
+            raise ConfigError(f"verl key {key}={value!r} has no spmdrl equivalent; valid values: {valid}")
+        return mapping[value]
+
+    return conv
+
+
+def _none_skips(value: Any) -> Any:
+    return SKIP if value is None else value
+
+
+def _logger(value: Any) -> Any:
+    # verl takes one name or a list; spmdrl always keeps metrics.jsonl (resume and spmdrl.plot read it).
+    names = [value] if isinstance(value, str) else list(value or [])
+    return [n for n in names if n == "console"][:1] + ["jsonl"] + [n for n in names if n not in ("console", "jsonl")]
+
+
+def _strategy(value: Any) -> Any:
+    return "fsdp2" if value in ("fsdp", "fsdp2") else value
+
+
+def _top_k(value: Any) -> Any:
+    return -1 if value in (0, -1) else value  # verl's hf rollout writes 0 for "no top-k", vLLM -1
+
+
+def _per_gpu(spmdrl: str) -> Callable[[Any, Ctx], dict[str, Any]]:
+    """verl's deprecated global micro-batch keys: verl divides them by the number of ranks."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        return {} if value is None else {spmdrl: max(1, int(value) // ctx.world_size)}
+
+    return convert
+
+
+def _fsdp_size(value: Any, ctx: Ctx) -> dict[str, Any]:
+    # verl's fsdp_size k shards over groups of k ranks and replicates over the rest: spmdrl's HSDP.
+    if value in (None, -1) or value == ctx.world_size:
+        return {}
+    k = int(value)
+    if k <= 0 or ctx.world_size % k:
+        raise ConfigError(f"verl key actor_rollout_ref.actor.fsdp_config.fsdp_size={value} does not divide the "
+                          f"{ctx.world_size} ranks torchrun started; give -1 or a divisor of the world size")
+    return {"parallel.dp_shard": k, "parallel.dp_replicate": ctx.world_size // k}
+
+
+def _clip_ratio(value: Any, ctx: Ctx) -> dict[str, Any]:
+    # verl's clip_ratio is the default of both sides; explicit clip_ratio_low/high (later rows) win.
+    return {"actor.clip_ratio_low": value, "actor.clip_ratio_high": value}
+
+
+def _filter_overlong(value: Any, ctx: Ctx) -> dict[str, Any]:
+    return {"data.truncation": "filter"} if value else {}
+
+
+def _resume_mode(value: Any, ctx: Ctx) -> dict[str, Any]:
+    if value == "resume_path":
+        path = ctx.verl.get("trainer.resume_from_path")
+        if not path:
+            raise ConfigError("verl key trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        return {"trainer.resume": str(path)}
+    return {"trainer.resume": _choice("trainer.resume_mode", {"auto": "auto", "disable": "off"})(value)}
+
+
+def _resume_from_path(value: Any, ctx: Ctx) -> dict[str, Any]:
+    return {}  # read by trainer.resume_mode=resume_path, as in verl
+
+
+def _custom_reward(value: Any, ctx: Ctx) -> dict[str, Any]:
+    if value is None:
+        return {}
+    name = ctx.verl.get("custom_reward_function.name") or "compute_score"
+    return {"reward.function": f"{value}:{name}"}
+
+
+def _world(value: Any, ctx: Ctx) -> dict[str, Any]:
+    return {}  # checked as a pair in check_world_size
+
+
+def _multi_turn_format(value: Any) -> Any:
+    return _choice("actor_rollout_ref.rollout.multi_turn.format", {"hermes": "hermes", "chatml": "hermes"})(value)
+
+
+def _warmup_steps(value: Any) -> Any:
+    return SKIP if value is None or value < 0 else value  # verl: negative means "use lr_warmup_steps_ratio"
+
+
+AR, ACT, RO, OPT = "actor_rollout_ref", "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.actor.optim"
+PLACEMENT = "Ray/placement: torchrun decides where ranks run"
+PERF = "a speed knob with no spmdrl counterpart; results are unchanged"
+
+TABLE: list[Rule] = [
+    # data
+    m("data.train_files", "data.train_files"),
+    m("data.val_files", "data.val_files"),
+    m("data.prompt_key", "data.prompt_key"),
+    m("data.train_batch_size", "data.train_batch_size"),
+    m("data.val_batch_size", "data.val_batch_size", _none_skips, "null (verl: the whole set) keeps spmdrl's default"),
+    m("data.max_prompt_length", "data.max_prompt_length"),
+    m("data.max_response_length", "data.max_response_length"),
+    m("data.truncation", "data.truncation", _choice("data.truncation", {"error": "error", "left": "left", "right": "right"})),
+    Rule("data.filter_overlong_prompts", "data.truncation", _filter_overlong, "true sets data.truncation: filter"),
+    ignore("data.filter_overlong_prompts_workers", PERF),
+    ignore("data.dataloader_num_workers", PERF),
+    m("data.shuffle", "data.shuffle"),
+    m("data.tokenizer", "model.tokenizer_path"),
+    only("data.reward_fn_key", ("data_source",), "the scorer is chosen by each row's data_source"),
+    only("data.return_raw_chat", (False, True), "prompts are rendered by the rollout engine's chat template"),
+    # model
+    m(f"{AR}.model.path", "model.path"),
+    m(f"{AR}.model.enable_gradient_checkpointing", "model.enable_gradient_checkpointing"),
+    m(f"{AR}.model.use_liger", "model.fused_kernels", lambda v: "on" if v else "off",
+      "true: on, false: off (fused RMSNorm/SwiGLU)"),
+    ignore(f"{AR}.model.use_remove_padding", PERF),
+    only(f"{AR}.model.external_lib", (None,), "transformers loads the model"),
+    only(f"{AR}.hybrid_engine", (True,), "actor and rollout always share the devices"),
+    # actor
+    m(f"{ACT}.strategy", "actor.strategy", _strategy, "fsdp and fsdp2 both mean fsdp2"),
+    m(f"{ACT}.megatron.tensor_model_parallel_size", "parallel.tp"),
+    m(f"{ACT}.megatron.pipeline_model_parallel_size", "parallel.pp"),
+    m(f"{ACT}.ppo_mini_batch_size", "actor.ppo_mini_batch_size"),
+    m(f"{ACT}.ppo_micro_batch_size_per_gpu", "actor.ppo_micro_batch_size_per_gpu"),
+    Rule(f"{ACT}.ppo_micro_batch_size", "actor.ppo_micro_batch_size_per_gpu",
+         _per_gpu("actor.ppo_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+    only(f"{ACT}.use_dynamic_bsz", (False,), "micro-batches have a fixed number of responses"),
+    ignore(f"{ACT}.ppo_max_token_len_per_gpu", "used only with use_dynamic_bsz"),
+    m(f"{ACT}.ppo_epochs", "actor.ppo_epochs"),
+    m(f"{ACT}.grad_clip", "actor.max_grad_norm"),
+    Rule(f"{ACT}.clip_ratio", "actor.clip_ratio_low, actor.clip_ratio_high", _clip_ratio, "sets both sides"),
+    m(f"{ACT}.clip_ratio_low", "actor.clip_ratio_low"),
+    m(f"{ACT}.clip_ratio_high", "actor.clip_ratio_high"),
+    m(f"{ACT}.clip_ratio_c", "actor.clip_ratio_c"),
+    m(f"{ACT}.policy_loss.loss_mode", "actor.policy_loss"),
+    m(f"{ACT}.loss_agg_mode", "actor.loss_agg_mode"),
+    m(f"{ACT}.loss_scale_factor", "actor.loss_scale_factor"),
+    m(f"{ACT}.entropy_coeff", "actor.entropy_coeff"),
+    m(f"{ACT}.use_kl_loss", "actor.use_kl_loss"),
+    m(f"{ACT}.kl_loss_coef", "actor.kl_loss_coef"),
+    m(f"{ACT}.kl_loss_type", "actor.kl_loss_type"),
+    only(f"{ACT}.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
+    ignore(f"{ACT}.use_torch_compile", PERF),
+    only(f"{ACT}.shuffle", (False,), "mini-batches follow the rollout order"),
+    m(f"{OPT}.lr", "actor.lr"),
+    m(f"{OPT}.weight_decay", "actor.weight_decay"),
+    m(f"{OPT}.betas", "actor.betas"),
+    m(f"{OPT}.clip_grad", "actor.max_grad_norm"),
+    m(f"{OPT}.lr_warmup_steps", "actor.lr_warmup_steps", _warmup_steps, "-1 (use the ratio) sets nothing"),
+    only(f"{OPT}.lr_warmup_steps_ratio", (0, 0.0), "give lr_warmup_steps"),
+    m(f"{OPT}.warmup_style", "actor.lr_scheduler", _choice(f"{OPT}.warmup_style", {"constant": "constant", "cosine": "cosine"})),
+    m(f"{OPT}.lr_scheduler_type", "actor.lr_scheduler",
+      _choice(f"{OPT}.lr_scheduler_type", {"constant": "constant", "cosine": "cosine"})),
+    m(f"{OPT}.min_lr_ratio", "actor.min_lr_ratio", _none_skips),
+    ignore(f"{OPT}.total_training_steps", "spmdrl derives it from the run"),
+    Rule(f"{ACT}.fsdp_config.fsdp_size", "parallel.dp_shard, parallel.dp_replicate", _fsdp_size,
+         "k < world: shard over k ranks, replicate over world/k (HSDP)"),
+    m(f"{ACT}.fsdp_config.offload_policy", "actor.cpu_offload"),
+    only(f"{ACT}.fsdp_config.param_offload", (False,), "use actor.cpu_offload (FSDP2 CPU offload)"),
+    ignore(f"{ACT}.fsdp_config.optimizer_offload", "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+    ignore(f"{ACT}.fsdp_config.grad_offload", "spmdrl frees gradients while rollout runs (trainer.colocate)"),
+    ignore(f"{ACT}.fsdp_config.reshard_after_forward", PERF),
+    ignore(f"{ACT}.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
+    # rollout
+    m(f"{RO}.name", "rollout.engine"),
+    only(f"{RO}.mode", ("sync",), "the rollout engine runs in-process"),
+    m(f"{RO}.tensor_model_parallel_size", "parallel.rollout_tp"),
+    m(f"{RO}.n", "rollout.n"),
+    m(f"{RO}.temperature", "rollout.temperature"),
+    m(f"{RO}.top_p", "rollout.top_p"),
+    m(f"{RO}.top_k", "rollout.top_k", _top_k, "0 (hf: no top-k) becomes -1"),
+    m(f"{RO}.do_sample", "rollout.temperature", lambda v: SKIP if v else 0.0, "false means greedy: temperature 0"),
+    m(f"{RO}.dtype", "rollout.dtype"),
+    m(f"{RO}.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
+    m(f"{RO}.ignore_eos", "rollout.ignore_eos"),
+    m(f"{RO}.enforce_eager", "rollout.enforce_eager"),
+    m(f"{RO}.free_cache_engine", "rollout.free_cache_engine"),
+    m(f"{RO}.max_num_batched_tokens", "rollout.max_num_batched_tokens"),
+    m(f"{RO}.max_model_len", "rollout.max_model_len"),
+    m(f"{RO}.max_num_seqs", "rollout.max_num_seqs"),
+    m(f"{RO}.update_weights_bucket_megabytes", "rollout.update_weights_bucket_megabytes"),
+    m(f"{RO}.log_prob_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu"),
+    Rule(f"{RO}.log_prob_micro_batch_size", "actor.log_prob_micro_batch_size_per_gpu",
+         _per_gpu("actor.log_prob_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+    ignore(f"{RO}.log_prob_use_dynamic_bsz", PERF),
+    ignore(f"{RO}.log_prob_max_token_len_per_gpu", PERF),
+    ignore(f"{RO}.load_format", "weights are pushed from the actor each step"),
+    ignore(f"{RO}.enable_chunked_prefill", PERF),
+    ignore(f"{RO}.disable_log_stats", "vLLM's own logging"),
+    *[m(f"{RO}.val_kwargs.{k}", f"rollout.val_kwargs.{k}", _top_k if k == "top_k" else None)
+      for k in ("n", "do_sample", "temperature", "top_p", "top_k")],
+    *[m(f"{RO}.multi_turn.{k}", f"rollout.multi_turn.{k}")
+      for k in ("enable", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
+                "tool_config_path")],
+    m(f"{RO}.multi_turn.format", "rollout.multi_turn.format", _multi_turn_format, "chatml (older verl) means hermes"),
+    # reference policy
+    m(f"{AR}.ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu"),
+    Rule(f"{AR}.ref.log_prob_micro_batch_size", "ref.log_prob_micro_batch_size_per_gpu",
+         _per_gpu("ref.log_prob_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+    m(f"{AR}.ref.fsdp_config.param_offload", "ref.offload"),
+    only(f"{AR}.ref.strategy", ("fsdp", "fsdp2"), "the reference uses actor.strategy"),
+    ignore(f"{AR}.ref.fsdp_config.reshard_after_forward", PERF),
+    ignore(f"{AR}.ref.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
+    ignore(f"{AR}.ref.log_prob_use_dynamic_bsz", PERF),
+    ignore(f"{AR}.ref.log_prob_max_token_len_per_gpu", PERF),
+    # critic
+    m("critic.model.path", "critic.model_path"),
+    only("critic.strategy", ("fsdp", "fsdp2"), "the critic uses actor.strategy"),
+    m("critic.optim.lr", "critic.lr"),
+    m("critic.optim.weight_decay", "critic.weight_decay"),
+    m("critic.optim.lr_warmup_steps", "critic.lr_warmup_steps", _warmup_steps, "-1 (use the ratio) sets nothing"),
+    only("critic.optim.lr_warmup_steps_ratio", (0, 0.0), "give critic.optim.lr_warmup_steps"),
+    m("critic.optim.clip_grad", "critic.max_grad_norm"),
+    m("critic.grad_clip", "critic.max_grad_norm"),
+    m("critic.ppo_mini_batch_size", "critic.ppo_mini_batch_size"),
+    m("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu"),
+    Rule("critic.ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu",
+         _per_gpu("critic.ppo_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+    m("critic.ppo_epochs", "critic.ppo_epochs"),
+    m("critic.cliprange_value", "critic.cliprange_value"),
+    only("critic.model.fsdp_config.param_offload", (False,), "use actor.cpu_offload (it covers the critic)"),
+    ignore("critic.model.fsdp_config.optimizer_offload", "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+    ignore("critic.model.use_remove_padding", PERF),
+    # rewards
+    m("reward_model.enable", "reward_model.enable"),
+    m("reward_model.model.path", "reward_model.model.path"),
+    m("reward_model.model.input_tokenizer", "reward_model.model.input_tokenizer"),
+    m("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu"),
+    m("reward_model.max_length", "reward_model.max_length"),
+    only("reward_model.reward_manager", ("naive",), "rule scores come from reward.function"),
+    ignore("reward_model.enable_resource_pool", PLACEMENT),
+    ignore("reward_model.n_gpus_per_node", PLACEMENT),
+    ignore("reward_model.nnodes", PLACEMENT),
+    *[m(f"reward_model.overlong_buffer.{k}", f"reward.overlong_buffer.{k}") for k in ("enable", "len", "penalty_factor")],
+    Rule("custom_reward_function.path", "reward.function", _custom_reward, "with custom_reward_function.name: path.py:name"),
+    Rule("custom_reward_function.name", "reward.function", lambda v, ctx: {}, "read with custom_reward_function.path"),
+    # algorithm
+    *[m(f"algorithm.{k}", f"algorithm.{k}") for k in ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo",
+                                                      "use_kl_in_reward", "kl_penalty")],
+    *[m(f"algorithm.kl_ctrl.{k}", f"algorithm.kl_ctrl.{k}") for k in ("type", "kl_coef", "target_kl", "horizon")],
+    *[m(f"algorithm.filter_groups.{k}", f"algorithm.filter_groups.{k}") for k in ("enable", "max_num_gen_batches")],
+    only("algorithm.filter_groups.metric", ("acc", "score"), "groups whose scores are all equal are dropped"),
+    # trainer
+    m("trainer.total_epochs", "trainer.total_epochs"),
+    m("trainer.total_training_steps", "trainer.total_steps"),
+    m("trainer.project_name", "trainer.project_name"),
+    m("trainer.experiment_name", "trainer.experiment_name"),
+    m("trainer.logger", "trainer.logger", _logger, "one name or a list; jsonl (metrics.jsonl) is always kept"),
+    Rule("trainer.nnodes", "", _world, "n_gpus_per_node x nnodes must equal torchrun's world size"),
+    Rule("trainer.n_gpus_per_node", "", _world, "n_gpus_per_node x nnodes must equal torchrun's world size"),
+    m("trainer.device", "trainer.device"),
+    m("trainer.save_freq", "trainer.save_freq"),
+    m("trainer.test_freq", "trainer.test_freq"),
+    m("trainer.val_before_train", "trainer.val_before_train"),
+    m("trainer.val_only", "trainer.val_only"),
+    Rule("trainer.resume_mode", "trainer.resume", _resume_mode,
+         "auto: auto, disable: off, resume_path: trainer.resume_from_path"),
+    Rule("trainer.resume_from_path", "trainer.resume", _resume_from_path, "read with trainer.resume_mode"),
+    m("trainer.default_local_dir", "trainer.output_dir", note="checkpoints go to its checkpoints/ folder"),
+    m("trainer.max_actor_ckpt_to_keep", "trainer.keep_last", _none_skips, "null keeps spmdrl's default"),
+    only("trainer.critic_warmup", (0,), "the actor trains from the first step"),
+    only("trainer.default_hdfs_dir", (None,), "write to a shared file system"),
+    only("trainer.del_local_ckpt_after_load", (False,), "checkpoints are kept (trainer.keep_last)"),
+    ignore("trainer.balance_batch", "all responses of a prompt stay on one rank"),
+    ignore("trainer.ray_wait_register_center_timeout", PLACEMENT),
+    ignore("ray_init.*", PLACEMENT),
+    ignore("ray_kwargs.*", PLACEMENT),
+]
+
+# verl's own defaults where they differ from spmdrl's and change what a run does: a verl command line
+# without algorithm.adv_estimator is PPO with a critic in verl, so it must be here too.
+VERL_DEFAULTS: dict[str, Any] = {
+    "algorithm.adv_estimator": "gae",
+    f"{RO}.n": 1,
+    f"{OPT}.lr": 1e-6,
+    f"{OPT}.weight_decay": 0.01,
+    "critic.optim.lr": 1e-5,
+    "critic.optim.weight_decay": 0.01,
+    "data.train_batch_size": 1024,
+    "data.max_prompt_length": 512,
+    "data.max_response_length": 512,
+    "data.truncation": "error",
+    f"{ACT}.ppo_mini_batch_size": 256,
+    "trainer.total_epochs": 30,
+    "trainer.val_before_train": True,
+}
+
+# verl's interpolations: a key left out takes another key's value (critic.ppo_mini_batch_size: ${actor...}).
+FOLLOWS: dict[str, str] = {
+    "critic.ppo_mini_batch_size": f"{ACT}.ppo_mini_batch_size",
+    "critic.ppo_epochs": f"{ACT}.ppo_epochs",
+}
+
+
+# ----------------------------------------------------------------------------- translation
+
+
+def rule_for(key: str) -> Optional[Rule]:
+    return next((r for r in TABLE if r.matches(key)), None)
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == {} or value == []
+
+
+def translate(verl: dict[str, Any], world_size: int) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """Flattened verl keys -> (flattened spmdrl keys, spmdrl key -> verl key it came from, info notes)."""
+    verl = {**{t: verl[s] for t, s in FOLLOWS.items() if t not in verl and s in verl}, **verl}
+    ctx = Ctx(world_size, verl)
+    unknown = [k for k in verl if rule_for(k) is None and not _is_empty(verl[k])]
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(f"verl key {key}={verl[key]!r} has no spmdrl equivalent yet; remove it "
+                          f"(docs/verl.md lists every verl key spmdrl maps)")
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    notes: list[str] = [f"{k} (unset)" for k in verl if rule_for(k) is None]
+    for rule in TABLE:  # table order: later rows win (clip_ratio_low after clip_ratio, filter after truncation)
+        for key in [k for k in verl if rule.matches(k)]:
+            if rule.ignored:
+                notes.append(f"{key} ({rule.note})")
+                continue
+            for target, value in rule.convert(verl[key], ctx).items():
+                out[target] = value
+                origin[target] = key
+    return out, origin, notes
+
+
+def check_world_size(verl: dict[str, Any], world_size: int) -> None:
+    """verl places workers from these two keys; here torchrun does, so they must agree with it."""
+    if "trainer.n_gpus_per_node" not in verl and "trainer.nnodes" not in verl:
+        return
+    per_node, nodes = verl.get("trainer.n_gpus_per_node", 8), verl.get("trainer.nnodes", 1)
+    if not isinstance(per_node, int) or not isinstance(nodes, int) or per_node * nodes != world_size:
+        raise ConfigError(
+            f"verl keys trainer.n_gpus_per_node x trainer.nnodes = {per_node} x {nodes} do not match the "
+            f"{world_size} rank(s) torchrun started (WORLD_SIZE); torchrun decides placement, so start "
+            f"{per_node} x {nodes} ranks or drop these keys")
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def load_verl_yaml(path: str) -> dict[str, Any]:
+    """A verl YAML file, flattened; Hydra's ``defaults``/``hydra`` entries are composition, not settings."""
+    try:
+        with open(path) as f:
+            tree = yaml.safe_load(f) or {}
+    except OSError as err:
+        raise ConfigError(f"--verl-config {path!r} cannot be read: {err.strerror}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--verl-config {path!r} is not valid YAML: {' '.join(str(err).split())}") from err
+    if not isinstance(tree, dict):
+        raise ConfigError(f"--verl-config {path!r} must hold a mapping of verl sections, not {type(tree).__name__}")
+    tree = {k: v for k, v in tree.items() if k not in ("defaults", "hydra")}
+    flat = {k: _numbers(v) for k, v in _flatten(tree).items()}
+    _resolve_interpolations(flat, path)
+    return flat
+
+
+def _resolve_interpolations(flat: dict[str, Any], where: str) -> None:
+    """Whole-value ``${a.b.c}`` references to other keys of the file, as Hydra resolves them."""
+    for _ in range(len(flat)):
+        pending = {k: v for k, v in flat.items() if isinstance(v, str) and "${" in v}
+        if not pending:
+            return
+        for key, value in pending.items():
+            ref = re.fullmatch(r"\$\{([A-Za-z0-9_.]+)\}", value.strip())
+            if ref is None or ref.group(1) not in flat:
+                raise ConfigError(f"{where}: {key}={value!r} is an interpolation spmdrl cannot resolve; "
+                                  f"write the value itself")
+            flat[key] = flat[ref.group(1)]
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any], list[str]]:
+    """argv -> (--config words, --verl-config files, verl key=value overrides, every other word)."""
+    configs: list[str] = []
+    verl_files: list[str] = []
+    overrides: dict[str, Any] = {}
+    rest: list[str] = []
+    words = list(argv)
+    i = 0
+    while i < len(words):
+        w = words[i]
+        for flag, bucket in (("--config", configs), ("--verl-config", verl_files), ("--verl_config", verl_files)):
+            if w == flag:
+                if i + 1 >= len(words):
+                    raise ConfigError(f"{flag} needs a file")
+                bucket.append(words[i + 1])
+                i += 2
+                break
+            if w.startswith(flag + "="):
+                bucket.append(w[len(flag) + 1:])
+                i += 1
+                break
+        else:
+            match = _OVERRIDE.match(w)
+            if match:
+                overrides[match.group(2)] = parse_value(match.group(3))
+            else:
+                rest.append(w)
+            i += 1
+    return configs, verl_files, overrides, rest
+
+
+def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None) -> tuple[list[str], dict[str, str]]:
+    """Replace verl words by one YAML ``--config`` in precedence order; returns (argv, spmdrl key -> verl key).
+
+    An argv without verl words comes back unchanged. Raises ConfigError with one sentence.
+    """
+    configs, verl_files, overrides, rest = split_argv(argv)
+    if not verl_files and not overrides:
+        return list(argv), {}
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    verl: dict[str, Any] = dict(VERL_DEFAULTS) if not configs else {}
+    for path in verl_files:
+        verl.update(load_verl_yaml(path))
+    verl.update(overrides)
+    # Outside torchrun (WORLD_SIZE unset), --print_config shows the config of a run meant for more ranks.
+    if not ("--print_config" in rest and "WORLD_SIZE" not in os.environ):
+        check_world_size(verl, world)
+    flat, origin, notes = translate(verl, world)
+    if notes and os.environ.get("RANK", "0") == "0":
+        print(f"spmdrl.train: info: verl keys accepted with no effect here: {'; '.join(notes)}", file=sys.stderr)
+    out: list[str] = []
+    for c in configs:
+        out += ["--config", c]
+    out += ["--config", yaml.safe_dump(_unflatten(flat), default_flow_style=True, width=1 << 30).strip()]
+    return out + rest, origin
+
+
+def annotate(message: str, origin: dict[str, str]) -> str:
+    """Name the verl key behind a spmdrl key in an error message from the parser or the checks."""
+    for target, source in sorted(origin.items(), key=lambda kv: -len(kv[0])):
+        if target in message and source not in message:
+            return f"{message} (set by verl key {source})"
+    return message
+
+
+# ----------------------------------------------------------------------------- docs
+
+
+def spmdrl_keys() -> set[str]:
+    """Every leaf key of spmdrl's Config, dotted (the tests check each table target against it)."""
+    from spmdrl.config import Config
+
+    def walk(obj: Any, prefix: str) -> set[str]:
+        keys: set[str] = set()
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            keys |= walk(value, f"{prefix}{f.name}.") if is_dataclass(value) else {prefix + f.name}
+        return keys
+
+    return walk(Config(), "")
+
+
+# verl's GSM8K PPO quickstart (docs/start/quickstart.rst), as its users type it.
+QUICKSTART_VERL = """\
+PYTHONUNBUFFERED=1 python3 -m verl.trainer.main_ppo \\
+ data.train_files=$HOME/data/gsm8k/train.parquet \\
+ data.val_files=$HOME/data/gsm8k/test.parquet \\
+ data.train_batch_size=256 \\
+ data.max_prompt_length=512 \\
+ data.max_response_length=256 \\
+ actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct \\
+ actor_rollout_ref.actor.optim.lr=1e-6 \\
+ actor_rollout_ref.actor.ppo_mini_batch_size=64 \\
+ actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \\
+ actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \\
+ actor_rollout_ref.rollout.tensor_model_parallel_size=1 \\
+ actor_rollout_ref.rollout.gpu_memory_utilization=0.4 \\
+ actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4 \\
+ critic.optim.lr=1e-5 \\
+ critic.model.path=Qwen/Qwen2.5-0.5B-Instruct \\
+ critic.ppo_micro_batch_size_per_gpu=4 \\
+ algorithm.kl_ctrl.kl_coef=0.001 \\
+ trainer.logger=console \\
+ trainer.val_before_train=False \\
+ trainer.n_gpus_per_node=1 \\
+ trainer.nnodes=1 \\
+ trainer.save_freq=10 \\
+ trainer.test_freq=10 \\
+ trainer.total_epochs=15"""
+
+QUICKSTART_SPMDRL_KEYS = """\
+torchrun --standalone --nproc-per-node 1 -m spmdrl.train \\
+ --data.train_files $HOME/data/gsm8k/train.parquet \\
+ --data.val_files $HOME/data/gsm8k/test.parquet \\
+ --data.train_batch_size 256 --data.max_prompt_length 512 --data.max_response_length 256 \\
+ --data.truncation error \\
+ --model.path $HOME/models/Qwen2.5-0.5B-Instruct \\
+ --algorithm.adv_estimator gae --rollout.n 1 --rollout.engine vllm \\
+ --actor.lr 1e-6 --actor.weight_decay 0.01 \\
+ --actor.ppo_mini_batch_size 64 --actor.ppo_micro_batch_size_per_gpu 4 \\
+ --actor.log_prob_micro_batch_size_per_gpu 8 --parallel.rollout_tp 1 \\
+ --rollout.gpu_memory_utilization 0.4 --ref.log_prob_micro_batch_size_per_gpu 4 \\
+ --critic.lr 1e-5 --critic.weight_decay 0.01 --critic.model_path $HOME/models/Qwen2.5-0.5B-Instruct \\
+ --critic.ppo_mini_batch_size 64 --critic.ppo_micro_batch_size_per_gpu 4 \\
+ --algorithm.kl_ctrl.kl_coef 0.001 --trainer.logger '[console,jsonl]' \\
+ --trainer.val_before_train false --trainer.save_freq 10 --trainer.test_freq 10 --trainer.total_epochs 15"""
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|")
+
+
+def _local(command: str) -> str:
+    return command.replace("Qwen/Qwen2.5-0.5B-Instruct", "$HOME/models/Qwen2.5-0.5B-Instruct")
+
+
+def render_docs() -> str:
+    """docs/verl.md, generated from TABLE, VERL_DEFAULTS and FOLLOWS (a test keeps the file equal to this)."""
+    lines = [
+        "# verl command lines and configs in spmdrl",
+        "",
+        "<!-- Generated by `python -m spmdrl.verl_compat --write-docs` from spmdrl/verl_compat.py; do not edit. -->",
+        "",
+        "`python -m spmdrl.train` (and its torchrun form) takes verl's Hydra-style `key=value` words and a verl",
+        "YAML file (`--verl-config FILE`, the same keys nested) and maps them onto spmdrl's config through the",
+        "table below. `--print_config` shows the resolved spmdrl config. Precedence, lowest first:",
+        "",
+        "1. spmdrl's defaults (`spmdrl/config.py`);",
+        "2. verl's defaults listed below, only when the run is given in verl terms and without `--config`",
+        "   (so a verl command line means what it means in verl: no `algorithm.adv_estimator` is PPO with a critic);",
+        "3. `--config FILE` (spmdrl YAML), in the order given;",
+        "4. `--verl-config FILE`, in the order given;",
+        "5. verl `key=value` words (Hydra's `+key=` and `++key=` forms too);",
+        "6. `--section.key value` flags.",
+        "",
+        "A verl key not in the table stops the run with one sentence naming it (exit 2); a verl key whose value is",
+        "null, `{}` or `[]` turns nothing on and is accepted. Rows marked *ignored* are accepted and listed in one",
+        "info line at start-up. `trainer.n_gpus_per_node x trainer.nnodes` must equal the number of ranks torchrun",
+        "starts (`WORLD_SIZE`): torchrun decides placement. In a verl YAML file, whole-value `${a.b}` interpolations",
+        "of other keys of the file are resolved; Hydra's `defaults` list is skipped.",
+        "",
+        "## verl's quickstart, side by side",
+        "",
+        "verl (GSM8K, PPO, one GPU):",
+        "",
+        "```bash",
+        QUICKSTART_VERL,
+        "```",
+        "",
+        "spmdrl, the same words (local model folder: there is no model hub here; `python -m",
+        "spmdrl.tools.prepare_gsm8k` writes the parquet files):",
+        "",
+        "```bash",
+        "torchrun --standalone --nproc-per-node 1 -m spmdrl.train \\",
+        *[w + " \\" for w in _local(QUICKSTART_VERL).split(" \\\n")[1:]],
+        " actor_rollout_ref.rollout.name=vllm    # verl's default engine; spmdrl's default is native",
+        "```",
+        "",
+        "spmdrl, in its own keys (what `--print_config` shows for the line above, less the keys left at their",
+        "defaults):",
+        "",
+        "```bash",
+        QUICKSTART_SPMDRL_KEYS,
+        "```",
+        "",
+        "## verl defaults that apply to a verl command line",
+        "",
+        "| verl key | verl default | spmdrl key |",
+        "|---|---|---|",
+        *[f"| `{k}` | `{_cell(v)}` | `{_cell(rule_for(k).spmdrl)}` |" for k, v in VERL_DEFAULTS.items()],
+        "",
+        "A verl key left out takes another's value, as verl's interpolations do:",
+        "",
+        *[f"- `{t}` follows `{s}`" for t, s in FOLLOWS.items()],
+        "",
+        "## The mapping",
+        "",
+        "| verl key | spmdrl key | conversion / note |",
+        "|---|---|---|",
+    ]
+    for r in TABLE:
+        target = "*ignored*" if r.ignored else (f"`{r.spmdrl}`" if r.spmdrl else "(checked)")
+        lines.append(f"| `{r.verl}` | {_cell(target)} | {_cell(r.note)} |")
+    return "\n".join(lines) + "\n"
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "verl.md"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m spmdrl.verl_compat", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write-docs", action="store_true", help=f"rewrite {DOCS} from the table")
+    args = parser.parse_args(argv)
+    if args.write_docs:
+        DOCS.write_text(render_docs())
+        print(f"wrote {DOCS}")
+    else:
+        sys.stdout.write(render_docs())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

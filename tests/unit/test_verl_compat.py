@@ -1,0 +1,154 @@
+"""verl's key=value words and YAML files mapped onto spmdrl's config (spmdrl.verl_compat)."""
+
+import shlex
+from dataclasses import asdict
+
+import pytest
+
+from spmdrl import verl_compat
+from spmdrl.cli import parse_config
+from spmdrl.train import main
+from spmdrl.verl_compat import parse_value, render_docs, rewrite_argv, spmdrl_keys
+
+
+def run_main(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+@pytest.fixture(autouse=True)
+def _world_of_one(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+
+
+def test_every_target_is_a_spmdrl_key_and_every_default_has_a_row():
+    keys = spmdrl_keys()
+    for rule in verl_compat.TABLE:
+        for target in filter(None, rule.spmdrl.split(", ")):
+            assert target in keys, f"{rule.verl} maps to {target}, which spmdrl's Config does not have"
+    for key in [*verl_compat.VERL_DEFAULTS, *verl_compat.FOLLOWS, *verl_compat.FOLLOWS.values()]:
+        assert verl_compat.rule_for(key) is not None and not verl_compat.rule_for(key).ignored, key
+    verl_keys = [r.verl for r in verl_compat.TABLE]
+    assert len(verl_keys) == len(set(verl_keys)), "a verl key has two rows"
+
+
+def test_docs_file_is_what_the_generator_writes():
+    assert verl_compat.DOCS.read_text() == render_docs(), "run: python -m spmdrl.verl_compat --write-docs"
+
+
+@pytest.mark.parametrize("text,value", [
+    ("1e-6", 1e-6), ("256", 256), ("-1", -1), ("0.5", 0.5), ("True", True), ("false", False), ("null", None),
+    ("['console','wandb']", ["console", "wandb"]), ("[console]", ["console"]), ("'error'", "error"),
+    ("vllm", "vllm"), ("/data/x.parquet", "/data/x.parquet"), ("[1e-3, 2]", [1e-3, 2]),
+])
+def test_hydra_values(text, value):
+    assert parse_value(text) == value and type(parse_value(text)) is type(value)
+
+
+def _words(command: str) -> list[str]:
+    """The arguments after ``-m <module>`` of a documented command line, with $HOME spelled out."""
+    words = shlex.split(command.replace("\\\n", " ").replace("$HOME", "/home/u"))
+    return words[words.index("-m") + 2:]
+
+
+def test_docs_quickstart_sides_resolve_to_the_same_config():
+    verl_side = _words(verl_compat.QUICKSTART_VERL) + ["actor_rollout_ref.rollout.name=vllm"]
+    verl_side = [w.replace("Qwen/", "/home/u/models/") for w in verl_side]
+    spmdrl_side = _words(verl_compat.QUICKSTART_SPMDRL_KEYS)
+    assert asdict(parse_config(verl_side)[0]) == asdict(parse_config(spmdrl_side)[0])
+
+
+def test_mapping_conversions_and_verl_defaults():
+    cfg, _ = parse_config([
+        "actor_rollout_ref.actor.optim.lr=1e-6", "trainer.logger=['console','wandb']",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "algorithm.kl_ctrl.kl_coef=0.002", "actor_rollout_ref.actor.strategy=fsdp",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=4",
+        "actor_rollout_ref.rollout.val_kwargs.n=4", "actor_rollout_ref.rollout.val_kwargs.top_k=0",
+        "actor_rollout_ref.rollout.multi_turn.format=chatml", "reward_model.model.path=/rm",
+        "actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "data.filter_overlong_prompts=True", "data.truncation=error", "trainer.resume_mode=disable",
+        "custom_reward_function.path=my.py", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "data.train_files=[a.parquet,b.parquet]", "+trainer.total_training_steps=3",
+    ])
+    assert cfg.actor.lr == 1e-6 and cfg.trainer.logger == ["console", "jsonl", "wandb"]
+    assert cfg.rollout.engine == "vllm" and cfg.parallel.rollout_tp == 2 and cfg.algorithm.kl_ctrl.kl_coef == 0.002
+    assert cfg.actor.strategy == "fsdp2" and (cfg.parallel.tp, cfg.parallel.pp) == (2, 4)
+    assert cfg.rollout.val_kwargs.n == 4 and cfg.rollout.val_kwargs.top_k == -1
+    assert cfg.rollout.multi_turn.format == "hermes" and cfg.reward_model.model.path == "/rm"
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.3, 0.28)
+    assert cfg.data.truncation == "filter" and cfg.trainer.resume == "off"
+    assert cfg.reward.function == "my.py:compute_score"
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"] and cfg.trainer.total_steps == 3
+    # verl's defaults where spmdrl's differ (a verl command line without an estimator is PPO), and
+    # verl's interpolation critic.ppo_mini_batch_size: ${actor_rollout_ref.actor.ppo_mini_batch_size}.
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.rollout.n == 1 and cfg.data.train_batch_size == 1024
+    assert cfg.critic.ppo_mini_batch_size == 8 and cfg.critic.lr == 1e-5
+
+
+def test_precedence(tmp_path):
+    spmdrl_yaml = tmp_path / "s.yaml"
+    spmdrl_yaml.write_text("actor:\n  lr: 0.1\n  weight_decay: 0.1\n  entropy_coeff: 0.1\n  kl_loss_coef: 0.1\n")
+    verl_yaml = tmp_path / "v.yaml"
+    verl_yaml.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 0.2\n      weight_decay: 0.2\n"
+                         "    entropy_coeff: 0.2\n")
+    cfg, _ = parse_config(["--actor.lr", "0.4", "actor_rollout_ref.actor.optim.lr=0.3", "--verl-config", str(verl_yaml),
+                           "actor_rollout_ref.actor.optim.weight_decay=0.3", "--config", str(spmdrl_yaml)])
+    a = cfg.actor
+    # --section.key > key=value > --verl-config > --config, whatever the order on the line.
+    assert (a.lr, a.weight_decay, a.entropy_coeff, a.kl_loss_coef) == (0.4, 0.3, 0.2, 0.1)
+    # With --config, verl's defaults do not replace the spmdrl file's base (spmdrl's defaults stand).
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 8
+
+
+def test_verl_yaml_interpolations_and_hydra_defaults(tmp_path):
+    f = tmp_path / "v.yaml"
+    f.write_text("defaults:\n  - ppo_trainer\n  - _self_\ndata:\n  max_prompt_length: 100\n  image_key: null\n"
+                 "actor_rollout_ref:\n  rollout:\n    max_model_len: ${data.max_prompt_length}\n"
+                 "  actor:\n    optim:\n      lr: 3e-6\n")
+    cfg, _ = parse_config(["--verl-config", str(f)])
+    assert cfg.rollout.max_model_len == 100 and cfg.actor.lr == 3e-6
+
+
+def test_plain_spmdrl_argv_is_untouched():
+    argv = ["--config", "x.yaml", "--actor.lr", "1e-5", "--print_config"]
+    assert rewrite_argv(argv) == (argv, {})
+
+
+def test_ignored_keys_give_one_info_line(capsys):
+    parse_config(["ray_init.num_cpus=8", "trainer.ray_wait_register_center_timeout=300",
+                  "actor_rollout_ref.model.use_remove_padding=True"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("spmdrl.train: info: verl keys accepted with no effect here:")
+    assert "ray_init.num_cpus" in err and "use_remove_padding" in err
+
+
+BAD = [
+    (["actor_rollout_ref.actor.use_fancy_thing=True"],
+     "verl key actor_rollout_ref.actor.use_fancy_thing=True has no spmdrl equivalent yet"),
+    (["trainer.n_gpus_per_node=8"], "trainer.n_gpus_per_node x trainer.nnodes = 8 x 1 do not match the 1 rank(s)"),
+    (["actor_rollout_ref.rollout.mode=async"], "verl key actor_rollout_ref.rollout.mode='async' is not supported"),
+    (["actor_rollout_ref.actor.optim.lr=fast"], "(set by verl key actor_rollout_ref.actor.optim.lr)"),
+    (["data.truncation=middle"], "verl key data.truncation='middle' has no spmdrl equivalent; valid values:"),
+    (["actor_rollout_ref.actor.strategy=megatron"], "actor.strategy is 'megatron'; valid values: fsdp2"),
+    (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
+]
+
+
+@pytest.mark.parametrize("argv,fragment", BAD, ids=[a[0] for a, _ in BAD])
+def test_bad_verl_input_exits_2_with_one_sentence(argv, fragment, capsys):
+    code, err = run_main(argv, capsys)
+    assert code == 2 and fragment in err, err
+    assert err.startswith("spmdrl.train: error: ") and err.count("\n") == 1
+
+
+def test_world_size_from_torchrun(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg, _ = parse_config(["trainer.n_gpus_per_node=2", "trainer.nnodes=1", "data.train_batch_size=4",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size=8"])
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == 4  # verl's deprecated global size / world size
+    code, err = run_main(["trainer.n_gpus_per_node=1", "trainer.nnodes=1"], capsys)
+    assert code == 2 and "= 1 x 1 do not match the 2 rank(s) torchrun started" in err
