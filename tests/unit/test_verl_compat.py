@@ -8,7 +8,8 @@ import pytest
 from spmdrl import verl_compat
 from spmdrl.cli import parse_config
 from spmdrl.train import main
-from spmdrl.verl_compat import parse_value, render_docs, rewrite_argv, spmdrl_keys
+from spmdrl.verl_compat import parse_value, rewrite_argv, spmdrl_keys
+from spmdrl.verl_docs import QUICKSTART_SPMDRL_KEYS, QUICKSTART_VERL, render_docs
 
 
 def run_main(argv, capsys):
@@ -54,9 +55,9 @@ def _words(command: str) -> list[str]:
 
 
 def test_docs_quickstart_sides_resolve_to_the_same_config():
-    verl_side = _words(verl_compat.QUICKSTART_VERL) + ["actor_rollout_ref.rollout.name=vllm"]
+    verl_side = _words(QUICKSTART_VERL) + ["actor_rollout_ref.rollout.name=vllm"]
     verl_side = [w.replace("Qwen/", "/home/u/models/") for w in verl_side]
-    spmdrl_side = _words(verl_compat.QUICKSTART_SPMDRL_KEYS)
+    spmdrl_side = _words(QUICKSTART_SPMDRL_KEYS)
     assert asdict(parse_config(verl_side)[0]) == asdict(parse_config(spmdrl_side)[0])
 
 
