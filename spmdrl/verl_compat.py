@@ -500,13 +500,11 @@ def load_verl_yaml(path: str) -> dict[str, Any]:
     if not isinstance(tree, dict):
         raise ConfigError(f"--verl-config {path!r} must hold a mapping of verl sections, not {type(tree).__name__}")
     tree = {k: v for k, v in tree.items() if k not in ("defaults", "hydra")}
-    flat = {k: _numbers(v) for k, v in _flatten(tree).items()}
-    _resolve_interpolations(flat, path)
-    return flat
+    return {k: _numbers(v) for k, v in _flatten(tree).items()}
 
 
 def _resolve_interpolations(flat: dict[str, Any], where: str) -> None:
-    """Whole-value ``${a.b.c}`` references to other keys of the file, as Hydra resolves them."""
+    """Whole-value ``${a.b.c}`` references to other keys of the run's verl config, as Hydra resolves them."""
     for _ in range(len(flat)):
         pending = {k: v for k, v in flat.items() if isinstance(v, str) and "${" in v}
         if not pending:
@@ -563,6 +561,7 @@ def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None) -> tuple
     for path in verl_files:
         verl.update(load_verl_yaml(path))
     verl.update(overrides)
+    _resolve_interpolations(verl, "verl config")
     # Outside torchrun (WORLD_SIZE unset), --print_config shows the config of a run meant for more ranks.
     if not (any(w.startswith("--print_config") for w in rest) and "WORLD_SIZE" not in os.environ):
         check_world_size(verl, world)

@@ -153,3 +153,21 @@ def test_world_size_from_torchrun(monkeypatch, capsys):
     assert cfg.actor.ppo_micro_batch_size_per_gpu == 4  # verl's deprecated global size / world size
     code, err = run_main(["trainer.n_gpus_per_node=1", "trainer.nnodes=1"], capsys)
     assert code == 2 and "= 1 x 1 do not match the 2 rank(s) torchrun started" in err
+
+
+def test_command_line_interpolation_and_print_config_outside_torchrun():
+    import os
+    import subprocess
+    import sys
+
+    from spmdrl.verl_compat import DOCS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    env["PYTHONPATH"] = str(DOCS.parents[1])
+    out = subprocess.run(
+        [sys.executable, "-m", "spmdrl.train", "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.optim.lr=2e-6",
+         "trainer.project_name=p", "trainer.default_local_dir=${trainer.project_name}", "--print_config"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "  lr: 2.0e-06\n" in out.stdout and "  output_dir: p\n" in out.stdout
+    assert "adv_estimator: gae" in out.stdout  # verl's default for a verl command line
