@@ -154,7 +154,8 @@ def _none_skips(value: Any) -> Any:
 def _logger(value: Any) -> Any:
     # verl takes one name or a list; spmdrl always keeps metrics.jsonl (resume and spmdrl.plot read it).
     names = [value] if isinstance(value, str) else list(value or [])
-    return [n for n in names if n == "console"][:1] + ["jsonl"] + [n for n in names if n not in ("console", "jsonl")]
+    others = [n for n in names if n not in ("console", "jsonl")]
+    return (["console"] if "console" in names else []) + ["jsonl"] + others
 
 
 def _strategy(value: Any) -> Any:
@@ -226,7 +227,8 @@ def _warmup_steps(value: Any) -> Any:
     return SKIP if value is None or value < 0 else value  # verl: negative means "use lr_warmup_steps_ratio"
 
 
-AR, ACT, RO, OPT = "actor_rollout_ref", "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.actor.optim"
+AR = "actor_rollout_ref"
+ACT, RO, OPT = f"{AR}.actor", f"{AR}.rollout", f"{AR}.actor.optim"
 PLACEMENT = "Ray/placement: torchrun decides where ranks run"
 PERF = "a speed knob with no spmdrl counterpart; results are unchanged"
 
@@ -239,7 +241,8 @@ TABLE: list[Rule] = [
     m("data.val_batch_size", "data.val_batch_size", _none_skips, "null (verl: the whole set) keeps spmdrl's default"),
     m("data.max_prompt_length", "data.max_prompt_length"),
     m("data.max_response_length", "data.max_response_length"),
-    m("data.truncation", "data.truncation", _choice("data.truncation", {"error": "error", "left": "left", "right": "right"})),
+    m("data.truncation", "data.truncation",
+      _choice("data.truncation", {"error": "error", "left": "left", "right": "right"})),
     Rule("data.filter_overlong_prompts", "data.truncation", _filter_overlong, "true sets data.truncation: filter"),
     ignore("data.filter_overlong_prompts_workers", PERF),
     ignore("data.dataloader_num_workers", PERF),
@@ -287,7 +290,8 @@ TABLE: list[Rule] = [
     m(f"{OPT}.clip_grad", "actor.max_grad_norm"),
     m(f"{OPT}.lr_warmup_steps", "actor.lr_warmup_steps", _warmup_steps, "-1 (use the ratio) sets nothing"),
     only(f"{OPT}.lr_warmup_steps_ratio", (0, 0.0), "give lr_warmup_steps"),
-    m(f"{OPT}.warmup_style", "actor.lr_scheduler", _choice(f"{OPT}.warmup_style", {"constant": "constant", "cosine": "cosine"})),
+    m(f"{OPT}.warmup_style", "actor.lr_scheduler",
+      _choice(f"{OPT}.warmup_style", {"constant": "constant", "cosine": "cosine"})),
     m(f"{OPT}.lr_scheduler_type", "actor.lr_scheduler",
       _choice(f"{OPT}.lr_scheduler_type", {"constant": "constant", "cosine": "cosine"})),
     m(f"{OPT}.min_lr_ratio", "actor.min_lr_ratio", _none_skips),
@@ -358,7 +362,8 @@ TABLE: list[Rule] = [
     m("critic.ppo_epochs", "critic.ppo_epochs"),
     m("critic.cliprange_value", "critic.cliprange_value"),
     only("critic.model.fsdp_config.param_offload", (False,), "use actor.cpu_offload (it covers the critic)"),
-    ignore("critic.model.fsdp_config.optimizer_offload", "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+    ignore("critic.model.fsdp_config.optimizer_offload",
+           "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
     ignore("critic.model.use_remove_padding", PERF),
     # rewards
     m("reward_model.enable", "reward_model.enable"),
@@ -370,12 +375,14 @@ TABLE: list[Rule] = [
     ignore("reward_model.enable_resource_pool", PLACEMENT),
     ignore("reward_model.n_gpus_per_node", PLACEMENT),
     ignore("reward_model.nnodes", PLACEMENT),
-    *[m(f"reward_model.overlong_buffer.{k}", f"reward.overlong_buffer.{k}") for k in ("enable", "len", "penalty_factor")],
-    Rule("custom_reward_function.path", "reward.function", _custom_reward, "with custom_reward_function.name: path.py:name"),
+    *[m(f"reward_model.overlong_buffer.{k}", f"reward.overlong_buffer.{k}")
+      for k in ("enable", "len", "penalty_factor")],
+    Rule("custom_reward_function.path", "reward.function", _custom_reward,
+         "with custom_reward_function.name: path.py:name"),
     Rule("custom_reward_function.name", "reward.function", lambda v, ctx: {}, "read with custom_reward_function.path"),
     # algorithm
-    *[m(f"algorithm.{k}", f"algorithm.{k}") for k in ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo",
-                                                      "use_kl_in_reward", "kl_penalty")],
+    *[m(f"algorithm.{k}", f"algorithm.{k}")
+      for k in ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty")],
     *[m(f"algorithm.kl_ctrl.{k}", f"algorithm.kl_ctrl.{k}") for k in ("type", "kl_coef", "target_kl", "horizon")],
     *[m(f"algorithm.filter_groups.{k}", f"algorithm.filter_groups.{k}") for k in ("enable", "max_num_gen_batches")],
     only("algorithm.filter_groups.metric", ("acc", "score"), "groups whose scores are all equal are dropped"),
