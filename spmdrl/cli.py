@@ -7,6 +7,7 @@ key, the value and what is allowed, with exit code 2 and no traceback (unless
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -142,6 +143,9 @@ def validate(cfg: Config, world_size: int) -> None:
         _check(value in valid, f"{key} is {value!r}; valid values: {', '.join(valid)}")
     for name in t.logger:
         _check(name in LOGGERS, f"trainer.logger has {name!r}; valid loggers: {', '.join(LOGGERS)}")
+        # Checked here: rank 0 opens the loggers only after every rank has loaded its models.
+        _check(name not in ("wandb", "tensorboard") or importlib.util.find_spec(name) is not None,
+               f"trainer.logger has {name!r} but the {name} package is not installed; pip install {name}")
     _check(
         not (alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2),
         f"rollout.n is {r.n} but algorithm.adv_estimator {alg.adv_estimator!r} compares the responses of a "

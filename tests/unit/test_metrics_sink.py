@@ -48,3 +48,17 @@ def test_wandb_mode_without_a_key_is_offline(monkeypatch, tmp_path: Path):
     (tmp_path / ".netrc").unlink()
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert _wandb_mode() == "online"
+
+
+@pytest.mark.parametrize("logger", ["wandb", "tensorboard"])
+def test_a_logger_whose_package_is_missing_stops_before_any_work(logger, monkeypatch, capsys):
+    import sys
+
+    from spmdrl.train import main
+
+    monkeypatch.setitem(sys.modules, logger, None)  # importlib.util.find_spec now reports it absent
+    with pytest.raises(SystemExit) as exc:
+        main(["--trainer.logger", f"[console,{logger}]"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert f"trainer.logger has '{logger}' but the {logger} package is not installed; pip install {logger}" in err
