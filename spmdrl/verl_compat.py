@@ -456,6 +456,9 @@ def translate(verl: dict[str, Any], world_size: int) -> tuple[dict[str, Any], di
     unknown = [k for k in verl if rule_for(k) is None and not _is_empty(verl[k])]
     if unknown:
         key = unknown[0]
+        if key in spmdrl_keys():
+            raise ConfigError(f"{key}={verl[key]!r} is a spmdrl key, not a verl key; write it as --{key} "
+                              f"{verl[key]!r} (key=value words are verl's keys, see docs/verl.md)")
         raise ConfigError(f"verl key {key}={verl[key]!r} has no spmdrl equivalent yet; remove it "
                           f"(docs/verl.md lists every verl key spmdrl maps)")
     out: dict[str, Any] = {}

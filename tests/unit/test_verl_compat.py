@@ -136,6 +136,7 @@ BAD = [
     (["data.truncation=middle"], "verl key data.truncation='middle' has no spmdrl equivalent; valid values:"),
     (["actor_rollout_ref.actor.strategy=megatron"], "actor.strategy is 'megatron'; valid values: fsdp2"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
+    (["trainer.total_steps=3"], "trainer.total_steps=3 is a spmdrl key, not a verl key; write it as --trainer.total_steps"),
 ]
 
 
