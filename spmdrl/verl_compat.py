@@ -385,7 +385,8 @@ TABLE: list[Rule] = [
       for k in ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty")],
     *[m(f"algorithm.kl_ctrl.{k}", f"algorithm.kl_ctrl.{k}") for k in ("type", "kl_coef", "target_kl", "horizon")],
     *[m(f"algorithm.filter_groups.{k}", f"algorithm.filter_groups.{k}") for k in ("enable", "max_num_gen_batches")],
-    only("algorithm.filter_groups.metric", ("acc", "score"), "groups whose scores are all equal are dropped"),
+    only("algorithm.filter_groups.metric", ("acc", "score"),
+         "groups whose scores are all equal are dropped (the same as acc for 0/1 rewards)"),
     # trainer
     m("trainer.total_epochs", "trainer.total_epochs"),
     m("trainer.total_training_steps", "trainer.total_steps"),
