@@ -484,8 +484,8 @@ def check_world_size(verl: dict[str, Any], world_size: int) -> None:
     if not isinstance(per_node, int) or not isinstance(nodes, int) or per_node * nodes != world_size:
         raise ConfigError(
             f"verl keys trainer.n_gpus_per_node x trainer.nnodes = {per_node} x {nodes} do not match the "
-            f"{world_size} rank(s) torchrun started (WORLD_SIZE); torchrun decides placement, so start "
-            f"{per_node} x {nodes} ranks or drop these keys")
+            f"{world_size} rank(s) torchrun started (WORLD_SIZE); torchrun decides placement: start "
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m spmdrl.train ..., or drop these keys")
 
 
 def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
