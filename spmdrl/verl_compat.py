@@ -21,9 +21,11 @@ stops the run with one sentence naming it (exit 2), never silently ignored.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
+import typing
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -115,6 +117,8 @@ def m(verl: str, spmdrl: str, conv: Optional[Callable[[Any], Any]] = None, note:
     """verl key -> one spmdrl key, the value converted by ``conv`` (which may return SKIP)."""
 
     def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        if value is None and not _nullable(spmdrl):
+            return {}  # verl's null for a setting spmdrl always has ("not set"): spmdrl's default stands
         out = conv(value) if conv is not None else value
         return {} if out is SKIP else {spmdrl: out}
 
@@ -597,18 +601,29 @@ def annotate(message: str, origin: dict[str, str]) -> str:
 # ----------------------------------------------------------------------------- docs
 
 
-def spmdrl_keys() -> set[str]:
-    """Every leaf key of spmdrl's Config, dotted (the tests check each table target against it)."""
+@functools.lru_cache(maxsize=1)
+def spmdrl_fields() -> dict[str, Any]:
+    """Every leaf key of spmdrl's Config, dotted, with its type (the tests check each table target)."""
     from spmdrl.config import Config
 
-    def walk(obj: Any, prefix: str) -> set[str]:
-        keys: set[str] = set()
+    def walk(obj: Any, prefix: str) -> dict[str, Any]:
+        hints = typing.get_type_hints(type(obj))
+        out: dict[str, Any] = {}
         for f in fields(obj):
             value = getattr(obj, f.name)
-            keys |= walk(value, f"{prefix}{f.name}.") if is_dataclass(value) else {prefix + f.name}
-        return keys
+            leaf = {prefix + f.name: hints[f.name]}
+            out.update(walk(value, f"{prefix}{f.name}.") if is_dataclass(value) else leaf)
+        return out
 
     return walk(Config(), "")
+
+
+def spmdrl_keys() -> set[str]:
+    return set(spmdrl_fields())
+
+
+def _nullable(key: str) -> bool:
+    return type(None) in typing.get_args(spmdrl_fields().get(key))
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "verl.md"

@@ -90,6 +90,13 @@ def test_mapping_conversions_and_verl_defaults():
     assert cfg.critic.ppo_mini_batch_size == 8 and cfg.critic.lr == 1e-5
 
 
+def test_verl_null_keeps_spmdrl_default_unless_spmdrl_takes_null():
+    cfg, _ = parse_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "data.val_files=null",
+                           "trainer.total_training_steps=null", "actor_rollout_ref.rollout.max_model_len=null"])
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == 16  # spmdrl's default: this setting cannot be null
+    assert cfg.data.val_files is None and cfg.trainer.total_steps is None and cfg.rollout.max_model_len is None
+
+
 def test_precedence(tmp_path):
     spmdrl_yaml = tmp_path / "s.yaml"
     spmdrl_yaml.write_text("actor:\n  lr: 0.1\n  weight_decay: 0.1\n  entropy_coeff: 0.1\n  kl_loss_coef: 0.1\n")
