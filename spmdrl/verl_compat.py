@@ -27,7 +27,6 @@ import re
 import sys
 import typing
 from dataclasses import dataclass, fields, is_dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import yaml
@@ -151,10 +150,6 @@ def _choice(key: str, mapping: dict[Any, Any]) -> Callable[[Any], Any]:
     return conv
 
 
-def _none_skips(value: Any) -> Any:
-    return SKIP if value is None else value
-
-
 def _logger(value: Any) -> Any:
     # verl takes one name or a list; spmdrl always keeps metrics.jsonl (resume and spmdrl.plot read it).
     names = [value] if isinstance(value, str) else list(value or [])
@@ -242,7 +237,7 @@ TABLE: list[Rule] = [
     m("data.val_files", "data.val_files"),
     m("data.prompt_key", "data.prompt_key"),
     m("data.train_batch_size", "data.train_batch_size"),
-    m("data.val_batch_size", "data.val_batch_size", _none_skips, "null (verl: the whole set) keeps spmdrl's default"),
+    m("data.val_batch_size", "data.val_batch_size", note="null (verl: the whole set) keeps spmdrl's default"),
     m("data.max_prompt_length", "data.max_prompt_length"),
     m("data.max_response_length", "data.max_response_length"),
     m("data.truncation", "data.truncation",
@@ -298,7 +293,7 @@ TABLE: list[Rule] = [
       _choice(f"{OPT}.warmup_style", {"constant": "constant", "cosine": "cosine"})),
     m(f"{OPT}.lr_scheduler_type", "actor.lr_scheduler",
       _choice(f"{OPT}.lr_scheduler_type", {"constant": "constant", "cosine": "cosine"})),
-    m(f"{OPT}.min_lr_ratio", "actor.min_lr_ratio", _none_skips),
+    m(f"{OPT}.min_lr_ratio", "actor.min_lr_ratio"),
     ignore(f"{OPT}.total_training_steps", "spmdrl derives it from the run"),
     Rule(f"{ACT}.fsdp_config.fsdp_size", "parallel.dp_shard, parallel.dp_replicate", _fsdp_size,
          "k < world: shard over k ranks, replicate over world/k (HSDP)"),
@@ -408,7 +403,7 @@ TABLE: list[Rule] = [
          "auto: auto, disable: off, resume_path: trainer.resume_from_path"),
     Rule("trainer.resume_from_path", "trainer.resume", _resume_from_path, "read with trainer.resume_mode"),
     m("trainer.default_local_dir", "trainer.output_dir", note="checkpoints go to its checkpoints/ folder"),
-    m("trainer.max_actor_ckpt_to_keep", "trainer.keep_last", _none_skips, "null keeps spmdrl's default"),
+    m("trainer.max_actor_ckpt_to_keep", "trainer.keep_last", note="null keeps spmdrl's default"),
     only("trainer.critic_warmup", (0,), "the actor trains from the first step"),
     only("trainer.default_hdfs_dir", (None,), "write to a shared file system"),
     only("trainer.del_local_ckpt_after_load", (False,), "checkpoints are kept (trainer.keep_last)"),
@@ -626,24 +621,7 @@ def _nullable(key: str) -> bool:
     return type(None) in typing.get_args(spmdrl_fields().get(key))
 
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "verl.md"
+if __name__ == "__main__":  # python -m spmdrl.verl_compat --write-docs: see spmdrl.verl_docs.main
+    from spmdrl.verl_docs import main
 
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m spmdrl.verl_compat", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write-docs", action="store_true", help=f"rewrite {DOCS} from the table")
-    args = parser.parse_args(argv)
-    from spmdrl.verl_docs import render_docs
-
-    if args.write_docs:
-        DOCS.write_text(render_docs())
-        print(f"wrote {DOCS}")
-    else:
-        sys.stdout.write(render_docs())
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -6,9 +6,14 @@ parses both sides of the quickstart below and checks that they give the same spm
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 from spmdrl.verl_compat import FOLLOWS, TABLE, VERL_DEFAULTS, rule_for
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "verl.md"
 
 # verl's GSM8K PPO quickstart (docs/start/quickstart.rst), as its users type it.
 QUICKSTART_VERL = """\
@@ -134,3 +139,18 @@ def render_docs() -> str:
         target = "*ignored*" if r.ignored else (f"`{r.spmdrl}`" if r.spmdrl else "(checked)")
         lines.append(f"| `{r.verl}` | {_cell(target)} | {_cell(r.note)} |")
     return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spmdrl.verl_compat", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write-docs", action="store_true", help=f"rewrite {DOCS} (default: print it)")
+    if parser.parse_args(argv).write_docs:
+        DOCS.write_text(render_docs())
+        print(f"wrote {DOCS}")
+    else:
+        sys.stdout.write(render_docs())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

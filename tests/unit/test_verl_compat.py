@@ -9,7 +9,7 @@ from spmdrl import verl_compat
 from spmdrl.cli import parse_config
 from spmdrl.train import main
 from spmdrl.verl_compat import parse_value, rewrite_argv, spmdrl_keys
-from spmdrl.verl_docs import QUICKSTART_SPMDRL_KEYS, QUICKSTART_VERL, render_docs
+from spmdrl.verl_docs import DOCS, QUICKSTART_SPMDRL_KEYS, QUICKSTART_VERL, render_docs
 
 
 def run_main(argv, capsys):
@@ -36,7 +36,7 @@ def test_every_target_is_a_spmdrl_key_and_every_default_has_a_row():
 
 
 def test_docs_file_is_what_the_generator_writes():
-    assert verl_compat.DOCS.read_text() == render_docs(), "run: python -m spmdrl.verl_compat --write-docs"
+    assert DOCS.read_text() == render_docs(), "run: python -m spmdrl.verl_compat --write-docs"
 
 
 @pytest.mark.parametrize("text,value", [
@@ -167,8 +167,6 @@ def test_command_line_interpolation_and_print_config_outside_torchrun():
     import os
     import subprocess
     import sys
-
-    from spmdrl.verl_compat import DOCS
 
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     env["PYTHONPATH"] = str(DOCS.parents[1])
