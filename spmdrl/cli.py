@@ -50,7 +50,7 @@ def _one_sentence(err: Exception) -> str:
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, bool]:
     """Parse argv into a ``Config``; returns (config, debug). Raises ConfigError on bad input."""
-    from spmdrl.verl_compat import annotate, rewrite_argv
+    from spmdrl.verl_args import annotate, rewrite_argv
 
     parser = build_parser()
     # verl's key=value words and --verl-config become one YAML --config, in precedence order.

@@ -1,90 +1,28 @@
-"""verl's command line and YAML, mapped onto spmdrl's typed config.
+"""verl's config keys mapped onto spmdrl's typed config: one table, one row per verl key.
 
-    python -m spmdrl.train data.train_batch_size=256 actor_rollout_ref.actor.optim.lr=1e-6 ...
-    torchrun --standalone --nproc-per-node 8 -m spmdrl.train --verl-config my_verl.yaml trainer.n_gpus_per_node=8
     python -m spmdrl.verl_compat --write-docs      # regenerate docs/verl.md from TABLE
 
-``rewrite_argv`` runs before jsonargparse: it takes the Hydra-style
-``key=value`` words and the ``--verl-config FILE`` out of the command line,
-translates them through ``TABLE`` (one row per verl key: its spmdrl key and the
-value conversion) and hands the result to jsonargparse as one YAML ``--config``
-string, so types, ``--print_config`` and the spmdrl checks apply unchanged.
-
-Precedence, lowest first: spmdrl's defaults; verl's defaults for the keys in
-``VERL_DEFAULTS`` (only when the run is given in verl terms and no ``--config``,
-so a verl command line means what it means in verl); ``--config`` files; the
-``--verl-config`` file; verl ``key=value`` words; ``--section.key`` flags.
-Keys about Ray, placement and resource pools are accepted and ignored with one
-info line (torchrun places the ranks); a verl key with no spmdrl equivalent
-stops the run with one sentence naming it (exit 2), never silently ignored.
+Each ``Rule`` names a verl key (its dotted path in verl's ppo_trainer.yaml),
+the spmdrl key(s) it sets and the value conversion. Rows are accepted and
+ignored with the info line when the key is about Ray, placement or resource
+pools (torchrun places the ranks) or is a speed knob that changes no result;
+``only`` rows accept the values spmdrl always behaves as and stop the run on
+any other. ``translate`` applies the table; a verl key with no row stops the
+run with one sentence naming it (exit 2), never silently ignored. The command
+line side (Hydra words, ``--verl-config``, precedence) is ``spmdrl.verl_args``.
 """
-
 from __future__ import annotations
 
 import functools
-import os
-import re
+import os.path
 import sys
 import typing
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, Callable, Optional, Sequence
-
-import yaml
+from typing import Any, Callable, Optional
 
 from spmdrl.errors import ConfigError
 
 SKIP = object()  # a converter's "this value sets nothing" (e.g. verl's null meaning "use the default")
-_OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)+)=(.*)$", re.S)
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-_INT = re.compile(r"^[-+]?\d+$")
-
-
-# ----------------------------------------------------------------------------- values
-
-
-def parse_value(text: str) -> Any:
-    """A Hydra override value: null, true/false, int, float (1e-6 too), [list], {dict}, 'quoted' or a string."""
-    s = text.strip()
-    if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"":
-        return s[1:-1]
-    low = s.lower()
-    if low in ("null", "~"):
-        return None
-    if low in ("true", "false"):
-        return low == "true"
-    if _INT.match(s):
-        return int(s)
-    if _FLOAT.match(s):
-        return float(s)
-    if s[:1] in "[{":
-        try:
-            loaded = yaml.safe_load(s)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"cannot read the value {s!r}: {' '.join(str(err).split())}") from err
-        return _numbers(loaded)
-    return s
-
-
-def _numbers(value: Any) -> Any:
-    """YAML reads 1e-6 as a string; Hydra (OmegaConf) reads it as a float. Follow Hydra."""
-    if isinstance(value, str) and _FLOAT.match(value.strip()) and not _INT.match(value.strip()):
-        return float(value)
-    if isinstance(value, list):
-        return [_numbers(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _numbers(v) for k, v in value.items()}
-    return value
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, path + "."))
-        else:
-            out[path] = value
-    return out
 
 
 # ----------------------------------------------------------------------------- the table
@@ -157,6 +95,13 @@ def _logger(value: Any) -> Any:
     return (["console"] if "console" in names else []) + ["jsonl"] + others
 
 
+def _path(value: Any) -> Any:
+    # verl expands ~ in its paths itself (Hydra does not, nor does the shell after "key="): so does spmdrl.
+    if isinstance(value, list):
+        return [os.path.expanduser(v) if isinstance(v, str) else v for v in value]
+    return os.path.expanduser(value) if isinstance(value, str) else value
+
+
 def _strategy(value: Any) -> Any:
     return "fsdp2" if value in ("fsdp", "fsdp2") else value
 
@@ -199,7 +144,7 @@ def _resume_mode(value: Any, ctx: Ctx) -> dict[str, Any]:
         path = ctx.verl.get("trainer.resume_from_path")
         if not path:
             raise ConfigError("verl key trainer.resume_mode=resume_path needs trainer.resume_from_path")
-        return {"trainer.resume": str(path)}
+        return {"trainer.resume": _path(str(path))}
     return {"trainer.resume": _choice("trainer.resume_mode", {"auto": "auto", "disable": "off"})(value)}
 
 
@@ -211,7 +156,11 @@ def _custom_reward(value: Any, ctx: Ctx) -> dict[str, Any]:
     if value is None:
         return {}
     name = ctx.verl.get("custom_reward_function.name") or "compute_score"
-    return {"reward.function": f"{value}:{name}"}
+    return {"reward.function": f"{_path(value)}:{name}"}
+
+
+def _ckpt_contents(value: Any, ctx: Ctx) -> dict[str, Any]:
+    return {"trainer.export_hf_on_save": "hf_model" in (value or [])}
 
 
 def _world(value: Any, ctx: Ctx) -> dict[str, Any]:
@@ -230,11 +179,12 @@ AR = "actor_rollout_ref"
 ACT, RO, OPT = f"{AR}.actor", f"{AR}.rollout", f"{AR}.actor.optim"
 PLACEMENT = "Ray/placement: torchrun decides where ranks run"
 PERF = "a speed knob with no spmdrl counterpart; results are unchanged"
+TEXT_ONLY = "spmdrl trains on text prompts; image and video columns are not read"
 
 TABLE: list[Rule] = [
     # data
-    m("data.train_files", "data.train_files"),
-    m("data.val_files", "data.val_files"),
+    m("data.train_files", "data.train_files", _path, "~ is expanded"),
+    m("data.val_files", "data.val_files", _path, "~ is expanded"),
     m("data.prompt_key", "data.prompt_key"),
     m("data.train_batch_size", "data.train_batch_size"),
     m("data.val_batch_size", "data.val_batch_size", note="null (verl: the whole set) keeps spmdrl's default"),
@@ -246,16 +196,21 @@ TABLE: list[Rule] = [
     ignore("data.filter_overlong_prompts_workers", PERF),
     ignore("data.dataloader_num_workers", PERF),
     m("data.shuffle", "data.shuffle"),
-    m("data.tokenizer", "model.tokenizer_path"),
+    m("data.tokenizer", "model.tokenizer_path", _path),
     only("data.reward_fn_key", ("data_source",), "the scorer is chosen by each row's data_source"),
     ignore("data.return_raw_chat", "spmdrl keeps each prompt's text and tokens"),
+    ignore("data.return_raw_input_ids", "the reward model re-renders prompt + response with its own template"),
+    ignore("data.image_key", TEXT_ONLY),
+    ignore("data.video_key", TEXT_ONLY),
     # model
-    m(f"{AR}.model.path", "model.path"),
+    m(f"{AR}.model.path", "model.path", _path, "~ is expanded"),
     m(f"{AR}.model.enable_gradient_checkpointing", "model.enable_gradient_checkpointing"),
     m(f"{AR}.model.use_liger", "model.fused_kernels", lambda v: "on" if v else "off",
       "true: on, false: off (fused RMSNorm/SwiGLU)"),
     ignore(f"{AR}.model.use_remove_padding", PERF),
     only(f"{AR}.model.external_lib", (None,), "transformers loads the model"),
+    only(f"{AR}.model.return_last_hidden_state", (False,), "not supported"),
+    only(f"{AR}.model.use_fused_loss", (False,), "the loss is computed from full log-probs"),
     only(f"{AR}.hybrid_engine", (True,), "actor and rollout always share the devices"),
     # actor
     m(f"{ACT}.strategy", "actor.strategy", _strategy, "fsdp and fsdp2 both mean fsdp2"),
@@ -282,6 +237,8 @@ TABLE: list[Rule] = [
     m(f"{ACT}.kl_loss_type", "actor.kl_loss_type"),
     only(f"{ACT}.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
     ignore(f"{ACT}.use_torch_compile", PERF),
+    Rule(f"{ACT}.checkpoint.contents", "trainer.export_hf_on_save", _ckpt_contents,
+         "model, optimizer and extra are always saved; hf_model sets trainer.export_hf_on_save"),
     only(f"{ACT}.shuffle", (False,), "mini-batches follow the rollout order"),
     m(f"{OPT}.lr", "actor.lr"),
     m(f"{OPT}.weight_decay", "actor.weight_decay"),
@@ -329,9 +286,12 @@ TABLE: list[Rule] = [
     ignore(f"{RO}.load_format", "weights are pushed from the actor each step"),
     ignore(f"{RO}.enable_chunked_prefill", PERF),
     ignore(f"{RO}.disable_log_stats", "vLLM's own logging"),
+    only(f"{RO}.use_fire_sampling", (False,), "not supported"),
+    ignore(f"{RO}.prompt_length", "verl derives it from data.max_prompt_length"),
+    ignore(f"{RO}.response_length", "verl derives it from data.max_response_length"),
     *[m(f"{RO}.val_kwargs.{k}", f"rollout.val_kwargs.{k}", _top_k if k == "top_k" else None)
       for k in ("n", "do_sample", "temperature", "top_p", "top_k")],
-    *[m(f"{RO}.multi_turn.{k}", f"rollout.multi_turn.{k}")
+    *[m(f"{RO}.multi_turn.{k}", f"rollout.multi_turn.{k}", _path if k == "tool_config_path" else None)
       for k in ("enable", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
                 "tool_config_path")],
     m(f"{RO}.multi_turn.format", "rollout.multi_turn.format", _multi_turn_format, "chatml (older verl) means hermes"),
@@ -341,17 +301,21 @@ TABLE: list[Rule] = [
          _per_gpu("ref.log_prob_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
     m(f"{AR}.ref.fsdp_config.param_offload", "ref.offload"),
     only(f"{AR}.ref.strategy", ("fsdp", "fsdp2"), "the reference uses actor.strategy"),
+    ignore(f"{AR}.ref.use_torch_compile", PERF),
+    only(f"{AR}.ref.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
     ignore(f"{AR}.ref.fsdp_config.reshard_after_forward", PERF),
     ignore(f"{AR}.ref.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
     ignore(f"{AR}.ref.log_prob_use_dynamic_bsz", PERF),
     ignore(f"{AR}.ref.log_prob_max_token_len_per_gpu", PERF),
     # critic
-    m("critic.model.path", "critic.model_path"),
+    m("critic.model.path", "critic.model_path", _path),
     only("critic.strategy", ("fsdp", "fsdp2"), "the critic uses actor.strategy"),
     m("critic.optim.lr", "critic.lr"),
     m("critic.optim.weight_decay", "critic.weight_decay"),
     m("critic.optim.lr_warmup_steps", "critic.lr_warmup_steps", _warmup_steps, "-1 (use the ratio) sets nothing"),
     only("critic.optim.lr_warmup_steps_ratio", (0, 0.0), "give critic.optim.lr_warmup_steps"),
+    only("critic.optim.warmup_style", ("constant",), "the critic's rate is constant after warm-up"),
+    ignore("critic.optim.total_training_steps", "spmdrl derives it from the run"),
     m("critic.optim.clip_grad", "critic.max_grad_norm"),
     m("critic.grad_clip", "critic.max_grad_norm"),
     m("critic.ppo_mini_batch_size", "critic.ppo_mini_batch_size"),
@@ -364,13 +328,37 @@ TABLE: list[Rule] = [
     ignore("critic.model.fsdp_config.optimizer_offload",
            "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
     ignore("critic.model.use_remove_padding", PERF),
+    ignore("critic.rollout_n", "verl derives it from actor_rollout_ref.rollout.n"),
+    ignore("critic.model.tokenizer_path", "the critic reads the policy's tokens"),
+    ignore("critic.model.enable_gradient_checkpointing", "the critic follows model.enable_gradient_checkpointing"),
+    only("critic.model.fsdp_config.offload_policy", (False,), "use actor.cpu_offload (it covers the critic)"),
+    only("critic.model.fsdp_config.fsdp_size", (-1,), "the critic shares the actor's mesh"),
+    ignore("critic.model.fsdp_config.reshard_after_forward", PERF),
+    ignore("critic.model.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
+    only("critic.use_dynamic_bsz", (False,), "micro-batches have a fixed number of responses"),
+    ignore("critic.ppo_max_token_len_per_gpu", "used only with use_dynamic_bsz"),
+    ignore("critic.forward_max_token_len_per_gpu", "used only with use_dynamic_bsz"),
+    ignore("critic.forward_micro_batch_size_per_gpu", PERF),
+    only("critic.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
+    only("critic.shuffle", (False,), "mini-batches follow the rollout order"),
+    ignore("critic.checkpoint.contents", "the critic is saved with the actor"),
     # rewards
     m("reward_model.enable", "reward_model.enable"),
-    m("reward_model.model.path", "reward_model.model.path"),
-    m("reward_model.model.input_tokenizer", "reward_model.model.input_tokenizer"),
+    m("reward_model.model.path", "reward_model.model.path", _path),
+    m("reward_model.model.input_tokenizer", "reward_model.model.input_tokenizer", _path),
     m("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu"),
     m("reward_model.max_length", "reward_model.max_length"),
     only("reward_model.reward_manager", ("naive",), "rule scores come from reward.function"),
+    only("reward_model.strategy", ("fsdp", "fsdp2"), "the reward model uses actor.strategy"),
+    ignore("reward_model.model.use_remove_padding", PERF),
+    ignore("reward_model.model.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
+    ignore("reward_model.model.fsdp_config.reshard_after_forward", PERF),
+    only("reward_model.model.fsdp_config.param_offload", (False,), "not supported"),
+    only("reward_model.model.fsdp_config.fsdp_size", (-1,), "the reward model shares the actor's mesh"),
+    only("reward_model.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
+    only("reward_model.use_dynamic_bsz", (False,), "micro-batches have a fixed number of responses"),
+    ignore("reward_model.forward_max_token_len_per_gpu", "used only with use_dynamic_bsz"),
+    ignore("reward_model.launch_reward_fn_async", PERF),
     ignore("reward_model.enable_resource_pool", PLACEMENT),
     ignore("reward_model.n_gpus_per_node", PLACEMENT),
     ignore("reward_model.nnodes", PLACEMENT),
@@ -402,11 +390,12 @@ TABLE: list[Rule] = [
     Rule("trainer.resume_mode", "trainer.resume", _resume_mode,
          "auto: auto, disable: off, resume_path: trainer.resume_from_path"),
     Rule("trainer.resume_from_path", "trainer.resume", _resume_from_path, "read with trainer.resume_mode"),
-    m("trainer.default_local_dir", "trainer.output_dir", note="checkpoints go to its checkpoints/ folder"),
+    m("trainer.default_local_dir", "trainer.output_dir", _path, note="checkpoints go to its checkpoints/ folder"),
     m("trainer.max_actor_ckpt_to_keep", "trainer.keep_last", note="null keeps spmdrl's default"),
     only("trainer.critic_warmup", (0,), "the actor trains from the first step"),
     only("trainer.default_hdfs_dir", (None,), "write to a shared file system"),
     only("trainer.del_local_ckpt_after_load", (False,), "checkpoints are kept (trainer.keep_last)"),
+    only("trainer.log_val_generations", (0,), "not supported yet"),
     ignore("trainer.balance_batch", "all responses of a prompt stay on one rank"),
     ignore("trainer.ray_wait_register_center_timeout", PLACEMENT),
     ignore("ray_init.*", PLACEMENT),
@@ -463,15 +452,16 @@ def translate(verl: dict[str, Any], world_size: int) -> tuple[dict[str, Any], di
                           f"(docs/verl.md lists every verl key spmdrl maps)")
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
-    notes: list[str] = [f"{k} (unset)" for k in verl if rule_for(k) is None]
+    why: dict[str, list[str]] = {"null or empty, so they set nothing": [k for k in verl if rule_for(k) is None]}
     for rule in TABLE:  # table order: later rows win (clip_ratio_low after clip_ratio, filter after truncation)
         for key in [k for k in verl if rule.matches(k)]:
             if rule.ignored:
-                notes.append(f"{key} ({rule.note})")
+                why.setdefault(rule.note, []).append(key)
                 continue
             for target, value in rule.convert(verl[key], ctx).items():
                 out[target] = value
                 origin[target] = key
+    notes = [f"{', '.join(keys)} ({reason})" for reason, keys in why.items() if keys]
     return out, origin, notes
 
 
@@ -487,113 +477,7 @@ def check_world_size(verl: dict[str, Any], world_size: int) -> None:
             f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m spmdrl.train ..., or drop these keys")
 
 
-def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree
-
-
-def load_verl_yaml(path: str) -> dict[str, Any]:
-    """A verl YAML file, flattened; Hydra's ``defaults``/``hydra`` entries are composition, not settings."""
-    try:
-        with open(path) as f:
-            tree = yaml.safe_load(f) or {}
-    except OSError as err:
-        raise ConfigError(f"--verl-config {path!r} cannot be read: {err.strerror}") from err
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--verl-config {path!r} is not valid YAML: {' '.join(str(err).split())}") from err
-    if not isinstance(tree, dict):
-        raise ConfigError(f"--verl-config {path!r} must hold a mapping of verl sections, not {type(tree).__name__}")
-    tree = {k: v for k, v in tree.items() if k not in ("defaults", "hydra")}
-    return {k: _numbers(v) for k, v in _flatten(tree).items()}
-
-
-def _resolve_interpolations(flat: dict[str, Any], where: str) -> None:
-    """Whole-value ``${a.b.c}`` references to other keys of the run's verl config, as Hydra resolves them."""
-    for _ in range(len(flat)):
-        pending = {k: v for k, v in flat.items() if isinstance(v, str) and "${" in v}
-        if not pending:
-            return
-        for key, value in pending.items():
-            ref = re.fullmatch(r"\$\{([A-Za-z0-9_.]+)\}", value.strip())
-            if ref is None or ref.group(1) not in flat:
-                raise ConfigError(f"{where}: {key}={value!r} is an interpolation spmdrl cannot resolve; "
-                                  f"write the value itself")
-            flat[key] = flat[ref.group(1)]
-
-
-def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any], list[str]]:
-    """argv -> (--config words, --verl-config files, verl key=value overrides, every other word)."""
-    configs: list[str] = []
-    verl_files: list[str] = []
-    overrides: dict[str, Any] = {}
-    rest: list[str] = []
-    words = list(argv)
-    i = 0
-    while i < len(words):
-        w = words[i]
-        for flag, bucket in (("--config", configs), ("--verl-config", verl_files), ("--verl_config", verl_files)):
-            if w == flag:
-                if i + 1 >= len(words):
-                    raise ConfigError(f"{flag} needs a file")
-                bucket.append(words[i + 1])
-                i += 2
-                break
-            if w.startswith(flag + "="):
-                bucket.append(w[len(flag) + 1:])
-                i += 1
-                break
-        else:
-            match = _OVERRIDE.match(w)
-            if match:
-                overrides[match.group(2)] = parse_value(match.group(3))
-            else:
-                rest.append(w)
-            i += 1
-    return configs, verl_files, overrides, rest
-
-
-def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None) -> tuple[list[str], dict[str, str]]:
-    """Replace verl words by one YAML ``--config`` in precedence order; returns (argv, spmdrl key -> verl key).
-
-    An argv without verl words comes back unchanged. Raises ConfigError with one sentence.
-    """
-    configs, verl_files, overrides, rest = split_argv(argv)
-    if not verl_files and not overrides:
-        return list(argv), {}
-    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    verl: dict[str, Any] = dict(VERL_DEFAULTS) if not configs else {}
-    for path in verl_files:
-        verl.update(load_verl_yaml(path))
-    verl.update(overrides)
-    _resolve_interpolations(verl, "verl config")
-    # Outside torchrun (WORLD_SIZE unset), --print_config shows the config of a run meant for more ranks.
-    if not (any(w.startswith("--print_config") for w in rest) and "WORLD_SIZE" not in os.environ):
-        check_world_size(verl, world)
-    flat, origin, notes = translate(verl, world)
-    if notes and os.environ.get("RANK", "0") == "0":
-        print(f"spmdrl.train: info: verl keys accepted with no effect here: {'; '.join(notes)}", file=sys.stderr)
-    out: list[str] = []
-    for c in configs:
-        out += ["--config", c]
-    out += ["--config", yaml.safe_dump(_unflatten(flat), default_flow_style=True, width=1 << 30).strip()]
-    return out + rest, origin
-
-
-def annotate(message: str, origin: dict[str, str]) -> str:
-    """Name the verl key behind a spmdrl key in an error message from the parser or the checks."""
-    for target, source in sorted(origin.items(), key=lambda kv: -len(kv[0])):
-        if target in message and source not in message:
-            return f"{message} (set by verl key {source})"
-    return message
-
-
-# ----------------------------------------------------------------------------- docs
+# ----------------------------------------------------------------------------- spmdrl keys
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,7 +8,8 @@ import pytest
 from spmdrl import verl_compat
 from spmdrl.cli import parse_config
 from spmdrl.train import main
-from spmdrl.verl_compat import parse_value, rewrite_argv, spmdrl_keys
+from spmdrl.verl_args import parse_value, rewrite_argv
+from spmdrl.verl_compat import spmdrl_keys
 from spmdrl.verl_docs import DOCS, QUICKSTART_SPMDRL_KEYS, QUICKSTART_VERL, render_docs
 
 
@@ -119,6 +120,61 @@ def test_verl_yaml_interpolations_and_hydra_defaults(tmp_path):
                  "  actor:\n    optim:\n      lr: 3e-6\n")
     cfg, _ = parse_config(["--verl-config", str(f)])
     assert cfg.rollout.max_model_len == 100 and cfg.actor.lr == 3e-6
+
+
+DUMP = """
+data: {train_files: ~/gsm8k/train.parquet, val_files: null, max_prompt_length: 256, image_key: images,
+       custom_cls: {path: null, name: null}, return_raw_chat: false, filter_overlong_prompts_workers: 1}
+actor_rollout_ref:
+  hybrid_engine: true
+  model: {path: ~/models/qwen, override_config: {}, use_remove_padding: true, use_fused_loss: false}
+  actor:
+    ppo_mini_batch_size: 8
+    ppo_micro_batch_size: null
+    ppo_micro_batch_size_per_gpu: null
+    ppo_max_token_len_per_gpu: 16384
+    checkpoint: {contents: [model, optimizer, extra, hf_model]}
+    optim: {lr: 1e-6, lr_warmup_steps: -1, lr_warmup_steps_ratio: 0., min_lr_ratio: null}
+    fsdp_config: {wrap_policy: {min_num_params: 0}, param_offload: false, fsdp_size: -1}
+  ref:
+    log_prob_max_token_len_per_gpu: ${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}
+  rollout:
+    name: hf
+    prompt_length: ${data.max_prompt_length}
+    engine_kwargs: {swap_space: null}
+critic:
+  rollout_n: ${actor_rollout_ref.rollout.n}
+  ppo_mini_batch_size: ${actor_rollout_ref.actor.ppo_mini_batch_size}
+  model: {fsdp_config: {fsdp_size: -1}}
+trainer:
+  project_name: p
+  experiment_name: e
+  default_local_dir: ckpt/${trainer.project_name}/${trainer.experiment_name}
+  nnodes: 1
+  n_gpus_per_node: 1
+  rollout_data_dir: null
+ray_init: {num_cpus: null}
+"""
+
+
+def test_a_verl_yaml_dump_with_nulls_interpolations_and_speed_knobs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HOME", "/home/u")
+    f = tmp_path / "dump.yaml"
+    f.write_text(DUMP)
+    cfg, _ = parse_config(["--verl-config", str(f)])
+    assert cfg.data.train_files == "/home/u/gsm8k/train.parquet" and cfg.model.path == "/home/u/models/qwen"
+    assert cfg.data.val_files is None and cfg.rollout.engine == "hf" and cfg.actor.lr == 1e-6
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == 16 and cfg.critic.ppo_mini_batch_size == 8
+    assert cfg.trainer.output_dir == "ckpt/p/e" and cfg.trainer.export_hf_on_save
+    info = capsys.readouterr().err
+    assert info.count("\n") == 1 and "data.image_key (spmdrl trains on text prompts" in info
+    assert "data.custom_cls.path, data.custom_cls.name" in info and "ray_init.num_cpus (Ray/placement" in info
+
+
+def test_interpolation_cycle_is_one_sentence(capsys):
+    code, err = run_main(["trainer.project_name=${trainer.experiment_name}",
+                          "trainer.experiment_name=${trainer.project_name}"], capsys)
+    assert code == 2 and "refers to itself through interpolations (a cycle)" in err
 
 
 def test_plain_spmdrl_argv_is_untouched():
