@@ -11,6 +11,7 @@ any other. ``translate`` applies the table; a verl key with no row stops the
 run with one sentence naming it (exit 2), never silently ignored. The command
 line side (Hydra words, ``--verl-config``, precedence) is ``spmdrl.verl_args``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -132,7 +133,7 @@ def _fsdp_size(value: Any, ctx: Ctx) -> dict[str, Any]:
 
 def _clip_ratio(value: Any, ctx: Ctx) -> dict[str, Any]:
     # verl's clip_ratio is the default of both sides; explicit clip_ratio_low/high (later rows) win.
-    return {"actor.clip_ratio_low": value, "actor.clip_ratio_high": value}
+    return {} if value is None else {"actor.clip_ratio_low": value, "actor.clip_ratio_high": value}
 
 
 def _filter_overlong(value: Any, ctx: Ctx) -> dict[str, Any]:
