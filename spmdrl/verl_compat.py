@@ -431,7 +431,12 @@ FOLLOWS: dict[str, str] = {
 # ----------------------------------------------------------------------------- translation
 
 
+_TARGET = ignore("*._target_", "Hydra's class marker of a config section, not a setting")
+
+
 def rule_for(key: str) -> Optional[Rule]:
+    if key.endswith("._target_"):
+        return _TARGET
     return next((r for r in TABLE if r.matches(key)), None)
 
 

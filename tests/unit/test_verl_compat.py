@@ -154,6 +154,7 @@ trainer:
   n_gpus_per_node: 1
   rollout_data_dir: null
 ray_init: {num_cpus: null}
+algorithm: {_target_: verl.trainer.config.AlgoConfig, adv_estimator: grpo}
 """
 
 
@@ -166,6 +167,7 @@ def test_a_verl_yaml_dump_with_nulls_interpolations_and_speed_knobs(tmp_path, ca
     assert cfg.data.val_files is None and cfg.rollout.engine == "hf" and cfg.actor.lr == 1e-6
     assert cfg.actor.ppo_micro_batch_size_per_gpu == 16 and cfg.critic.ppo_mini_batch_size == 8
     assert cfg.trainer.output_dir == "ckpt/p/e" and cfg.trainer.export_hf_on_save
+    assert cfg.algorithm.adv_estimator == "grpo"
     info = capsys.readouterr().err
     assert info.count("\n") == 1 and "data.image_key (spmdrl trains on text prompts" in info
     assert "data.custom_cls.path, data.custom_cls.name" in info and "ray_init.num_cpus (Ray/placement" in info
