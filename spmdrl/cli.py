@@ -7,6 +7,7 @@ key, the value and what is allowed, with exit code 2 and no traceback (unless
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -29,7 +30,8 @@ def build_parser() -> ArgumentParser:
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = ArgumentParser(
         prog="python -m spmdrl.train",
-        description="spmdrl: GRPO/PPO post-training as one SPMD torchrun program.",
+        description="spmdrl: GRPO/PPO post-training as one SPMD torchrun program. verl's key=value words "
+        "and --verl-config FILE (a verl YAML) are accepted too and mapped onto these keys (docs/verl.md).",
         exit_on_error=False,
         default_env=False,
     )
@@ -48,11 +50,15 @@ def _one_sentence(err: Exception) -> str:
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, bool]:
     """Parse argv into a ``Config``; returns (config, debug). Raises ConfigError on bad input."""
+    from spmdrl.verl_args import annotate, rewrite_argv
+
     parser = build_parser()
+    # verl's key=value words and --verl-config become one YAML --config, in precedence order.
+    argv, verl_origin = rewrite_argv(list(argv) if argv is not None else sys.argv[1:])
     try:
-        ns = parser.parse_args(list(argv) if argv is not None else None)
+        ns = parser.parse_args(argv)
     except jsonargparse.ArgumentError as err:
-        raise ConfigError(_one_sentence(err)) from err
+        raise ConfigError(annotate(_one_sentence(err), verl_origin)) from err
     debug = bool(ns.pop("debug", False))
     ns.pop("config", None)
     ns = parser.instantiate(ns)
@@ -137,6 +143,9 @@ def validate(cfg: Config, world_size: int) -> None:
         _check(value in valid, f"{key} is {value!r}; valid values: {', '.join(valid)}")
     for name in t.logger:
         _check(name in LOGGERS, f"trainer.logger has {name!r}; valid loggers: {', '.join(LOGGERS)}")
+        # Checked here: rank 0 opens the loggers only after every rank has loaded its models.
+        _check(name not in ("wandb", "tensorboard") or importlib.util.find_spec(name) is not None,
+               f"trainer.logger has {name!r} but the {name} package is not installed; pip install {name}")
     _check(
         not (alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2),
         f"rollout.n is {r.n} but algorithm.adv_estimator {alg.adv_estimator!r} compares the responses of a "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -411,7 +411,7 @@ def run(cfg: Config, dims: ParallelDims) -> None:
         r.rollout.actor_changed()  # the rollout engine still holds the initial weights
     sink = MetricsSink(r.out_dir, cfg.trainer.logger, r.total_steps, rank=r.rank,
                        progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
-                       experiment=cfg.trainer.experiment_name, initial_step=r.step)
+                       experiment=cfg.trainer.experiment_name, config=asdict(cfg), initial_step=r.step)
     try:
         if cfg.trainer.val_before_train and r.step == 0:
             sink.log(r.step, validate(r))

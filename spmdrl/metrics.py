@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -127,6 +128,26 @@ def reduce_metrics(metrics: dict[str, float], group: dist.ProcessGroup) -> dict[
     return dict(zip(keys, out.tolist()))
 
 
+def _wandb_mode() -> str:
+    """WANDB_MODE when set; else online with an API key (WANDB_API_KEY or ~/.netrc), offline without one.
+
+    Rank 0 under torchrun has no terminal on which wandb could ask for a key; without this, wandb.init
+    stops a run that only lacks a key.
+    """
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return "online" if netrc.netrc().authenticators(host) else "offline"
+    except (OSError, netrc.NetrcParseError):
+        return "offline"
+
+
 class MetricsSink:
     """Rank 0 writes metrics: a console line, metrics.jsonl, tqdm, and wandb/tensorboard when chosen."""
 
@@ -172,11 +193,17 @@ class MetricsSink:
         if "wandb" in loggers:
             import wandb
 
-            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(out_dir))
+            mode = _wandb_mode()
+            if mode == "offline":
+                print(f"spmdrl: wandb logs offline under {out_dir / 'wandb'} (WANDB_MODE, or no API key); upload "
+                      f"with: wandb sync {out_dir / 'wandb'}/offline-run-*", file=sys.stderr, flush=True)
+            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(out_dir), mode=mode)
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+            # A resumed run logs its steps after initial_step again: drop the events a killed run left there,
+            # as metrics.jsonl drops its rows.
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.rank != 0:
@@ -200,6 +227,7 @@ class MetricsSink:
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
+            self._tb.flush()  # each step on disk now, not every 120 s: a crashed run keeps its curves
 
     def close(self) -> None:
         if self._jsonl:

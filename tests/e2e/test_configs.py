@@ -16,6 +16,11 @@ REQUIRED = [
     "timing/ref", "timing/adv", "timing/update", "timing/step", "memory/rollout_peak_gb", "memory/update_peak_gb",
 ]
 
+# Configs for real models and data (not here): run on the tiny model and task, keeping their algorithm.
+LOCAL = {"gsm8k_grpo": ["--model.path", "builtin:tiny", "--data.train_files", "builtin:arith", "--data.val_files",
+                        "builtin:arith", "--rollout.engine", "native", "--trainer.logger", "[console,jsonl]",
+                        "--trainer.val_before_train", "false", "--trainer.test_freq", "-1"]}
+
 
 def test_every_algorithm_has_a_config():
     assert {"grpo", "ppo", "dapo", "drgrpo", "rloo", "reinforce_pp", "remax", "gspo", "gpg"} <= set(CONFIGS)
@@ -24,7 +29,7 @@ def test_every_algorithm_has_a_config():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_runs_three_steps(name, tmp_path, spmdrl_cache):
     out = tmp_path / name
-    train(["--config", f"configs/{name}.yaml", *TINY, "--trainer.total_steps", "3", "--rollout.n", "4",
+    train(["--config", f"configs/{name}.yaml", *LOCAL.get(name, []), *TINY, "--trainer.total_steps", "3", "--rollout.n", "4",
            "--trainer.output_dir", str(out)], cache=spmdrl_cache)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]

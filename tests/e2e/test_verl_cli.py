@@ -1,0 +1,211 @@
+"""verl's GSM8K GRPO quickstart command line, unchanged but for local paths, for 2 steps on 2 ranks.
+
+One run serves three checks: its resolved config equals the spmdrl YAML of the same run written by
+hand; tensorboard's event file and wandb's offline run folder hold each step's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import struct
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import read_metrics, train
+
+pytestmark = pytest.mark.e2e
+
+# verl's examples/grpo_trainer quickstart, with local model/data paths, trainer.n_gpus_per_node=2 and small
+# sizes (batch, response length, n) for CPU. Left out: actor_rollout_ref.rollout.name=vllm (no vLLM in this
+# environment; spmdrl's default engine runs). Added: trainer.total_training_steps=2 and the output folder.
+VERL_COMMAND = """
+    algorithm.adv_estimator=grpo
+    data.train_files={data}/train.parquet
+    data.val_files={data}/test.parquet
+    data.train_batch_size=4
+    data.max_prompt_length=512
+    data.max_response_length=8
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    actor_rollout_ref.model.path={model}
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=4
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=2
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger=['console','wandb','tensorboard']
+    trainer.project_name='verl_grpo_example_gsm8k'
+    trainer.experiment_name='qwen2_7b_function_rm'
+    trainer.n_gpus_per_node=2
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=5
+    trainer.total_epochs=15
+    trainer.total_training_steps=2
+    trainer.default_local_dir={out}
+"""
+
+# The same run in spmdrl's keys, by hand (verl's defaults that differ from spmdrl's spelled out).
+SPMDRL_YAML = """
+data:
+  train_files: {data}/train.parquet
+  val_files: {data}/test.parquet
+  train_batch_size: 4
+  max_prompt_length: 512
+  max_response_length: 8
+  truncation: filter
+model:
+  path: {model}
+  enable_gradient_checkpointing: true
+rollout:
+  n: 2
+  gpu_memory_utilization: 0.6
+parallel:
+  rollout_tp: 1
+actor:
+  lr: 1.0e-6
+  weight_decay: 0.01
+  ppo_mini_batch_size: 4
+  ppo_micro_batch_size_per_gpu: 4
+  log_prob_micro_batch_size_per_gpu: 8
+  use_kl_loss: true
+  kl_loss_coef: 0.001
+  kl_loss_type: low_var_kl
+  entropy_coeff: 0.0
+ref:
+  offload: true
+  log_prob_micro_batch_size_per_gpu: 8
+critic:
+  lr: 1.0e-5
+  weight_decay: 0.01
+  ppo_mini_batch_size: 4
+algorithm:
+  adv_estimator: grpo
+  use_kl_in_reward: false
+trainer:
+  project_name: verl_grpo_example_gsm8k
+  experiment_name: qwen2_7b_function_rm
+  output_dir: {out}
+  logger: [console, jsonl, wandb, tensorboard]
+  total_epochs: 15
+  total_steps: 2
+  save_freq: 20
+  test_freq: 5
+  val_before_train: true
+"""
+
+
+def _gsm8k_jsonl(path: Path, n: int, start: int) -> Path:
+    rows = [{"question": f"Sam has {a} apples and buys {a + 3} more. How many apples does he have now?",
+             "answer": f"{a} + {a + 3} = <<{a}+{a + 3}={2 * a + 3}>>{2 * a + 3}\n#### {2 * a + 3}"}
+            for a in range(start, start + n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def verl_run(tmp_path_factory, tiny_model_dir, spmdrl_cache) -> dict:
+    from spmdrl.tools.prepare_gsm8k import main as prepare
+
+    root = tmp_path_factory.mktemp("verl_cli")
+    data, out = root / "gsm8k", root / "out"
+    assert prepare(["--input", str(_gsm8k_jsonl(root / "train.jsonl", 8, 1)),
+                    str(_gsm8k_jsonl(root / "test.jsonl", 2, 20)), "--out", str(data)]) == 0
+    paths = dict(data=data, model=tiny_model_dir, out=out)
+    argv = shlex.split(VERL_COMMAND.format(**paths)) + ["--trainer.progress_bar", "false"]
+    proc = train(argv, cache=spmdrl_cache, nproc=2, env={"WANDB_MODE": "offline"})
+    return dict(paths, proc=proc, rows=read_metrics(out))
+
+
+def test_resolved_config_equals_the_hand_written_spmdrl_config(verl_run, tmp_path):
+    from spmdrl.cli import parse_config
+
+    hand = tmp_path / "same_run.yaml"
+    hand.write_text(SPMDRL_YAML.format(**{k: verl_run[k] for k in ("data", "model", "out")}))
+    expected = asdict(parse_config(["--config", str(hand), "--trainer.progress_bar", "false"])[0])
+    resolved = yaml.safe_load((verl_run["out"] / "config.yaml").read_text())
+    assert resolved == yaml.safe_load(yaml.safe_dump(expected, sort_keys=False))
+    assert [r["step"] for r in verl_run["rows"]] == [0, 1, 2]  # validation before training, then 2 steps
+    info = [line for line in verl_run["proc"].stderr.splitlines() if "verl keys accepted with no effect" in line]
+    assert len(info) == 1 and "use_remove_padding" in info[0]  # rank 0 only, one line
+
+
+def _step_rows(rows: list[dict]) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if k != "step"} for r in rows}
+
+
+def test_tensorboard_event_file_holds_each_steps_metrics(verl_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((verl_run["out"] / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(events[0]), size_guidance={"scalars": 0})
+    acc.Reload()
+    expected = _step_rows(verl_run["rows"])
+    assert {"reward/mean", "actor/pg_loss", "timing/step"} <= set(expected[2])
+    for step, metrics in expected.items():
+        for key, value in metrics.items():
+            got = {e.step: e.value for e in acc.Scalars(key)}
+            assert got[step] == pytest.approx(value, rel=1e-6, abs=1e-6, nan_ok=True), (key, step)
+
+
+def _wandb_records(path: Path):
+    """Records of a .wandb file (LevelDB log framing: 32 KiB blocks of [crc32, length, type] chunks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk  # 1 full, 2 first, 3 middle, 4 last
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(buf)
+            yield record
+
+
+def test_wandb_offline_run_holds_each_steps_metrics(verl_run):
+    runs = list((verl_run["out"] / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    history, config = {}, {}
+    for record in _wandb_records(runs[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            history[items["_step"]] = items
+        elif kind == "run":
+            config.update({i.key: json.loads(i.value_json) for i in record.run.config.update})
+    expected = _step_rows(verl_run["rows"])
+    assert sorted(history) == sorted(expected) == [0, 1, 2]
+    for step, metrics in expected.items():
+        for key, value in metrics.items():
+            assert history[step][key] == pytest.approx(value, rel=1e-9, nan_ok=True), (key, step)
+    config = {k: v["value"] if isinstance(v, dict) and "value" in v else v for k, v in config.items()}
+    assert config["actor"]["lr"] == 1e-6 and config["algorithm"]["adv_estimator"] == "grpo"
