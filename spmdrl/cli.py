@@ -145,8 +145,10 @@ def validate(cfg: Config, world_size: int) -> None:
 
     # Keys that exist (so verl configs parse) but whose feature is still being built: refuse, never ignore.
     for key, on in (("rollout.multi_turn.enable", r.multi_turn.enable), ("reward_model.enable", cfg.reward_model.enable),
-                    ("trainer.val_only", t.val_only), ("trainer.plot_freq", t.plot_freq != -1)):
+                    ("trainer.plot_freq", t.plot_freq != -1)):
         _check(not on, f"{key} is set, which this spmdrl version does not support yet")
+    _check(not t.val_only or bool(_files(d.val_files)),
+           "trainer.val_only is true but data.val_files is null; validation-only needs validation files")
 
     # Sizes against each other and the world.
     try:

@@ -35,6 +35,7 @@ from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords, rollo
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
 from spmdrl.rewards import RewardManager, decode_responses
 from spmdrl.rollout.base import RolloutSession, SamplingParams, eos_ids_from_folder, rollout_engine_class
+from spmdrl.validation import validate
 
 log = logging.getLogger("spmdrl")
 
@@ -166,8 +167,9 @@ def generate(r: Run, prompts: list, sampling: SamplingParams) -> Batch:
     return batch
 
 
-def score(r: Run, batch: Batch) -> dict[str, float]:
-    """Sequence scores (+ DAPO overlong shaping) into ``scores`` and ``token_rewards``."""
+def score(r: Run, batch: Batch, extras: Optional[dict[str, list]] = None) -> dict[str, float]:
+    """Sequence scores (+ DAPO overlong shaping) into ``scores`` and ``token_rewards``; a scorer's per-response
+    extra values (``acc``, ``pred``, ...) into ``extras`` when given (validation votes with them)."""
     texts = decode_responses(r.tokenizer, batch["input_ids"][:, -batch["response_mask"].shape[1]:],
                              batch["response_mask"])
     out = r.reward(batch["data_source"], texts, batch["ground_truth"], batch["extra_info"])
@@ -179,6 +181,8 @@ def score(r: Run, batch: Batch) -> dict[str, float]:
     batch["scores"] = scores
     batch["token_rewards"] = place_scores(scores, batch["response_mask"])
     metrics = out.metrics()
+    if extras is not None:
+        extras.update(out.extra)
     for key, values in out.extra.items():  # e.g. a scorer's "acc", next to its "score"
         numbers = [float(v) for v in values if isinstance(v, (int, float, bool))]
         if numbers:
@@ -356,31 +360,6 @@ def _batch_metrics(batch: Batch, cfg: Config) -> dict[str, float]:
     }
 
 
-def validate(r: Run) -> dict[str, float]:
-    """``rollout.val_kwargs`` responses to every validation prompt; mean score per data source."""
-    if r.val_loader is None:
-        return {}
-    sums: dict[str, list[float]] = {}
-    with r.rollout.awake():  # one wake for every validation batch
-        for prompts in r.val_loader:
-            if prompts:
-                batch = generate(r, prompts, sampling_params(r.cfg, validation=True))
-                if not len(batch):  # a TP share of a last, short validation batch can be empty
-                    continue
-                score(r, batch)
-                for source, s in zip(batch["data_source"], batch["scores"].tolist()):
-                    acc = sums.setdefault(str(source), [0.0, 0.0])
-                    acc[0] += s
-                    acc[1] += 1
-    # Ranks may have seen different sources; agree on the set, then sum.
-    sources = [None] * dist.get_world_size()
-    dist.all_gather_object(sources, sorted(sums))
-    names = sorted({s for per in sources for s in per})
-    totals = torch.tensor([sums.get(n, [0.0, 0.0]) for n in names], dtype=torch.float64).reshape(-1, 2)
-    dist.all_reduce(totals)
-    return {f"val/{n}/reward_mean": float(s / max(c, 1)) for n, (s, c) in zip(names, totals.tolist())}
-
-
 def run(cfg: Config, dims: ParallelDims) -> None:
     from spmdrl.checkpoint import Checkpointer, RunState
 
@@ -396,9 +375,10 @@ def run(cfg: Config, dims: ParallelDims) -> None:
                        progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
                        experiment=cfg.trainer.experiment_name, initial_step=r.step)
     try:
-        if cfg.trainer.val_before_train and r.step == 0:
+        # trainer.val_only (verl's): the initial or resumed weights' validation metrics, and no training.
+        if cfg.trainer.val_only or (cfg.trainer.val_before_train and r.step == 0):
             sink.log(r.step, validate(r))
-        while r.step < r.total_steps:
+        while r.step < r.total_steps and not cfg.trainer.val_only:
             metrics = train_step(r)
             r.step += 1
             if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or r.step == r.total_steps):
