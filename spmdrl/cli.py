@@ -115,7 +115,7 @@ def validate(cfg: Config, world_size: int) -> None:
     ):
         _check(value >= 1, f"{key} is {value}; it must be an integer >= 1")
     _check(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps is {t.total_steps}; it must be >= 1 or null")
-    for key in ("save_freq", "test_freq"):
+    for key in ("save_freq", "test_freq", "plot_freq"):
         value = getattr(t, key)
         _check(value == -1 or value >= 1, f"trainer.{key} is {value}; it must be -1 (never) or >= 1")
     _check(a.entropy_coeff >= 0, f"actor.entropy_coeff is {a.entropy_coeff}; it must be >= 0")
@@ -144,9 +144,11 @@ def validate(cfg: Config, world_size: int) -> None:
     )
 
     # Keys that exist (so verl configs parse) but whose feature is still being built: refuse, never ignore.
-    for key, on in (("rollout.multi_turn.enable", r.multi_turn.enable), ("reward_model.enable", cfg.reward_model.enable),
-                    ("trainer.plot_freq", t.plot_freq != -1)):
+    for key, on in (("rollout.multi_turn.enable", r.multi_turn.enable), ("reward_model.enable", cfg.reward_model.enable)):
         _check(not on, f"{key} is set, which this spmdrl version does not support yet")
+    _check(t.plot_freq == -1 or "jsonl" in t.logger,
+           f"trainer.plot_freq is {t.plot_freq} but trainer.logger {t.logger} has no jsonl; the figures are drawn "
+           f"from metrics.jsonl")
     _check(not t.val_only or bool(_files(d.val_files)),
            "trainer.val_only is true but data.val_files is null; validation-only needs validation files")
 

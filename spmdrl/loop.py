@@ -32,6 +32,7 @@ from spmdrl.errors import ConfigError
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords, rollout_tp_rank
+from spmdrl.plot import plot_run
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
 from spmdrl.rewards import RewardManager, decode_responses
 from spmdrl.rollout.base import RolloutSession, SamplingParams, eos_ids_from_folder, rollout_engine_class
@@ -388,6 +389,9 @@ def run(cfg: Config, dims: ParallelDims) -> None:
             stop = ckpt.stop_requested(r.step)
             if ckpt.due(r.step) or stop:
                 ckpt.save(r.step)
+            f = cfg.trainer.plot_freq
+            if r.rank == 0 and f > 0 and (r.step % f == 0 or r.step == r.total_steps or stop):
+                plot_run(r.out_dir)  # figures of metrics.jsonl into out_dir/plots; a failure only warns
             if stop:
                 log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
                 break

@@ -58,6 +58,9 @@ BAD = [
     (["--reward.function", "/nonexistent/r.py:score"], "names the file '/nonexistent/r.py'"),
     (["--trainer.resume", "/nonexistent/ckpt"], "trainer.resume is '/nonexistent/ckpt'"),
     (["--trainer.save_freq", "0"], "trainer.save_freq is 0"),
+    (["--trainer.plot_freq", "0"], "trainer.plot_freq is 0"),
+    (["--trainer.plot_freq", "2", "--trainer.logger", "[console]"], "trainer.plot_freq is 2 but trainer.logger"),
+    (["--trainer.val_only", "true", "--data.val_files", "null"], "trainer.val_only is true but data.val_files"),
 ]
 
 
