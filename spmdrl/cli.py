@@ -144,8 +144,9 @@ def validate(cfg: Config, world_size: int) -> None:
     )
 
     # Keys that exist (so verl configs parse) but whose feature is still being built: refuse, never ignore.
-    for key, on in (("rollout.multi_turn.enable", r.multi_turn.enable), ("reward_model.enable", cfg.reward_model.enable)):
-        _check(not on, f"{key} is set, which this spmdrl version does not support yet")
+    _check(not r.multi_turn.enable, "rollout.multi_turn.enable is set, which this spmdrl version does not support yet")
+    if cfg.reward_model.enable:
+        _check_reward_model(cfg)
     _check(t.plot_freq == -1 or "jsonl" in t.logger,
            f"trainer.plot_freq is {t.plot_freq} but trainer.logger {t.logger} has no jsonl; the figures are drawn "
            f"from metrics.jsonl")
@@ -222,6 +223,28 @@ def validate(cfg: Config, world_size: int) -> None:
 
         # A missing, incomplete (*.tmp, no manifest) or unreadable checkpoint fails here, before any work.
         resolve_resume(t.resume, output_dir(cfg))
+
+
+def _check_reward_model(cfg: Config) -> None:
+    """reward_model.*: a model folder, sizes, weights, and no train TP (the reward engine runs without it)."""
+    from spmdrl.model_check import validate_model_folder
+    from spmdrl.reward_model import check_weights
+
+    rm = cfg.reward_model
+    _check(rm.model.path is not None, "reward_model.enable is true but reward_model.model.path is null; give a "
+                                      "Hugging Face sequence-classification model folder")
+    _check(rm.micro_batch_size_per_gpu >= 1,
+           f"reward_model.micro_batch_size_per_gpu is {rm.micro_batch_size_per_gpu}; it must be an integer >= 1")
+    _check(rm.max_length is None or rm.max_length >= 1,
+           f"reward_model.max_length is {rm.max_length}; it must be >= 1 or null")
+    _check(cfg.parallel.tp == 1, f"reward_model.enable with parallel.tp={cfg.parallel.tp}: the reward model runs "
+                                 f"without tensor parallelism; set parallel.tp: 1")
+    try:
+        check_weights(rm.rm_weight, rm.rule_weight)
+        if not rm.model.path.startswith("builtin:"):
+            validate_model_folder(rm.model.path, "reward_model.model.path", need_tokenizer=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def exit_with(err: BaseException, debug: bool) -> None:

@@ -34,6 +34,7 @@ from spmdrl.objectives import actor_loss_fn, critic_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords, rollout_tp_rank
 from spmdrl.plot import plot_run
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
+from spmdrl.reward_model import RewardModelScorer
 from spmdrl.rewards import RewardManager, decode_responses
 from spmdrl.rollout.base import RolloutSession, SamplingParams, eos_ids_from_folder, rollout_engine_class
 from spmdrl.validation import validate
@@ -63,6 +64,7 @@ class Run:
     total_steps: int
     actor_loss: LossFn
     critic_loss: LossFn
+    rm: Optional[RewardModelScorer] = None  # reward_model.enable: the model-based reward
     step: int = 0
 
     @property
@@ -119,6 +121,10 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
                              sleep_level=cfg.rollout.sleep_level,
                              colocate=cfg.trainer.colocate and cfg.rollout.free_cache_engine,
                              tp_rank=rollout_tp_rank(dims.rollout_mesh), tp=dims.rollout_tp)
+    try:
+        rm = RewardModelScorer.from_config(cfg, dims, device) if cfg.reward_model.enable else None
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     print(_summary(rank, dims, device, model_path, actor, precision), flush=True)
     kc = cfg.algorithm.kl_ctrl
     out_dir = output_dir(cfg)
@@ -130,7 +136,7 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
         train_loader=train_loader, val_loader=val_loader, rollout=session, actor=actor, ref=ref, critic=critic,
         reward=reward, kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon),
         timer=PhaseTimer(device), total_steps=total_steps, actor_loss=actor_loss_fn(cfg),
-        critic_loss=critic_loss_fn(cfg),
+        critic_loss=critic_loss_fn(cfg), rm=rm,
     )
 
 
@@ -164,6 +170,7 @@ def generate(r: Run, prompts: list, sampling: SamplingParams) -> Batch:
     batch["data_source"] = [prompts[i].data_source for i in per_row]
     batch["ground_truth"] = [prompts[i].ground_truth for i in per_row]
     batch["extra_info"] = [prompts[i].extra_info for i in per_row]
+    batch["chat"] = [prompts[i].chat for i in per_row]  # a reward model renders prompt + response itself
     batch["finish_reason"] = gen.finish_reasons
     return batch
 
@@ -173,18 +180,24 @@ def score(r: Run, batch: Batch, extras: Optional[dict[str, list]] = None) -> dic
     extra values (``acc``, ``pred``, ...) into ``extras`` when given (validation votes with them)."""
     texts = decode_responses(r.tokenizer, batch["input_ids"][:, -batch["response_mask"].shape[1]:],
                              batch["response_mask"])
-    out = r.reward(batch["data_source"], texts, batch["ground_truth"], batch["extra_info"])
-    scores = out.scores  # [N]
+    out = None
+    if r.rm is None or r.rm.needs_rule:  # verl: a reward model's score replaces the rule score
+        out = r.reward(batch["data_source"], texts, batch["ground_truth"], batch["extra_info"])
+    scores = out.scores if out is not None else None  # [N]
+    metrics = out.metrics() if out is not None else {}
+    if r.rm is not None:  # collective: every rank scores every batch, even an empty share
+        scores, rm_metrics = r.rm.score(batch["chat"], texts, scores)
+        metrics.update(rm_metrics)
     ob = r.cfg.reward.overlong_buffer
     if ob.enable:
         scores = scores + overlong_penalty(batch["response_mask"].sum(-1), max_response_length=r.cfg.data.max_response_length,
                                            buffer_len=ob.len, penalty_factor=ob.penalty_factor)
     batch["scores"] = scores
     batch["token_rewards"] = place_scores(scores, batch["response_mask"])
-    metrics = out.metrics()
+    extra = out.extra if out is not None else {}
     if extras is not None:
-        extras.update(out.extra)
-    for key, values in out.extra.items():  # e.g. a scorer's "acc", next to its "score"
+        extras.update(extra)
+    for key, values in extra.items():  # e.g. a scorer's "acc", next to its "score"
         numbers = [float(v) for v in values if isinstance(v, (int, float, bool))]
         if numbers:
             metrics[f"reward/{key}"] = sum(numbers) / len(numbers)

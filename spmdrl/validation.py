@@ -190,10 +190,12 @@ def validate(r: "Run") -> dict[str, float]:
     with r.rollout.awake():  # one wake for every validation batch
         for prompts in r.val_loader:
             if not prompts:
+                if r.rm is not None:
+                    r.rm.model_scores([], [])  # the reward model's forward is collective: take part with 0 rows
                 continue
             batch = generate(r, prompts, sampling_params(r.cfg, validation=True))
-            if not len(batch):  # a TP share of a last, short validation batch can be empty
-                continue
+            if not len(batch) and r.rm is None:  # a TP share of a last, short batch can be empty; a reward
+                continue  # model's forward is collective, so with one every rank scores every batch
             extras: dict[str, list] = {}
             score(r, batch, extras)
             before = len(sources)

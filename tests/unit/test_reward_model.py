@@ -1,0 +1,35 @@
+"""Model-based reward: how its score combines with the rule score, and the chat rendering it scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmdrl.reward_model import check_weights, combine_scores, render
+
+
+def test_combine_scores_weights_and_verl_default() -> None:
+    rm, rule = torch.tensor([0.5, -1.0]), torch.tensor([1.0, 0.0])
+    assert combine_scores(rm, rule, rm_weight=1.0, rule_weight=0.5).tolist() == [1.0, -1.0]
+    assert combine_scores(rm, rule, rm_weight=2.0, rule_weight=0.0).tolist() == [1.0, -2.0]  # rule ignored
+    assert combine_scores(rm, None, rm_weight=1.0, rule_weight=0.0).tolist() == [0.5, -1.0]  # verl: rm replaces
+    assert combine_scores(rm, rule, rm_weight=0.0, rule_weight=1.0).tolist() == [1.0, 0.0]
+
+
+def test_check_weights_one_sentence() -> None:
+    with pytest.raises(ValueError, match="both 0"):
+        check_weights(0.0, 0.0)
+    with pytest.raises(ValueError, match="reward_model.rule_weight is nan"):
+        check_weights(1.0, float("nan"))
+    check_weights(0.0, 1.0)
+
+
+def test_render_appends_the_response_as_the_assistant_turn(tmp_path) -> None:
+    from spmdrl.tools.tiny_model import build_tokenizer
+
+    tok = build_tokenizer(tmp_path, seed=0)
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Copy: ab"}]]
+    assert render(tok, chats, ["ab"]) == [
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCopy: ab<|im_end|>\n"
+        "<|im_start|>assistant\nab<|im_end|>\n"
+    ]
