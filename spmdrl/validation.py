@@ -72,6 +72,21 @@ def majority_value(values: Sequence[float], preds: Sequence[Any]) -> float:
     return float(values[list(preds).index(winner)])
 
 
+def bootstrap_majority(values: np.ndarray, preds: Sequence[Any], k: int, *, samples: int = BOOTSTRAP_SAMPLES,
+                       seed: int = BOOTSTRAP_SEED) -> np.ndarray:
+    """``majority_value`` of each of ``samples`` draws of k responses (the same draws as ``bootstrap``): [S].
+
+    Vectorised: in each draw, the first position whose answer has the most votes is the first occurrence of
+    the first-seen majority answer, so its value is the one ``majority_value`` returns.
+    """
+    codes = np.unique(np.array([str(p) for p in preds], dtype=object), return_inverse=True)[1].reshape(-1)  # [n]
+    idx = np.random.RandomState(seed).randint(0, len(values), size=(samples, k))  # [S, k]
+    drawn = codes[idx]  # [S, k]
+    votes = (drawn[:, :, None] == drawn[:, None, :]).sum(-1)  # [S, k] votes of the answer at each position
+    first = (votes == votes.max(1, keepdims=True)).argmax(1)  # [S]
+    return np.asarray(values, dtype=np.float64)[idx[np.arange(samples), first]]
+
+
 def bootstrap(values: Sequence[float], k: int, reduce: Callable[[np.ndarray], np.ndarray],
               *, samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
     """Mean and std of ``reduce`` over ``samples`` draws of k values with replacement (vectorised)."""
@@ -95,9 +110,7 @@ def prompt_metrics(values: Sequence[float], preds: Optional[Sequence[Any]] = Non
         out[f"worst@{k}/mean"], out[f"worst@{k}/std"] = bootstrap(arr, k, lambda x: x.min(1), samples=samples,
                                                                   seed=seed)
         if preds is not None:
-            # Same draws as best/worst (same seed); a vote is a Python loop, k is small.
-            idx = np.random.RandomState(seed).randint(0, n, size=(samples, k))  # [S, k]
-            maj = np.array([majority_value(arr[row], [preds[i] for i in row]) for row in idx])
+            maj = bootstrap_majority(arr, preds, k, samples=samples, seed=seed)  # [S]
             out[f"maj@{k}/mean"], out[f"maj@{k}/std"] = float(maj.mean()), float(maj.std())
         out[f"pass@{k}"] = pass_at_k(n, correct, k)
     return out

@@ -128,3 +128,18 @@ def test_split_over_ranks_by_prompt_gives_the_same_sums() -> None:
     assert merged.keys() == whole.keys()
     for key in whole:
         assert merged[key] == pytest.approx(whole[key]), key
+
+
+def test_vectorised_majority_equals_the_vote_of_each_draw() -> None:
+    import numpy as np
+
+    from spmdrl.validation import bootstrap_majority
+
+    rng = np.random.RandomState(0)
+    for n, k in ((4, 2), (5, 5), (8, 4)):
+        values = rng.rand(n)
+        preds = [str(p) for p in rng.randint(0, 3, size=n)]  # few answers: ties and majorities both occur
+        got = bootstrap_majority(values, preds, k, samples=200, seed=7)
+        idx = np.random.RandomState(7).randint(0, n, size=(200, k))
+        want = [majority_value(values[row], [preds[i] for i in row]) for row in idx]
+        assert got.tolist() == want
