@@ -245,6 +245,19 @@ def _check_reward_model(cfg: Config) -> None:
             validate_model_folder(rm.model.path, "reward_model.model.path", need_tokenizer=True)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    if not rm.model.path.startswith("builtin:"):
+        from transformers import AutoTokenizer
+
+        from spmdrl.model_check import read_config
+
+        # A causal LM folder would load with a fresh, random score head (a warning only): refuse it here.
+        arch = read_config(rm.model.path, "reward_model.model.path").get("architectures") or []
+        _check(any(a.endswith("ForSequenceClassification") for a in arch),
+               f"reward_model.model.path {rm.model.path!r} holds {', '.join(arch) or 'no architectures entry'}; "
+               f"the reward model must be a *ForSequenceClassification model with one label")
+        _check(bool(getattr(AutoTokenizer.from_pretrained(rm.model.path), "chat_template", None)),
+               f"reward_model.model.path {rm.model.path!r} has a tokenizer without a chat template; the reward "
+               f"model scores prompt + response rendered with its own chat template")
 
 
 def exit_with(err: BaseException, debug: bool) -> None:

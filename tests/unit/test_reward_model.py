@@ -33,3 +33,18 @@ def test_render_appends_the_response_as_the_assistant_turn(tmp_path) -> None:
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCopy: ab<|im_end|>\n"
         "<|im_start|>assistant\nab<|im_end|>\n"
     ]
+
+
+def test_config_check_refuses_a_causal_lm_as_reward_model(tmp_path) -> None:
+    from spmdrl.cli import parse_config, validate
+    from spmdrl.errors import ConfigError
+    from spmdrl.tools.tiny_model import build_model
+
+    policy = build_model(tmp_path / "policy", "tiny", seed=0)
+    rm = build_model(tmp_path / "rm", "tiny", seed=0, reward=True)
+    cfg, _ = parse_config(["--reward_model.enable", "true", "--reward_model.model.path", str(policy)])
+    with pytest.raises(ConfigError, match="holds Qwen2ForCausalLM; the reward model must be a "
+                                          r"\*ForSequenceClassification model"):
+        validate(cfg, 1)
+    cfg, _ = parse_config(["--reward_model.enable", "true", "--reward_model.model.path", str(rm)])
+    validate(cfg, 1)
