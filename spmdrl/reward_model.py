@@ -118,7 +118,9 @@ class RewardModelScorer:
         one-token filler that is dropped afterwards.
         """
         n = len(responses)
-        most = torch.tensor([n], dtype=torch.int64)
+        # NCCL reduces only device tensors; gloo only host ones.
+        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        most = torch.tensor([n], dtype=torch.int64, device=on)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         if int(most) == 0:
             return torch.zeros(0)
