@@ -121,7 +121,7 @@ def validate(cfg: Config, world_size: int) -> None:
     ):
         _check(value >= 1, f"{key} is {value}; it must be an integer >= 1")
     _check(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps is {t.total_steps}; it must be >= 1 or null")
-    for key in ("save_freq", "test_freq"):
+    for key in ("save_freq", "test_freq", "plot_freq"):
         value = getattr(t, key)
         _check(value == -1 or value >= 1, f"trainer.{key} is {value}; it must be -1 (never) or >= 1")
     _check(a.entropy_coeff >= 0, f"actor.entropy_coeff is {a.entropy_coeff}; it must be >= 0")
@@ -152,10 +152,14 @@ def validate(cfg: Config, world_size: int) -> None:
         f"prompt; it needs rollout.n >= 2",
     )
 
-    # Keys that exist (so verl configs parse) but whose feature is still being built: refuse, never ignore.
-    for key, on in (("reward_model.enable", cfg.reward_model.enable),
-                    ("trainer.val_only", t.val_only), ("trainer.plot_freq", t.plot_freq != -1)):
-        _check(not on, f"{key} is set, which this spmdrl version does not support yet")
+    # Features whose keys need each other.
+    if cfg.reward_model.enable:
+        _check_reward_model(cfg)
+    _check(t.plot_freq == -1 or "jsonl" in t.logger,
+           f"trainer.plot_freq is {t.plot_freq} but trainer.logger {t.logger} has no jsonl; the figures are drawn "
+           f"from metrics.jsonl")
+    _check(not t.val_only or bool(_files(d.val_files)),
+           "trainer.val_only is true but data.val_files is null; validation-only needs validation files")
 
     # Sizes against each other and the world.
     try:
@@ -234,6 +238,41 @@ def validate(cfg: Config, world_size: int) -> None:
 
         # A missing, incomplete (*.tmp, no manifest) or unreadable checkpoint fails here, before any work.
         resolve_resume(t.resume, output_dir(cfg))
+
+
+def _check_reward_model(cfg: Config) -> None:
+    """reward_model.*: a model folder, sizes, weights, and no train TP (the reward engine runs without it)."""
+    from spmdrl.model_check import validate_model_folder
+    from spmdrl.reward_model import check_weights
+
+    rm = cfg.reward_model
+    _check(rm.model.path is not None, "reward_model.enable is true but reward_model.model.path is null; give a "
+                                      "Hugging Face sequence-classification model folder")
+    _check(rm.micro_batch_size_per_gpu >= 1,
+           f"reward_model.micro_batch_size_per_gpu is {rm.micro_batch_size_per_gpu}; it must be an integer >= 1")
+    _check(rm.max_length is None or rm.max_length >= 1,
+           f"reward_model.max_length is {rm.max_length}; it must be >= 1 or null")
+    _check(cfg.parallel.tp == 1, f"reward_model.enable with parallel.tp={cfg.parallel.tp}: the reward model runs "
+                                 f"without tensor parallelism; set parallel.tp: 1")
+    try:
+        check_weights(rm.rm_weight, rm.rule_weight)
+        if not rm.model.path.startswith("builtin:"):
+            validate_model_folder(rm.model.path, "reward_model.model.path", need_tokenizer=True)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if not rm.model.path.startswith("builtin:"):
+        from transformers import AutoTokenizer
+
+        from spmdrl.model_check import read_config
+
+        # A causal LM folder would load with a fresh, random score head (a warning only): refuse it here.
+        arch = read_config(rm.model.path, "reward_model.model.path").get("architectures") or []
+        _check(any(a.endswith("ForSequenceClassification") for a in arch),
+               f"reward_model.model.path {rm.model.path!r} holds {', '.join(arch) or 'no architectures entry'}; "
+               f"the reward model must be a *ForSequenceClassification model with one label")
+        _check(bool(getattr(AutoTokenizer.from_pretrained(rm.model.path), "chat_template", None)),
+               f"reward_model.model.path {rm.model.path!r} has a tokenizer without a chat template; the reward "
+               f"model scores prompt + response rendered with its own chat template")
 
 
 def exit_with(err: BaseException, debug: bool) -> None:

@@ -315,9 +315,11 @@ class RewardConfig:
 @dataclass
 class RewardModelModelConfig:
     path: Optional[str] = None
-    """Hugging Face sequence-classification model folder (num_labels 1) that scores prompt + response."""
+    """Hugging Face sequence-classification model folder (num_labels 1) that scores prompt + response, or
+    ``builtin:tiny-rm`` (built offline, for tests)."""
     input_tokenizer: Optional[str] = None
-    """Tokenizer of the policy, when the reward model's chat template differs (responses are re-rendered)."""
+    """verl's key, accepted for verl configs: spmdrl always decodes responses with the policy's tokenizer and
+    re-renders prompt + response with the reward model's chat template (what verl does when it is set)."""
 
 
 @dataclass
@@ -330,7 +332,13 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: int = 16
     """Responses per no-grad forward of the reward model on one rank."""
     max_length: Optional[int] = None
-    """Most tokens of a rendered prompt + response given to the reward model (null: no limit)."""
+    """Most tokens of a rendered prompt + response given to the reward model, cut on the right as verl's
+    default truncation (null: no limit)."""
+    rm_weight: float = 1.0
+    """Weight of the reward model's score in the sequence reward: rm_weight * rm + rule_weight * rule."""
+    rule_weight: float = 0.0
+    """Weight of the rule-based reward (reward.function) next to the model's score; 0 (verl's behaviour: the
+    model's score replaces the rule score) does not call the rule function at all."""
 
 
 @dataclass

@@ -46,6 +46,7 @@ class PromptItem:
     data_source: Optional[str]
     ground_truth: Any  # reward_model.ground_truth, passed to the scorer untouched
     extra_info: dict = field(default_factory=dict)
+    chat: list = field(default_factory=list)  # the prompt as chat messages (a plain string: one user turn)
 
 
 def resolve_data_files(files: Union[str, Sequence[str], None], split: str, seed: int = 0) -> list[str]:
@@ -168,6 +169,7 @@ class PromptDataset:
                     data_source=rows["data_source"][i],
                     ground_truth=reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
                     extra_info=dict(rows["extra_info"][i] or {}),
+                    chat=_messages(rows["prompt"][i]),
                 )
             )
 
@@ -201,6 +203,13 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> PromptItem:
         return self.items[i]
+
+
+def _messages(prompt: Any) -> list[dict]:
+    """The prompt as chat messages, for a reward model that renders it with its own template."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{k: v for k, v in m.items() if v is not None} for m in prompt]
 
 
 def _share(n: int, rank: int, world_size: int) -> slice:

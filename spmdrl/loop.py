@@ -34,9 +34,12 @@ from spmdrl.errors import ConfigError
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords, rollout_tp_rank
+from spmdrl.plot import plot_run
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
+from spmdrl.reward_model import RewardModelScorer
 from spmdrl.rewards import RewardManager, decode_responses
 from spmdrl.rollout.base import RolloutSession, SamplingParams, eos_ids_from_folder, rollout_engine_class
+from spmdrl.validation import validate
 
 log = logging.getLogger("spmdrl")
 
@@ -63,6 +66,7 @@ class Run:
     total_steps: int
     actor_loss: LossFn
     critic_loss: LossFn
+    rm: Optional[RewardModelScorer] = None  # reward_model.enable: the model-based reward
     step: int = 0
     agent: Optional[ToolAgent] = None  # multi-turn rollouts with tools (rollout.multi_turn.enable)
 
@@ -125,6 +129,10 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
                              sleep_level=cfg.rollout.sleep_level,
                              colocate=cfg.trainer.colocate and cfg.rollout.free_cache_engine,
                              tp_rank=rollout_tp_rank(dims.rollout_mesh), tp=dims.rollout_tp)
+    try:
+        rm = RewardModelScorer.from_config(cfg, dims, device) if cfg.reward_model.enable else None
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     print(_summary(rank, dims, device, model_path, actor, precision), flush=True)
     kc = cfg.algorithm.kl_ctrl
     out_dir = output_dir(cfg)
@@ -136,7 +144,7 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
         train_loader=train_loader, val_loader=val_loader, rollout=session, actor=actor, ref=ref, critic=critic,
         reward=reward, kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon),
         timer=PhaseTimer(device), total_steps=total_steps, actor_loss=actor_loss_fn(cfg),
-        critic_loss=critic_loss_fn(cfg), agent=agent,
+        critic_loss=critic_loss_fn(cfg), agent=agent, rm=rm,
     )
 
 
@@ -175,27 +183,38 @@ def generate(r: Run, prompts: list, sampling: SamplingParams) -> Batch:
     batch["data_source"] = [prompts[i].data_source for i in per_row]
     batch["ground_truth"] = [prompts[i].ground_truth for i in per_row]
     batch["extra_info"] = [prompts[i].extra_info for i in per_row]
+    batch["chat"] = [prompts[i].chat for i in per_row]  # a reward model renders prompt + response itself
     batch["finish_reason"] = gen.finish_reasons
     if trajectories is not None:
         annotate(batch, trajectories)  # conversation and tool calls into extra_info; per-row tool counts
     return batch
 
 
-def score(r: Run, batch: Batch) -> dict[str, float]:
-    """Sequence scores (+ DAPO overlong shaping) into ``scores`` and ``token_rewards``."""
+def score(r: Run, batch: Batch, extras: Optional[dict[str, list]] = None) -> dict[str, float]:
+    """Sequence scores (+ DAPO overlong shaping) into ``scores`` and ``token_rewards``; a scorer's per-response
+    extra values (``acc``, ``pred``, ...) into ``extras`` when given (validation votes with them)."""
     R = batch["response_mask"].shape[1]
     # The whole response, tool output included (as verl decodes it); equal to the generated tokens single-turn.
     texts = decode_responses(r.tokenizer, batch["input_ids"][:, -R:], batch["attention_mask"][:, -R:])
-    out = r.reward(batch["data_source"], texts, batch["ground_truth"], batch["extra_info"])
-    scores = out.scores + batch.get("tool_reward", 0.0)  # [N]; tools' calc_reward, multi-turn only
+    out = None
+    if r.rm is None or r.rm.needs_rule:  # verl: a reward model's score replaces the rule score
+        out = r.reward(batch["data_source"], texts, batch["ground_truth"], batch["extra_info"])
+    scores = out.scores if out is not None else None  # [N]
+    metrics = out.metrics() if out is not None else {}
+    if r.rm is not None:  # collective: every rank scores every batch, even an empty share
+        scores, rm_metrics = r.rm.score(batch["chat"], texts, scores)
+        metrics.update(rm_metrics)
+    scores = scores + batch.get("tool_reward", 0.0)  # tools' calc_reward, multi-turn only
     ob = r.cfg.reward.overlong_buffer
     if ob.enable:
         scores = scores + overlong_penalty(batch["response_mask"].sum(-1), max_response_length=r.cfg.data.max_response_length,
                                            buffer_len=ob.len, penalty_factor=ob.penalty_factor)
     batch["scores"] = scores
     batch["token_rewards"] = place_scores(scores, batch["response_mask"])
-    metrics = out.metrics()
-    for key, values in out.extra.items():  # e.g. a scorer's "acc", next to its "score"
+    extra = out.extra if out is not None else {}
+    if extras is not None:
+        extras.update(extra)
+    for key, values in extra.items():  # e.g. a scorer's "acc", next to its "score"
         numbers = [float(v) for v in values if isinstance(v, (int, float, bool))]
         if numbers:
             metrics[f"reward/{key}"] = sum(numbers) / len(numbers)
@@ -373,31 +392,6 @@ def _batch_metrics(batch: Batch, cfg: Config) -> dict[str, float]:
     }
 
 
-def validate(r: Run) -> dict[str, float]:
-    """``rollout.val_kwargs`` responses to every validation prompt; mean score per data source."""
-    if r.val_loader is None:
-        return {}
-    sums: dict[str, list[float]] = {}
-    with r.rollout.awake():  # one wake for every validation batch
-        for prompts in r.val_loader:
-            if prompts:
-                batch = generate(r, prompts, sampling_params(r.cfg, validation=True))
-                if not len(batch):  # a TP share of a last, short validation batch can be empty
-                    continue
-                score(r, batch)
-                for source, s in zip(batch["data_source"], batch["scores"].tolist()):
-                    acc = sums.setdefault(str(source), [0.0, 0.0])
-                    acc[0] += s
-                    acc[1] += 1
-    # Ranks may have seen different sources; agree on the set, then sum.
-    sources = [None] * dist.get_world_size()
-    dist.all_gather_object(sources, sorted(sums))
-    names = sorted({s for per in sources for s in per})
-    totals = torch.tensor([sums.get(n, [0.0, 0.0]) for n in names], dtype=torch.float64).reshape(-1, 2)
-    dist.all_reduce(totals)
-    return {f"val/{n}/reward_mean": float(s / max(c, 1)) for n, (s, c) in zip(names, totals.tolist())}
-
-
 def run(cfg: Config, dims: ParallelDims) -> None:
     from spmdrl.checkpoint import Checkpointer, RunState
 
@@ -413,9 +407,10 @@ def run(cfg: Config, dims: ParallelDims) -> None:
                        progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
                        experiment=cfg.trainer.experiment_name, config=asdict(cfg), initial_step=r.step)
     try:
-        if cfg.trainer.val_before_train and r.step == 0:
+        # trainer.val_only (verl's): the initial or resumed weights' validation metrics, and no training.
+        if cfg.trainer.val_only or (cfg.trainer.val_before_train and r.step == 0):
             sink.log(r.step, validate(r))
-        while r.step < r.total_steps:
+        while r.step < r.total_steps and not cfg.trainer.val_only:
             metrics = train_step(r)
             r.step += 1
             if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or r.step == r.total_steps):
@@ -425,6 +420,9 @@ def run(cfg: Config, dims: ParallelDims) -> None:
             stop = ckpt.stop_requested(r.step)
             if ckpt.due(r.step) or stop:
                 ckpt.save(r.step)
+            f = cfg.trainer.plot_freq
+            if r.rank == 0 and f > 0 and (r.step % f == 0 or r.step == r.total_steps or stop):
+                plot_run(r.out_dir)  # figures of metrics.jsonl into out_dir/plots; a failure only warns
             if stop:
                 log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
                 break

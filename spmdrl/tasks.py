@@ -104,13 +104,13 @@ def arith_score(data_source: str, solution_str: str, ground_truth: Any, extra_in
     """
     text, answer = _strip_special(solution_str), str(ground_truth).strip()
     m = _INT.search(text)
-    if m is None:
-        return {"score": 0.0, "acc": 0.0}
+    if m is None:  # pred "" (no answer) still votes in validation's maj@k
+        return {"score": 0.0, "acc": 0.0, "pred": ""}
     pred, ans = int(m.group()), int(answer)
     correct = pred == ans
     accuracy = 1.0 if correct else 0.5 * max(0.0, 1.0 - abs(pred - ans) / 10.0)
     conciseness = min(1.0, len(answer) / len(text))
-    return {"score": 0.1 + 0.9 * accuracy * (0.5 + 0.5 * conciseness), "acc": float(correct)}
+    return {"score": 0.1 + 0.9 * accuracy * (0.5 + 0.5 * conciseness), "acc": float(correct), "pred": str(pred)}
 
 
 # --------------------------------------------------------------------------- copy / reverse
@@ -140,8 +140,8 @@ def string_match_score(
     """1.0 for the exact string, else 0.9 * difflib similarity (partial credit for shared characters)."""
     text, target = _strip_special(solution_str), str(ground_truth).strip()
     if text == target:
-        return {"score": 1.0, "acc": 1.0}
-    return {"score": 0.9 * difflib.SequenceMatcher(None, text, target).ratio(), "acc": 0.0}
+        return {"score": 1.0, "acc": 1.0, "pred": text}
+    return {"score": 0.9 * difflib.SequenceMatcher(None, text, target).ratio(), "acc": 0.0, "pred": text}
 
 
 # --------------------------------------------------------------------------- gsm8k

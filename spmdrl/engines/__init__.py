@@ -41,7 +41,7 @@ def build_engine(
     cfg: "Config",
     model_path: str,
     *,
-    role: Literal["actor", "ref", "critic"],
+    role: Literal["actor", "ref", "critic", "reward"],
     dims: "ParallelDims",
     device: torch.device,
     total_steps: int | None = None,

@@ -61,7 +61,8 @@ from spmdrl.precision import resolve_dtype, to_dtype
 if TYPE_CHECKING:
     from spmdrl.config import Config
 
-Role = Literal["actor", "ref", "critic"]
+Role = Literal["actor", "ref", "critic", "reward"]
+FROZEN = ("ref", "reward")  # roles without optimizer or gradients
 
 
 def resolve_attn_implementation(name: str, device_type: str, max_len: int) -> str:
@@ -106,13 +107,37 @@ class ValueModel(nn.Module):
         return self.score(hidden[:, -values_to_keep:]).squeeze(-1).clone()
 
 
+class RewardModel(nn.Module):
+    """A Hugging Face ``*ForSequenceClassification`` (one label) whose score is read at each row's last
+    attended token, whatever the padding side (as verl's reward worker: argmax of position_ids x mask).
+
+    The wrapper is the FSDP root, so its forward unshards the root's parameters (embeddings, final norm,
+    head) before the backbone and head run; the submodules keep HF's names (``model``, ``score``).
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.config = hf_model.config
+        self.model = getattr(hf_model, hf_model.base_model_prefix)
+        self.score = hf_model.score
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+                ) -> torch.Tensor:
+        hidden = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [n, L, H]
+        last = torch.argmax(position_ids * attention_mask, dim=-1)  # [n]
+        return self.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)  # [n]
+
+
 class FSDP2Engine(TrainEngine):
     """One sharded model and (for actor/critic) its AdamW optimizer and LR schedule.
 
     Args:
         model_path: Hugging Face model folder.
-        role: "actor" (causal LM, trained), "ref" (causal LM, frozen, no optimizer)
-            or "critic" (backbone + value head, trained).
+        role: "actor" (causal LM, trained), "ref" (causal LM, frozen, no optimizer),
+            "critic" (backbone + value head, trained) or "reward" (sequence-classification reward
+            model, frozen).
         dp_mesh: 1-D mesh (FSDP) or 2-D ("dp_replicate", "dp_shard") mesh (HSDP).
         tp_mesh: TP mesh from the same parent mesh as ``dp_mesh``, or None.
         device: where micro-batches and compute live (cpu, or this rank's cuda device).
@@ -159,8 +184,8 @@ class FSDP2Engine(TrainEngine):
         max_grad_norm: float = 1.0,
         seed: int = 0,
     ):
-        if role not in ("actor", "ref", "critic"):
-            raise ValueError(f"engine role {role!r} is not valid; valid: actor, ref, critic")
+        if role not in ("actor", "ref", "critic", "reward"):
+            raise ValueError(f"engine role {role!r} is not valid; valid: actor, ref, critic, reward")
         if temperature <= 0:
             raise ValueError(
                 f"temperature={temperature} must be > 0 (greedy rollouts score at temperature 1)"
@@ -182,17 +207,17 @@ class FSDP2Engine(TrainEngine):
 
         # The dtype of the unsharded parameters in forward (what an all-gather produces).
         self.param_dtype = mp_param or dtype
-        if role == "ref" and mp_param is not None:
+        if role in FROZEN and mp_param is not None:
             # A frozen model needs no float32 master copy: keep it in the compute dtype, which is
             # what the policy's per-forward cast would produce, at half the memory and no cast.
             dtype, mp_param = mp_param, None
             self.param_dtype = dtype
         self.model = self._load(model_path, role, dtype, seed, attn_implementation)
-        if role == "ref":
+        if role in FROZEN:
             self.model.requires_grad_(False)
         if self.tp_mesh is not None:
             apply_tp(self.model, self.tp_mesh)
-        if gradient_checkpointing and role != "ref":
+        if gradient_checkpointing and role not in FROZEN:
             apply_activation_checkpointing(self.model)
         if fused_kernels:
             apply_fused_kernels(self.model)
@@ -202,7 +227,7 @@ class FSDP2Engine(TrainEngine):
 
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        if role != "ref":
+        if role not in FROZEN:
             self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
             self.scheduler = build_scheduler(
                 self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps
@@ -210,9 +235,12 @@ class FSDP2Engine(TrainEngine):
 
     @staticmethod
     def _load(model_path: str, role: Role, dtype: torch.dtype, seed: int, attn: str) -> nn.Module:
-        from transformers import AutoModel, AutoModelForCausalLM
+        from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
         # Every rank loads the full weights on the CPU; fully_shard then keeps only its shard on the device.
+        if role == "reward":
+            return RewardModel(AutoModelForSequenceClassification.from_pretrained(
+                model_path, num_labels=1, dtype=dtype, attn_implementation=attn))
         if role == "critic":
             return ValueModel(AutoModel.from_pretrained(model_path, dtype=dtype, attn_implementation=attn), seed)
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
@@ -261,6 +289,8 @@ class FSDP2Engine(TrainEngine):
         )
         if role == "ref":
             return cls(model_path, cpu_offload=cfg.ref.offload, **common)
+        if role == "reward":
+            return cls(model_path, **common)
         if role == "critic":
             c = cfg.critic
             return cls(
@@ -369,10 +399,12 @@ class FSDP2Engine(TrainEngine):
         otherwise it is a metric computed in the same pass as the log-probs.
         """
         ids = micro["input_ids"]  # [n, P+R]
-        resp = micro["response_mask"].shape[1]
         kwargs = dict(
             input_ids=ids, attention_mask=micro["attention_mask"], position_ids=micro["position_ids"]
         )
+        if self.role == "reward":
+            return {"rm_scores": self.model(**kwargs).float()}  # [n]
+        resp = micro["response_mask"].shape[1]
         if self.role == "critic":
             values = self.model(**kwargs, values_to_keep=resp + 1)  # [n, R+1]
             return {"values": values[:, :-1].float()}
@@ -390,9 +422,8 @@ class FSDP2Engine(TrainEngine):
     def forward_no_grad(
         self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
     ) -> dict[str, torch.Tensor]:
-        """{"logp", optional "entropy"} (actor/ref) or {"values"} (critic).
-
-        Each is [N, R] float32 on the batch's device, for this rank's rows.
+        """{"logp", optional "entropy"} (actor/ref) or {"values"} (critic), each [N, R], or {"rm_scores"} [N]
+        (reward); float32 on the batch's device, for this rank's rows.
         """
         self._check_rows(len(batch))
         full = self._gather_tp(batch)

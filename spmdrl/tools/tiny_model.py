@@ -10,6 +10,9 @@ same size and seed always give the same bytes. Nothing is downloaded, so
 
 The default configs say ``model.path: builtin:tiny``; ``resolve_builtin_model``
 builds that folder under the cache on first use (rank 0 builds, the others wait).
+``--reward`` (``builtin:tiny-rm``) writes a reward model instead:
+``Qwen2ForSequenceClassification`` with one label, the same tokenizer, no
+generation config, for ``reward_model.model.path`` in tests.
 """
 
 from __future__ import annotations
@@ -101,10 +104,12 @@ def build_tokenizer(out: Path, seed: int) -> "object":
     return fast
 
 
-def build_model(out: Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write the model folder ``out`` (replacing it atomically) and return it."""
+def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = False) -> Path:
+    """Write the model folder ``out`` (replacing it atomically) and return it. ``reward``: a reward model,
+    Qwen2ForSequenceClassification with one label (a random scalar head on the same backbone shape and
+    tokenizer), as ``reward_model.model.path`` loads it."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     if size not in SIZES:
         raise ValueError(f"unknown tiny-model size {size!r}; valid sizes: {', '.join(SIZES)}")
@@ -124,15 +129,19 @@ def build_model(out: Path, size: str = "tiny", seed: int = 0) -> Path:
             torch_dtype="float32",
             **SIZES[size],
         )
+        if reward:
+            cfg.num_labels = 1  # one scalar score per sequence
         # fork_rng keeps the caller's global RNG untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = Qwen2ForCausalLM(cfg).to(torch.float32)
+            model = (Qwen2ForSequenceClassification if reward else Qwen2ForCausalLM)(cfg).to(torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)
-        GenerationConfig(
-            bos_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id
-        ).save_pretrained(tmp)
-        (tmp / "spmdrl_builtin.json").write_text(json.dumps({"size": size, "seed": seed}) + "\n")
+        if not reward:
+            GenerationConfig(
+                bos_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id
+            ).save_pretrained(tmp)
+        info = {"size": size, "seed": seed, **({"reward": True} if reward else {})}
+        (tmp / "spmdrl_builtin.json").write_text(json.dumps(info) + "\n")
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             shutil.rmtree(out)
@@ -144,7 +153,8 @@ def build_model(out: Path, size: str = "tiny", seed: int = 0) -> Path:
 
 
 def resolve_builtin_model(path: str, seed: int = 0) -> str:
-    """Map ``builtin:<size>`` to a cache folder, building it when missing; other paths pass through.
+    """Map ``builtin:<size>`` (a policy) or ``builtin:<size>-rm`` (a reward model of that size) to a cache
+    folder, building it when missing; other paths pass through.
 
     Call on every rank: rank 0 builds, the others wait at a barrier.
     """
@@ -152,13 +162,15 @@ def resolve_builtin_model(path: str, seed: int = 0) -> str:
         return path
     import torch.distributed as dist
 
-    size = path.split(":", 1)[1]
+    name = path.split(":", 1)[1]
+    size, reward = (name[: -len("-rm")], True) if name.endswith("-rm") else (name, False)
     if size not in SIZES:
-        raise ValueError(f"unknown built-in model {path!r}; valid: {', '.join('builtin:' + s for s in SIZES)}")
-    out = cache_dir() / "models" / f"{size}-seed{seed}"
+        valid = [f"builtin:{s}" for s in SIZES] + [f"builtin:{s}-rm" for s in SIZES]
+        raise ValueError(f"unknown built-in model {path!r}; valid: {', '.join(valid)}")
+    out = cache_dir() / "models" / f"{name}-seed{seed}"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not (out / "spmdrl_builtin.json").exists():
-        build_model(out, size, seed)
+        build_model(out, size, seed, reward=reward)
     if dist.is_initialized():
         dist.barrier()
     return str(out)
@@ -169,10 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reward", action="store_true", help="a reward model (sequence classification, one label)")
     args = p.parse_args(argv)
-    out = build_model(Path(args.out), args.size, args.seed)
+    out = build_model(Path(args.out), args.size, args.seed, reward=args.reward)
     n = sum(1 for _ in out.iterdir())
-    print(f"wrote {out} ({n} files, size={args.size}, seed={args.seed})")
+    kind = ", reward model" if args.reward else ""
+    print(f"wrote {out} ({n} files, size={args.size}, seed={args.seed}{kind})")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,6 @@ def test_sleep_level_2_paths(config, tmp_path, spmdrl_cache):
            "--data.val_batch_size", "32", "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(any(k.startswith("val/") for k in r) for r in rows)
+    assert all(any(k.startswith("val-core/") for k in r) for r in rows)
     if config == "dapo":
         assert rows[-1]["dapo/num_gen_batches"] >= 1

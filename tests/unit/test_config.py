@@ -58,6 +58,16 @@ BAD = [
     (["--reward.function", "/nonexistent/r.py:score"], "names the file '/nonexistent/r.py'"),
     (["--trainer.resume", "/nonexistent/ckpt"], "trainer.resume is '/nonexistent/ckpt'"),
     (["--trainer.save_freq", "0"], "trainer.save_freq is 0"),
+    (["--trainer.plot_freq", "0"], "trainer.plot_freq is 0"),
+    (["--trainer.plot_freq", "2", "--trainer.logger", "[console]"], "trainer.plot_freq is 2 but trainer.logger"),
+    (["--trainer.val_only", "true", "--data.val_files", "null"], "trainer.val_only is true but data.val_files"),
+    (["--reward_model.enable", "true"], "reward_model.model.path is null"),
+    (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm", "--reward_model.rm_weight",
+      "0"], "reward_model.rm_weight and reward_model.rule_weight are both 0"),
+    (["--reward_model.enable", "true", "--reward_model.model.path", "/nonexistent/rm"],
+     "reward_model.model.path '/nonexistent/rm'"),
+    (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm",
+      "--reward_model.micro_batch_size_per_gpu", "0"], "reward_model.micro_batch_size_per_gpu is 0"),
 ]
 
 

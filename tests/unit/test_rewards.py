@@ -52,7 +52,8 @@ def test_builtin_dispatch_by_data_source() -> None:
              [None, None, None])
     assert torch.equal(out.scores, torch.tensor([1.0, 0.0, 1.0]))
     assert out.scores.dtype == torch.float32
-    assert out.extra == {"acc": [1.0, 0.0, None]}  # gsm8k returns a float: no extras for it
+    # gsm8k returns a float: no extras for it; pred is the extracted answer ("" for none) maj@k votes with.
+    assert out.extra == {"acc": [1.0, 0.0, None], "pred": ["7", "", None]}
     assert out.metrics() == {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
     with pytest.raises(ValueError, match="no built-in scorer for data_source 'mine/data'.*known data sources"):
         rm(["mine/data"], ["x"], ["y"])

@@ -1,0 +1,50 @@
+"""Model-based reward: how its score combines with the rule score, and the chat rendering it scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spmdrl.reward_model import check_weights, combine_scores, render
+
+
+def test_combine_scores_weights_and_verl_default() -> None:
+    rm, rule = torch.tensor([0.5, -1.0]), torch.tensor([1.0, 0.0])
+    assert combine_scores(rm, rule, rm_weight=1.0, rule_weight=0.5).tolist() == [1.0, -1.0]
+    assert combine_scores(rm, rule, rm_weight=2.0, rule_weight=0.0).tolist() == [1.0, -2.0]  # rule ignored
+    assert combine_scores(rm, None, rm_weight=1.0, rule_weight=0.0).tolist() == [0.5, -1.0]  # verl: rm replaces
+    assert combine_scores(rm, rule, rm_weight=0.0, rule_weight=1.0).tolist() == [1.0, 0.0]
+
+
+def test_check_weights_one_sentence() -> None:
+    with pytest.raises(ValueError, match="both 0"):
+        check_weights(0.0, 0.0)
+    with pytest.raises(ValueError, match="reward_model.rule_weight is nan"):
+        check_weights(1.0, float("nan"))
+    check_weights(0.0, 1.0)
+
+
+def test_render_appends_the_response_as_the_assistant_turn(tmp_path) -> None:
+    from spmdrl.tools.tiny_model import build_tokenizer
+
+    tok = build_tokenizer(tmp_path, seed=0)
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Copy: ab"}]]
+    assert render(tok, chats, ["ab"]) == [
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCopy: ab<|im_end|>\n"
+        "<|im_start|>assistant\nab<|im_end|>\n"
+    ]
+
+
+def test_config_check_refuses_a_causal_lm_as_reward_model(tmp_path) -> None:
+    from spmdrl.cli import parse_config, validate
+    from spmdrl.errors import ConfigError
+    from spmdrl.tools.tiny_model import build_model
+
+    policy = build_model(tmp_path / "policy", "tiny", seed=0)
+    rm = build_model(tmp_path / "rm", "tiny", seed=0, reward=True)
+    cfg, _ = parse_config(["--reward_model.enable", "true", "--reward_model.model.path", str(policy)])
+    with pytest.raises(ConfigError, match="holds Qwen2ForCausalLM; the reward model must be a "
+                                          r"\*ForSequenceClassification model"):
+        validate(cfg, 1)
+    cfg, _ = parse_config(["--reward_model.enable", "true", "--reward_model.model.path", str(rm)])
+    validate(cfg, 1)
