@@ -43,7 +43,9 @@ def resolve_device_type(requested: str = "auto") -> str:
 
 
 def init_distributed(device_type: str, timeout_s: float = 1800.0) -> tuple[int, int]:
-    """Start the default process group (nccl on GPU, gloo on CPU); returns (rank, world_size).
+    """Start the default process group (gloo on CPU; on GPU nccl for CUDA tensors and gloo for CPU ones, so
+    the loop's small CPU-tensor collectives (metrics, row counts) and object collectives work on either
+    device); returns (rank, world_size).
 
     Plain ``python -m spmdrl.train`` (no torchrun) runs as a world of one: the
     rendezvous variables torchrun would set are filled in for a single process.
@@ -53,7 +55,7 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0) -> tuple[int, 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
