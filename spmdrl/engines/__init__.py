@@ -51,8 +51,7 @@ def build_engine(
         cfg,
         role,
         model_path=model_path,
-        dp_mesh=dims.fsdp_mesh,
-        tp_mesh=dims.tp_mesh,
+        dims=dims,
         device=device,
         total_steps=total_steps,
     )

@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine
+from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows
 from spmdrl.engines.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
 from spmdrl.engines.weights import (
@@ -60,6 +60,7 @@ from spmdrl.precision import resolve_dtype, to_dtype
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
+    from spmdrl.parallel import ParallelDims
 
 Role = Literal["actor", "ref", "critic"]
 
@@ -234,16 +235,17 @@ class FSDP2Engine(TrainEngine):
         role: Role,
         *,
         model_path: str,
-        dp_mesh: DeviceMesh,
-        tp_mesh: DeviceMesh | None,
+        dims: "ParallelDims",
         device: torch.device | str,
         total_steps: int | None,
     ) -> "FSDP2Engine":
-        """Build a role's engine from the run config (``model_path`` already resolved from ``builtin:``)."""
+        """Build a role's engine from the run config (``model_path`` already resolved from ``builtin:``)
+        on the FSDP mesh (or HSDP mesh) and TP mesh of ``dims``."""
         a, m = cfg.actor, cfg.model
+        tp_mesh = dims.tp_mesh
         common = dict(
             role=role,
-            dp_mesh=dp_mesh,
+            dp_mesh=dims.fsdp_mesh,
             tp_mesh=tp_mesh,
             device=device,
             dtype=m.dtype,
@@ -318,38 +320,10 @@ class FSDP2Engine(TrainEngine):
             )
 
     def _gather_tp(self, batch: Batch) -> Batch:
-        """Rows of the whole TP group, in TP-rank order; prompts left-padded and responses right-padded
-        to the group's longest. Non-tensor fields are dropped (losses only read tensors)."""
+        """Rows of the whole TP group, in TP-rank order (``gather_rows``)."""
         if self.tp_mesh is None:
             return batch
-        group = self.tp_mesh.get_group()
-        tp = self.tp_mesh.size()
-        total, resp = batch["input_ids"].shape[1], batch["response_mask"].shape[1]
-        dev = self._comm_device()
-        shapes = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(tp)]
-        dist.all_gather(shapes, torch.tensor([total - resp, resp], device=dev), group=group)
-        p_max = max(int(s[0]) for s in shapes)
-        r_max = max(int(s[1]) for s in shapes)
-        out = {}
-        for key, v in batch.tensors.items():
-            if v.dim() >= 2 and v.shape[1] == total:
-                pad_p, pad_r = p_max - (total - resp), r_max - resp
-                v = torch.cat(
-                    [
-                        v.new_zeros(v.shape[0], pad_p, *v.shape[2:]),
-                        v[:, : total - resp],
-                        v[:, total - resp :],
-                        v.new_zeros(v.shape[0], pad_r, *v.shape[2:]),
-                    ],
-                    dim=1,
-                )
-            elif v.dim() >= 2 and v.shape[1] == resp:
-                v = torch.cat([v, v.new_zeros(v.shape[0], r_max - resp, *v.shape[2:])], dim=1)
-            v = v.contiguous().to(dev)
-            parts = [torch.empty_like(v) for _ in range(tp)]
-            dist.all_gather(parts, v, group=group)
-            out[key] = torch.cat(parts).to(batch["input_ids"].device)
-        return Batch(out)
+        return gather_rows(batch, self.tp_mesh.get_group(), self._comm_device())
 
     def _loss_scale(self, mini: Batch) -> LossScale:
         counts = torch.tensor(
