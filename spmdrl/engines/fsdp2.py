@@ -31,7 +31,7 @@ no-grad forwards, then keeps this rank's rows of the result).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows
+from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows, token_outputs
 from spmdrl.engines.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
 from spmdrl.engines.weights import (
@@ -55,6 +54,7 @@ from spmdrl.engines.weights import (
     clip_grad_norm_,
     iter_full_state,
     iter_unsharded_state,
+    move_optimizer_state,
 )
 from spmdrl.precision import resolve_dtype, to_dtype
 
@@ -354,12 +354,7 @@ class FSDP2Engine(TrainEngine):
         # prompt, not past the end), and its [n, R, V] output comes out contiguous.
         keep = torch.arange(ids.shape[1] - resp - 1, ids.shape[1] - 1, device=ids.device)
         logits = self.model(**kwargs, use_cache=False, logits_to_keep=keep).logits  # [n, R, V]
-        labels = ids[:, -resp:]
-        if with_entropy and entropy_grad:
-            logits = logits.float() / self.temperature
-            return {"logp": logprobs_from_logits(logits, labels), "entropy": entropy_from_logits(logits)}
-        logp, entropy = token_logprobs(logits, labels, self.temperature, with_entropy)
-        return {"logp": logp} if entropy is None else {"logp": logp, "entropy": entropy}
+        return token_outputs(logits, ids[:, -resp:], self.temperature, with_entropy, entropy_grad)
 
     def forward_no_grad(
         self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
@@ -470,24 +465,15 @@ class FSDP2Engine(TrainEngine):
         if self.optimizer is None:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self._move_optimizer_state(lambda p: torch.device("cpu"))
+        move_optimizer_state(self.optimizer, lambda p: torch.device("cpu"))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
         """Optimizer moments back next to their parameters (on the device, or the CPU under cpu_offload)."""
         if self.optimizer is not None:
-            self._move_optimizer_state(lambda p: p.device)
+            move_optimizer_state(self.optimizer, lambda p: p.device)
 
-    def _move_optimizer_state(self, where: Callable[[nn.Parameter], torch.device]) -> None:
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state.get(p, {})
-                for k, v in state.items():
-                    # Adam's "step" is a CPU scalar by design (non-capturable): leave it where it is.
-                    # Blocking copies: a non-blocking D2H copy may be read before it lands.
-                    if isinstance(v, torch.Tensor) and k != "step":
-                        state[k] = v.to(where(p))
 
     def state_dict(self) -> dict:
         """Sharded model (+ optimizer, scheduler, step) for ``torch.distributed.checkpoint.save/load``.
