@@ -38,6 +38,8 @@ On CPU every call into Megatron runs under ``megatron_cpu.cpu_compat()``.
 from __future__ import annotations
 
 import math
+import warnings
+from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Iterator, Literal
 
@@ -67,6 +69,16 @@ if TYPE_CHECKING:
 Role = Literal["actor", "ref", "critic"]
 
 
+@contextmanager
+def quiet_megatron():
+    """Megatron's import-time notices that Apex and Transformer Engine are absent (we use its local layers
+    on purpose) and its config's cuda-graph scope deprecation notice (we use no cuda graphs)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling back)")
+        warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+        yield
+
+
 def init_model_parallel(dims: "ParallelDims", device: torch.device, seed: int) -> None:
     """Megatron's process groups for ``dims`` (collective), checked against spmdrl's training mesh.
 
@@ -85,7 +97,8 @@ def init_model_parallel(dims: "ParallelDims", device: torch.device, seed: int) -
         # Megatron's default order (tp fastest, then dp, then pp) is ParallelDims' row-major train mesh.
         ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp)
     mine = sorted(dist.get_process_group_ranks(ps.get_data_parallel_group()))
-    ours = sorted(dims.dp_mesh.mesh.flatten().tolist())
+    here = dims.coords(dist.get_rank())
+    ours = [r for r in range(dims.world_size) if (dims.coords(r)["pp"], dims.coords(r)["tp"]) == (here["pp"], here["tp"])]
     if mine != ours:
         raise RuntimeError(f"Megatron's data-parallel group {mine} is not spmdrl's {ours}")
     if device.type == "cpu":
@@ -128,7 +141,8 @@ class MegatronEngine(TrainEngine):
         max_grad_norm: float = 1.0,
         seed: int = 0,
     ):
-        from megatron.core import parallel_state as ps
+        with quiet_megatron():
+            from megatron.core import parallel_state as ps
 
         if role not in ("actor", "ref"):
             raise ValueError(f"megatron engine role {role!r} is not supported; valid: actor, ref")
@@ -152,8 +166,9 @@ class MegatronEngine(TrainEngine):
 
         self.arch = HFArch.from_folder(model_path)
         self.arch.check_parallel(self.tp, self.pp)
-        self.config = transformer_config(self.arch, self.tp, self.pp)
-        with self._compat():
+        with quiet_megatron():
+            self.config = transformer_config(self.arch, self.tp, self.pp)
+        with self._compat(), quiet_megatron():
             self.model = build_gpt_model(self.arch, self.config, pre_process=self.pp_rank == 0,
                                          post_process=self.pp_rank == self.pp - 1)
         hf_state = read_hf_state(model_path)
@@ -176,12 +191,18 @@ class MegatronEngine(TrainEngine):
         if ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_values"):
             raise ValueError(f"algorithm.adv_estimator {cfg.algorithm.adv_estimator!r} needs a critic, which "
                              f"actor.strategy 'megatron' does not build; use actor.strategy fsdp2")
-        for key in ("param_dtype", "reduce_dtype"):
-            value = getattr(cfg.actor, key)
-            if value not in ("auto", "float32", "fp32"):
-                raise ValueError(f"actor.{key} is {value!r} but actor.strategy 'megatron' computes in float32 "
-                                 f"here; set actor.{key}: float32")
-        if cfg.model.dtype not in ("float32", "fp32"):
+        from spmdrl.parallel import resolve_device_type
+        from spmdrl.precision import resolve_dtype
+
+        compute = resolve_dtype(cfg.actor.param_dtype, resolve_device_type(cfg.trainer.device))
+        if compute != torch.float32 or cfg.actor.reduce_dtype != "float32":
+            raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} (here {str(compute)[6:]}) and "
+                             f"actor.reduce_dtype {cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes and "
+                             f"reduces in float32 only so far; set actor.param_dtype: float32")
+        if cfg.model.fused_kernels == "on":
+            raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own layers; "
+                             "set it to auto or off")
+        if cfg.model.dtype != "float32":
             raise ValueError(f"model.dtype is {cfg.model.dtype!r} but actor.strategy 'megatron' keeps float32 "
                              f"weights; set model.dtype: float32")
         if cfg.model.enable_gradient_checkpointing:
