@@ -505,8 +505,56 @@ class MegatronEngine(TrainEngine):
         if self.optimizer is not None:
             move_optimizer_state(self.optimizer, lambda p: p.device)
 
-    def state_dict(self) -> dict:
-        raise NotImplementedError("megatron engine checkpoints")
+    def _state_names(self) -> dict[str, str]:
+        """Checkpoint key of every local parameter: ``tp{rank}.`` + its name with the layer's global index.
 
+        Keys are the same on data-parallel replicas (DCP writes them once) and distinct across TP ranks
+        and stages, so a run resumes on another number of DP replicas or PP stages, with the same TP.
+        """
+        names = {}
+        for local, layer in enumerate(self.model.decoder.layers):
+            names[f"decoder.layers.{local}."] = f"decoder.layers.{layer.layer_number - 1}."
+        out = {}
+        for name, _ in self.model.named_parameters():
+            key = name
+            for local, glob in names.items():
+                if name.startswith(local):
+                    key = glob + name[len(local):]
+                    break
+            out[name] = f"tp{self.tp_rank}.{key}"
+        return out
+
+    def state_dict(self) -> dict:
+        """This rank's shards (+ AdamW moments, scheduler, step) for ``torch.distributed.checkpoint``; a
+        fresh engine's state (zero moments) is the load template."""
+        keys = self._state_names()
+        params = dict(self.model.named_parameters())
+        sd: dict = {"model": {keys[n]: p for n, p in params.items()}}
+        if self.optimizer is not None:
+            optim = {}
+            for n, p in params.items():
+                state = self.optimizer.state[p]
+                if not state:  # AdamW creates its state at the first step; the template needs it now
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                optim[keys[n]] = state
+            sd["optim"] = optim
+            sd["scheduler"] = self.scheduler.state_dict()
+            sd["step"] = self.global_step
+        return sd
+
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("megatron engine checkpoints")
+        keys = self._state_names()
+        for n, p in self.model.named_parameters():
+            p.copy_(state["model"][keys[n]])
+        if self.optimizer is not None:
+            for n, p in self.model.named_parameters():
+                saved = state["optim"][keys[n]]
+                live = self.optimizer.state[p]
+                for k, v in saved.items():
+                    if live.get(k) is not v:
+                        live[k] = v.clone()
+            self.scheduler.load_state_dict(state["scheduler"])
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+            self.global_step = int(state["step"])

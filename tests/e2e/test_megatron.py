@@ -1,5 +1,6 @@
 """``actor.strategy: megatron`` end to end: a 2-rank torchrun GRPO run (actor TP=2, reference, native
-rollout with weight sync) takes the steps the FSDP2 engine takes on the same seed."""
+rollout with weight sync) takes the steps the FSDP2 engine takes on the same seed, and a run resumed
+from its step-1 checkpoint takes the same second step."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ COMMON = ["--config", "configs/grpo.yaml", *TINY, "--trainer.total_steps", str(S
 
 def test_megatron_grpo_matches_fsdp2(tmp_path, spmdrl_cache):
     runs = {}
-    for name, extra in (("fsdp2", []), ("megatron", ["--actor.strategy", "megatron", "--parallel.tp", "2"])):
+    megatron_args = ["--actor.strategy", "megatron", "--parallel.tp", "2"]
+    for name, extra in (("fsdp2", []), ("megatron", [*megatron_args, "--trainer.save_freq", "1"]),
+                        ("resumed", [*megatron_args, "--trainer.resume",
+                                     str(tmp_path / "megatron" / "checkpoints" / "global_step_1")])):
         out = train([*COMMON, *extra, "--trainer.output_dir", str(tmp_path / name)], cache=spmdrl_cache, nproc=2)
         runs[name] = read_metrics(tmp_path / name)
     assert "tp=1" in out.stdout  # rank 1 sat on TP coordinate 1 of the megatron run
@@ -36,3 +40,8 @@ def test_megatron_grpo_matches_fsdp2(tmp_path, spmdrl_cache):
     for key in ("reward/mean", "actor/entropy", "actor/grad_norm", "actor/kl_loss"):
         assert math.isclose(megatron[1][key], fsdp2[1][key], rel_tol=1e-3), key
     assert megatron[1]["actor/kl_loss"] > 0  # the actor moved away from the reference
+    # Resumed on the same ranks: the second step is bitwise the uninterrupted one (CPU, fixed seed).
+    resumed = runs["resumed"]
+    assert [m["step"] for m in resumed] == [2]
+    for key in ("reward/mean", "actor/entropy", "actor/grad_norm", "actor/kl_loss", "actor/lr"):
+        assert resumed[0][key] == megatron[1][key], key

@@ -3,8 +3,9 @@
 One 2-rank spawn builds each layout in turn (tp=1 with dp=2, tp=2, pp=2) and
 records: fp32 log-probs and entropies against transformers, one GRPO update
 with the loop's own actor loss against the FSDP2 engine's update on the same
-rows, the exported HF tensors against the folder, and the native rollout
-engine's log-probs after a weight sync against the updated actor's.
+rows, the exported HF tensors against the folder, the native rollout
+engine's log-probs after a weight sync against the updated actor's, and a DCP
+checkpoint saved at pp=2 and resumed at pp=1.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _reference(hf, rows) -> tuple[torch.Tensor, torch.Tensor]:
     return logp.gather(-1, rows["input_ids"][:, P:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-def _run(rank: int, world: int, model_dir: str, result: str) -> None:
+def _run(rank: int, world: int, model_dir: str, ckpt: str, result: str) -> None:
+    import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
     from spmdrl.batch import from_generation
@@ -105,7 +107,21 @@ def _run(rank: int, world: int, model_dir: str, result: str) -> None:
         actor_logp = eng.forward_no_grad(sampled, micro_batch_size=4)["logp"]  # [n, R]
         mask = sampled["response_mask"].bool()
         out[f"{name}_sync_gap"] = float((actor_logp - gen.logprobs)[mask].abs().max())
+        if name == "pp2":
+            dcp.save(eng.state_dict(), checkpoint_id=ckpt)
+            eng.train_step(mine, loss_fn, mini_batch_size=N // 2, micro_batch_size=2)
+            out["pp2_second"] = {k: v.clone() for k, v in eng.export_weights()}
         del eng
+
+    # Resume the pp=2 checkpoint with pp=1 (dp=2): same weights, same Adam moments, same next step.
+    eng = MegatronEngine(model_dir, role="actor", dims=ParallelDims(world).build(), lr=LR, seed=0)
+    state = eng.state_dict()
+    dcp.load(state, checkpoint_id=ckpt)
+    eng.load_state_dict(state)
+    out["restored_step"] = eng.global_step
+    out["restored"] = {k: v.clone() for k, v in eng.export_weights()}
+    eng.train_step(mine, loss_fn, mini_batch_size=N // 2, micro_batch_size=2)
+    out["restored_second"] = {k: v.clone() for k, v in eng.export_weights()}
     if rank == 0:
         torch.save(out, result)
 
@@ -113,7 +129,7 @@ def _run(rank: int, world: int, model_dir: str, result: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("megatron")
-    spawn(_run, 2, str(tiny_model_dir), str(tmp / "out.pt"))
+    spawn(_run, 2, str(tiny_model_dir), str(tmp / "ckpt"), str(tmp / "out.pt"))
     return torch.load(tmp / "out.pt")
 
 
@@ -147,3 +163,10 @@ def test_grpo_update_equals_fsdp2(runs, layout):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_rollout_scores_like_the_actor_after_sync(runs, layout):
     assert runs[f"{layout}_sync_gap"] < 1e-4
+
+
+def test_checkpoint_resumes_on_another_pipeline_layout(runs):
+    assert runs["restored_step"] == 1
+    assert _max_diff(runs["restored"], runs["pp2"]) == 0.0
+    assert _max_diff(runs["pp2_second"], runs["pp2"]) > 0.5 * LR  # the second step moved the weights
+    assert _max_diff(runs["restored_second"], runs["pp2_second"]) < 1e-5
