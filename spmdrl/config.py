@@ -163,7 +163,7 @@ class RolloutConfig:
 class ActorConfig:
     strategy: str = "fsdp2"
     """Training engine (verl's actor.strategy) for actor, reference and critic: fsdp2, or megatron
-    (megatron-core GPTModel cut parallel.tp x parallel.pp ways; actor and reference only, float32)."""
+    (megatron-core GPTModel cut parallel.tp x parallel.pp ways; actor and reference only)."""
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0

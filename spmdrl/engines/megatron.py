@@ -61,6 +61,7 @@ from spmdrl.engines.megatron_weights import (
     transformer_config,
 )
 from spmdrl.engines.weights import build_optimizer, build_scheduler, move_optimizer_state
+from spmdrl.precision import resolve_dtype
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -116,6 +117,9 @@ class MegatronEngine(TrainEngine):
         role: "actor" (trained) or "ref" (frozen, no optimizer).
         dims: the run's parallel degrees with meshes built; uses tp, pp and the DP mesh.
         device: cpu (gloo, under ``cpu_compat``) or this rank's cuda device.
+        param_dtype: compute dtype; bfloat16 runs the forward (and so the backward) under
+            ``torch.autocast`` over the float32 weights: float32 master weights, gradients and
+            AdamW state, bf16 matmuls, as FSDP2's mixed-precision policy computes.
         temperature: logits are divided by it before log-probs and entropy.
         lr, weight_decay, betas, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps:
             AdamW and ``weights.WarmupSchedule``, as the FSDP2 engine.
@@ -130,6 +134,7 @@ class MegatronEngine(TrainEngine):
         role: Role,
         dims: "ParallelDims",
         device: torch.device | str = "cpu",
+        param_dtype: torch.dtype = torch.float32,
         temperature: float = 1.0,
         lr: float = 1e-6,
         weight_decay: float = 0.0,
@@ -148,8 +153,11 @@ class MegatronEngine(TrainEngine):
             raise ValueError(f"megatron engine role {role!r} is not supported; valid: actor, ref")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts score at temperature 1)")
+        if param_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"megatron engine param_dtype {param_dtype} is not supported; valid: float32, bfloat16")
         self.role = role
         self.device = torch.device(device)
+        self.param_dtype = param_dtype
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.global_step = 0
@@ -167,7 +175,7 @@ class MegatronEngine(TrainEngine):
         self.arch = HFArch.from_folder(model_path)
         self.arch.check_parallel(self.tp, self.pp)
         with quiet_megatron():
-            self.config = transformer_config(self.arch, self.tp, self.pp)
+            self.config = transformer_config(self.arch, self.tp, self.pp, param_dtype)
         with self._compat(), quiet_megatron():
             self.model = build_gpt_model(self.arch, self.config, pre_process=self.pp_rank == 0,
                                          post_process=self.pp_rank == self.pp - 1)
@@ -192,13 +200,12 @@ class MegatronEngine(TrainEngine):
             raise ValueError(f"algorithm.adv_estimator {cfg.algorithm.adv_estimator!r} needs a critic, which "
                              f"actor.strategy 'megatron' does not build; use actor.strategy fsdp2")
         from spmdrl.parallel import resolve_device_type
-        from spmdrl.precision import resolve_dtype
 
         compute = resolve_dtype(cfg.actor.param_dtype, resolve_device_type(cfg.trainer.device))
-        if compute != torch.float32 or cfg.actor.reduce_dtype != "float32":
-            raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} (here {str(compute)[6:]}) and "
-                             f"actor.reduce_dtype {cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes and "
-                             f"reduces in float32 only so far; set actor.param_dtype: float32")
+        if compute not in (torch.float32, torch.bfloat16) or cfg.actor.reduce_dtype != "float32":
+            raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} / actor.reduce_dtype "
+                             f"{cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes in float32 or bfloat16 "
+                             f"and reduces gradients in float32; use those")
         if cfg.model.fused_kernels == "on":
             raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own layers; "
                              "set it to auto or off")
@@ -226,7 +233,8 @@ class MegatronEngine(TrainEngine):
         device: torch.device | str,
         total_steps: int | None,
     ) -> "MegatronEngine":
-        common = dict(role=role, dims=dims, device=device, seed=cfg.trainer.seed,
+        compute = resolve_dtype(cfg.actor.param_dtype, torch.device(device).type)
+        common = dict(role=role, dims=dims, device=device, seed=cfg.trainer.seed, param_dtype=compute,
                       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0)
         if role != "actor":
             return cls(model_path, **common)
@@ -318,7 +326,12 @@ class MegatronEngine(TrainEngine):
         """Micro-batches through Megatron's schedule; the last stage returns what ``_loss`` returned."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        with self._compat():
+        # bf16 compute: forward and backward inside the autocast. Megatron's TP linear layers restore the
+        # forward's autocast state in their backward only for CUDA (custom_bwd(device_type="cuda")); on the
+        # CPU their backward would otherwise multiply bf16 gradients with float32 weights.
+        autocast = torch.autocast(self.device.type, dtype=self.param_dtype,
+                                  enabled=self.param_dtype != torch.float32)
+        with self._compat(), autocast:
             return get_forward_backward_func()(
                 forward_step_func=partial(self._forward_step, **step_kw),
                 data_iterator=iter(micros),

@@ -31,6 +31,11 @@ redirects, as read in megatron-core 0.16.1 (the version checked; see
   outside ``use_cpu_initialization``) swaps CPU RNG states as the CUDA tracker
   swaps CUDA ones: dropout inside TP regions differs per TP rank, reproducibly.
 
+Not redirected here but worked around by the engine: Megatron's TP linear layers
+declare ``custom_fwd`` / ``custom_bwd`` for device "cuda" only, so under a CPU
+``torch.autocast`` their backward would run without it; the engine keeps the
+whole schedule (forward and backward) inside the autocast.
+
 Everything else the engine needs runs unchanged on gloo: ``initialize_model_parallel``,
 ``GPTModel`` with the local (non-Transformer-Engine) layer spec and
 ``use_cpu_initialization``, TP linear layers (all-reduce, all-gather), and the

@@ -103,10 +103,11 @@ class HFArch:
         return -(-self.vocab_size // tp) * tp
 
 
-def transformer_config(arch: HFArch, tp: int, pp: int, dtype: torch.dtype = torch.float32) -> "TransformerConfig":
-    """Megatron's config for ``arch``: no fusions, no dropout (as HF's inference-equivalent forward),
-    weights initialised on the CPU (then overwritten by the HF weights), per-token loss
-    (our losses already divide by the global token count), plain isend/irecv between stages."""
+def transformer_config(arch: HFArch, tp: int, pp: int, compute_dtype: torch.dtype = torch.float32) -> "TransformerConfig":
+    """Megatron's config for ``arch``: float32 weights, no fusions, no dropout (as HF's
+    inference-equivalent forward), weights initialised on the CPU (then overwritten by the HF weights),
+    per-token loss (our losses already divide by the global token count), plain isend/irecv between
+    stages, which exchange activations in ``compute_dtype`` (what a stage emits under autocast)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -134,8 +135,8 @@ def transformer_config(arch: HFArch, tp: int, pp: int, dtype: torch.dtype = torc
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         use_cpu_initialization=True,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
+        params_dtype=torch.float32,
+        pipeline_dtype=compute_dtype,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=False,
