@@ -109,6 +109,17 @@ def init_model_parallel(dims: "ParallelDims", device: torch.device, seed: int) -
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def _model_arch(path: str) -> HFArch | None:
+    """The architecture of ``model.path`` before it exists on disk (a built-in model's from its size);
+    None for an unknown built-in name, which the config check refuses."""
+    if path.startswith("builtin:"):
+        from spmdrl.tools.tiny_model import SIZES
+
+        size = SIZES.get(path.split(":", 1)[1])
+        return None if size is None else HFArch.from_dict({"model_type": "qwen2", "vocab_size": 1, **size}, path)
+    return HFArch.from_folder(path)
+
+
 class MegatronEngine(TrainEngine):
     """One GPTModel shard (this rank's TP slice of its PP stage) and, for the actor, its AdamW.
 
@@ -206,6 +217,10 @@ class MegatronEngine(TrainEngine):
             raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} / actor.reduce_dtype "
                              f"{cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes in float32 or bfloat16 "
                              f"and reduces gradients in float32; use those")
+        p = cfg.parallel
+        arch = _model_arch(cfg.model.path)
+        if arch is not None:  # the model must cut into tp x pp pieces
+            arch.check_parallel(p.tp, p.pp)
         if cfg.model.fused_kernels == "on":
             raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own layers; "
                              "set it to auto or off")

@@ -59,7 +59,11 @@ class HFArch:
     def from_folder(cls, path: str | Path) -> "HFArch":
         """Read ``path/config.json``; ValueError (one sentence) for what GPTModel here cannot express."""
         file = Path(path) / "config.json"
-        cfg = json.loads(file.read_text())
+        return cls.from_dict(json.loads(file.read_text()), str(file))
+
+    @classmethod
+    def from_dict(cls, cfg: dict, file: str) -> "HFArch":
+        """``from_folder`` on the parsed config.json (``file`` names it in errors)."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{file}: model_type {model_type!r} has no Megatron conversion; supported: "
