@@ -5,10 +5,13 @@ from its step-1 checkpoint takes the same second step."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import TINY, read_metrics, train
+from conftest import REPO, TINY, read_metrics, train
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +28,9 @@ COMMON = ["--config", "configs/grpo.yaml", *TINY, "--trainer.total_steps", str(S
 def test_megatron_grpo_matches_fsdp2(tmp_path, spmdrl_cache):
     runs = {}
     megatron_args = ["--actor.strategy", "megatron", "--parallel.tp", "2"]
-    for name, extra in (("fsdp2", []), ("megatron", [*megatron_args, "--trainer.save_freq", "1"]),
+    saves = ["--trainer.export_hf_on_save", "true"]
+    for name, extra in (("fsdp2", [*saves, "--trainer.save_freq", "2"]),
+                        ("megatron", [*megatron_args, *saves, "--trainer.save_freq", "1"]),
                         ("resumed", [*megatron_args, "--trainer.resume",
                                      str(tmp_path / "megatron" / "checkpoints" / "global_step_1")])):
         out = train([*COMMON, *extra, "--trainer.output_dir", str(tmp_path / name)], cache=spmdrl_cache, nproc=2)
@@ -45,3 +50,17 @@ def test_megatron_grpo_matches_fsdp2(tmp_path, spmdrl_cache):
     assert [m["step"] for m in resumed] == [2]
     for key in ("reward/mean", "actor/entropy", "actor/grad_norm", "actor/kl_loss", "actor/lr"):
         assert resumed[0][key] == megatron[1][key], key
+    # The Hugging Face folders written at step 2: the same weights, up to float noise next to the step.
+    from safetensors.torch import load_file
+
+    hf = {n: load_file(str(tmp_path / n / "checkpoints" / "global_step_2" / "hf" / "model.safetensors"))
+          for n in ("fsdp2", "megatron")}
+    first = load_file(str(tmp_path / "megatron" / "checkpoints" / "global_step_1" / "hf" / "model.safetensors"))
+    assert sorted(hf["fsdp2"]) == sorted(hf["megatron"])
+    norm = lambda a, b: sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5  # noqa: E731
+    assert norm(hf["megatron"], hf["fsdp2"]) < 1e-3 * norm(hf["megatron"], first)
+    # spmdrl.export reads FSDP2 checkpoints; a Megatron one is refused with a pointer to export_hf_on_save.
+    done = subprocess.run([sys.executable, "-m", "spmdrl.export", "--checkpoint", str(tmp_path / "megatron"),
+                           "--out", str(tmp_path / "export")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and "export_hf_on_save" in done.stderr, done.stderr[-2000:]
