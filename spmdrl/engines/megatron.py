@@ -191,6 +191,10 @@ class MegatronEngine(TrainEngine):
             self.model = build_gpt_model(self.arch, self.config, pre_process=self.pp_rank == 0,
                                          post_process=self.pp_rank == self.pp - 1)
         hf_state = read_hf_state(model_path)
+        converted = {h for _, _, names in self._export_plan() for h in names} | {"lm_head.weight"}
+        unused = sorted(set(hf_state) - converted)
+        if unused:  # a weight no rule converts would be silently dropped: a different model
+            raise ValueError(f"{model_path}: weights {unused[:3]} have no Megatron conversion rule")
         self._hf_shapes = {k: v.shape for k, v in hf_state.items()}
         load_hf_state(self.model, hf_state, self.arch, self.tp_rank, self.tp)
         del hf_state
@@ -206,21 +210,20 @@ class MegatronEngine(TrainEngine):
     @classmethod
     def check_config(cls, cfg: "Config") -> None:
         from spmdrl.algos.registry import ADVANTAGES
+        from spmdrl.parallel import resolve_device_type
 
         if ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_values"):
             raise ValueError(f"algorithm.adv_estimator {cfg.algorithm.adv_estimator!r} needs a critic, which "
                              f"actor.strategy 'megatron' does not build; use actor.strategy fsdp2")
-        from spmdrl.parallel import resolve_device_type
 
         compute = resolve_dtype(cfg.actor.param_dtype, resolve_device_type(cfg.trainer.device))
         if compute not in (torch.float32, torch.bfloat16) or cfg.actor.reduce_dtype != "float32":
             raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} / actor.reduce_dtype "
                              f"{cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes in float32 or bfloat16 "
                              f"and reduces gradients in float32; use those")
-        p = cfg.parallel
         arch = _model_arch(cfg.model.path)
         if arch is not None:  # the model must cut into tp x pp pieces
-            arch.check_parallel(p.tp, p.pp)
+            arch.check_parallel(cfg.parallel.tp, cfg.parallel.pp)
         if cfg.model.fused_kernels == "on":
             raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own layers; "
                              "set it to auto or off")

@@ -74,6 +74,11 @@ class HFArch:
             raise ValueError(f"{file}: rope type {rope_type!r} is not converted to Megatron; only 'default' RoPE")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{file}: hidden_act {cfg.get('hidden_act')!r} is not converted; only 'silu' (SwiGLU)")
+        if model_type != "qwen2" and cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise ValueError(f"{file}: attention_bias / mlp_bias is true; Megatron's layers here have biases only on "
+                             f"q, k and v (Qwen2), so the o_proj / MLP biases would be lost")
+        if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError(f"{file}: partial_rotary_factor is not 1; only full-width RoPE is converted")
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{file}: use_sliding_window is true; Megatron's GPTModel here is full attention only")
         heads = cfg["num_attention_heads"]
@@ -90,7 +95,7 @@ class HFArch:
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
         )
 

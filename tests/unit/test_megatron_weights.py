@@ -65,5 +65,7 @@ def test_unsupported_config_is_one_sentence(tmp_path):
         _arch(tmp_path, model_type="gpt2")
     with pytest.raises(ValueError, match="rope type 'yarn'"):
         _arch(tmp_path, rope_parameters={"rope_type": "yarn", "rope_theta": 1.0})
+    with pytest.raises(ValueError, match="o_proj / MLP biases would be lost"):
+        _arch(tmp_path, model_type="llama", attention_bias=True)
     with pytest.raises(ValueError, match="parallel.tp=3 does not divide"):
         _arch(tmp_path).check_parallel(3, 1)
