@@ -71,7 +71,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree of the training mesh."""
     pp: int = 1
-    """Pipeline-parallel degree of the training mesh."""
+    """Pipeline-parallel degree of the training mesh (actor.strategy megatron: 1F1B schedule over the stages)."""
     rollout_tp: int = 1
     """Tensor-parallel degree of the rollout mesh; rollout DP is world_size / rollout_tp."""
 

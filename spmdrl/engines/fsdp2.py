@@ -223,7 +223,7 @@ class FSDP2Engine(TrainEngine):
         p = cfg.parallel
         if p.pp > 1:
             raise ValueError(f"parallel.pp is {p.pp} but actor.strategy 'fsdp2' has no pipeline schedule; "
-                             f"set parallel.pp: 1")
+                             f"set parallel.pp: 1, or actor.strategy: megatron")
         if cfg.model.fused_kernels == "on" and p.tp > 1:
             raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
                              f"support tensor parallelism: set model.fused_kernels to auto or off")
