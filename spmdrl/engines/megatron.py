@@ -51,12 +51,12 @@ from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows, tok
 from spmdrl.engines.megatron_cpu import check_version, compat_context, install_cpu_rng_tracker
 from spmdrl.engines.megatron_weights import (
     HFArch,
+    HFWeights,
     build_gpt_model,
     global_rules,
     layer_rules,
     load_hf_state,
     local_rules,
-    read_hf_state,
     to_hf,
     transformer_config,
 )
@@ -190,14 +190,14 @@ class MegatronEngine(TrainEngine):
         with self._compat(), quiet_megatron():
             self.model = build_gpt_model(self.arch, self.config, pre_process=self.pp_rank == 0,
                                          post_process=self.pp_rank == self.pp - 1)
-        hf_state = read_hf_state(model_path)
+        hf = HFWeights(model_path)
         converted = {h for _, _, names in self._export_plan() for h in names} | {"lm_head.weight"}
-        unused = sorted(set(hf_state) - converted)
+        unused = sorted(hf.names() - converted)
         if unused:  # a weight no rule converts would be silently dropped: a different model
             raise ValueError(f"{model_path}: weights {unused[:3]} have no Megatron conversion rule")
-        self._hf_shapes = {k: v.shape for k, v in hf_state.items()}
-        load_hf_state(self.model, hf_state, self.arch, self.tp_rank, self.tp)
-        del hf_state
+        self._hf_shapes = {k: hf.shape(k) for k in hf.names()}
+        load_hf_state(self.model, hf, self.arch, self.tp_rank, self.tp)
+        del hf
         self.model.to(self.device)
         if role == "ref":
             self.model.requires_grad_(False)

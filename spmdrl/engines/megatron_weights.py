@@ -3,7 +3,7 @@
     arch = HFArch.from_folder(path)                          # Llama / Qwen2 / Qwen3 decoder
     config = transformer_config(arch, tp=2, pp=1)
     model = build_gpt_model(arch, config, pre_process=True, post_process=True)
-    load_hf_state(model, read_hf_state(path), arch, tp_rank, tp)        # HF -> this rank's shards
+    load_hf_state(model, HFWeights(path), arch, tp_rank, tp)           # HF -> this rank's shards
     full = to_hf(rule, [shard of every TP rank], arch)                # this rank's shards -> HF
 
 One table of ``Rule``s (``layer_rules`` / ``global_rules``) names every
@@ -260,17 +260,32 @@ def to_hf(rule: Rule, parts: Sequence[torch.Tensor], arch: HFArch) -> list[torch
     return [t.reshape(-1, *full.shape[1:]) for t in (q, k, v)]
 
 
-def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files (sharded or not), on the CPU."""
-    from safetensors.torch import load_file
+class HFWeights:
+    """The tensors of a folder's safetensors files (sharded or not), read one at a time on demand:
+    a rank loads only the weights of its own pipeline stage."""
 
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors weights to load into the Megatron model")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors weights to load into the Megatron model")
+        self._where: dict[str, object] = {}  # tensor name -> the open file that holds it
+        for f in files:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+            self._where.update({k: handle for k in handle.keys()})
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
 
 
 def local_rules(model: nn.Module, arch: HFArch) -> list[tuple[str, Rule, tuple[str, ...]]]:
@@ -295,7 +310,8 @@ def local_rules(model: nn.Module, arch: HFArch) -> list[tuple[str, Rule, tuple[s
 
 
 @torch.no_grad()
-def load_hf_state(model: nn.Module, hf_state: dict[str, torch.Tensor], arch: HFArch, tp_rank: int, tp: int) -> None:
+def load_hf_state(model: nn.Module, hf_state: "HFWeights | dict[str, torch.Tensor]", arch: HFArch, tp_rank: int,
+                  tp: int) -> None:
     """Copy this rank's shards of the HF weights into ``model`` (every local parameter is written)."""
     params = dict(model.named_parameters())
     for name, rule, hf_names in local_rules(model, arch):
