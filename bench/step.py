@@ -3,6 +3,7 @@
     python bench/step.py                       # tiny model, 8 prompts x 8 responses x 64 new tokens
     python bench/step.py --model small --steps 5
     python bench/step.py --vllm-python .venv-vllm/bin/python   # adds rollout.engine vllm at rollout TP 1 and 2
+    python bench/step.py --megatron --no-trl   # instead: 2-rank fp32 rows of fsdp2 and megatron (tp 1, tp 2, pp 2)
 
 Every spmdrl row is a real ``python -m spmdrl.train`` (torchrun for 2 ranks)
 run of configs/grpo.yaml at the same global batch; the figure is the median
@@ -28,14 +29,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "auto": "auto"}
+# Training engine of a row -> its command-line arguments.
+TRAIN_ENGINES = {
+    "fsdp2": [],
+    "megatron tp=1": ["--actor.strategy", "megatron"],
+    "megatron tp=2": ["--actor.strategy", "megatron", "--parallel.tp", "2"],
+    "megatron pp=2": ["--actor.strategy", "megatron", "--parallel.pp", "2"],
+}
 sys.path.insert(0, str(REPO))  # runnable from a checkout without pip install
 
 
 def spmdrl_run(model: str, run: tuple, a: argparse.Namespace, tmp: Path) -> list[dict]:
-    """The metrics.jsonl rows of one training run (world, colocate, dtype, engine, rollout TP), warm-up step
-    dropped; vllm runs use ``--vllm-python``."""
-    world, colocate, dtype, engine, tp = run
-    out = tmp / f"w{world}_c{int(colocate)}_{dtype}_{engine}{tp}"
+    """The metrics.jsonl rows of one training run (world, colocate, dtype, engine, rollout TP, training engine),
+    warm-up step dropped; vllm runs use ``--vllm-python``."""
+    world, colocate, dtype, engine, tp, train = run
+    out = tmp / f"w{world}_c{int(colocate)}_{dtype}_{engine}{tp}_{train}"
     shutil.rmtree(out, ignore_errors=True)
     args = [
         "--config", "configs/grpo.yaml", "--model.path", f"builtin:{model}", "--trainer.total_steps", str(a.steps),
@@ -46,7 +54,7 @@ def spmdrl_run(model: str, run: tuple, a: argparse.Namespace, tmp: Path) -> list
         "--trainer.logger", "[jsonl]", "--trainer.output_dir", str(out),
         "--rollout.dtype", DTYPES[dtype], "--actor.param_dtype", DTYPES[dtype],
         "--rollout.ignore_eos", "true",  # every response is new_tokens long, in TRL's run too: equal work
-        "--rollout.engine", engine, "--parallel.rollout_tp", str(tp),
+        "--rollout.engine", engine, "--parallel.rollout_tp", str(tp), *TRAIN_ENGINES[train],
     ]
     python = a.vllm_python if engine == "vllm" else sys.executable
     if world == 1:
@@ -97,6 +105,9 @@ def main() -> None:
     p.add_argument("--no-trl", action="store_true")
     p.add_argument("--vllm-python", default=None,
                    help="python of a venv with vllm (.venv-vllm/bin/python): adds 2-rank rows with rollout.engine vllm")
+    p.add_argument("--megatron", action="store_true",
+                   help="instead of the main rows: 2-rank colocated fp32 rows of actor.strategy fsdp2 and megatron "
+                        "(tp 1, tp 2, pp 2)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="compute and rollout dtype of the main rows (auto: bf16 where native, else fp32)")
     a = p.parse_args()
@@ -116,11 +127,13 @@ def main() -> None:
         from spmdrl.precision import resolve_dtype
 
         main_dtype = "bf16" if resolve_dtype("auto", "cpu") == torch.bfloat16 else "fp32"
-    runs = [(1, True, main_dtype, "native", 1), (1, False, main_dtype, "native", 1), (2, True, main_dtype, "native", 1),
-            (2, False, main_dtype, "native", 1)]
-    runs += [(1, True, "fp32", "native", 1)] if main_dtype != "fp32" else []
+    runs = [(1, True, main_dtype, "native", 1, "fsdp2"), (1, False, main_dtype, "native", 1, "fsdp2"),
+            (2, True, main_dtype, "native", 1, "fsdp2"), (2, False, main_dtype, "native", 1, "fsdp2")]
+    runs += [(1, True, "fp32", "native", 1, "fsdp2")] if main_dtype != "fp32" else []
     if a.vllm_python:  # the same 2-rank colocated work, rolled out by vLLM: one engine per rank, then one over both
-        runs += [(2, True, main_dtype, "vllm", 1), (2, True, main_dtype, "vllm", 2)]
+        runs += [(2, True, main_dtype, "vllm", 1, "fsdp2"), (2, True, main_dtype, "vllm", 2, "fsdp2")]
+    if a.megatron:  # the Megatron engine computes in float32: against FSDP2 in float32 on the same work
+        runs = [(2, True, "fp32", "native", 1, t) for t in TRAIN_ENGINES]
     trl_dtypes = ("fp32", main_dtype) if not a.no_trl and importlib.util.find_spec("trl") else ()
     trl_dtypes = tuple(dict.fromkeys(trl_dtypes))
     trl_steps: dict[str, dict[str, list[float]]] = {d: {"step_s": [], "length": []} for d in trl_dtypes}
@@ -143,16 +156,16 @@ def main() -> None:
           f"(rounds interleaved). "
           f"bf16 = bf16 compute with float32 master weights (TRL: bf16=True autocast; spmdrl: FSDP2 param_dtype "
           f"and rollout dtype). 'vs TRL' divides TRL fp32's s/step by the row's.\n")
-    print("| runner | rollout | precision | ranks | sleep/wake | resp len | s/step | gen tok/s | rollout s | sync s "
-          "| update s | peak GB | max phase GB | vs TRL fp32 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| runner | training | rollout | precision | ranks | sleep/wake | resp len | s/step | gen tok/s | rollout s "
+          "| sync s | update s | peak GB | max phase GB | vs TRL fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d, r in trl.items():
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
-        print(f"| TRL GRPOTrainer | transformers | {d} | 1 | - | {r['length']:.1f} | {r['step_s']:.2f} | "
+        print(f"| TRL GRPOTrainer | transformers | transformers | {d} | 1 | - | {r['length']:.1f} | {r['step_s']:.2f} | "
               f"{tokens / r['step_s']:.0f} | | | | | | {ratio} |")
-    for (world, colocate, d, engine, tp), r in rows:
+    for (world, colocate, d, engine, tp, train), r in rows:
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
-        print(f"| spmdrl | {engine} tp={tp} | {d} | {world} | {'on' if colocate else 'off'} | {r['length']:.1f} | "
+        print(f"| spmdrl | {train} | {engine} tp={tp} | {d} | {world} | {'on' if colocate else 'off'} | {r['length']:.1f} | "
               f"{r['step_s']:.2f} | {tokens / r['step_s']:.0f} | {r['rollout_s']:.2f} | {r['sync_s']:.3f} | "
               f"{r['update_s']:.2f} | {r['peak_gb']:.2f} | {r['max_phase_gb']:.2f} | {ratio} |")
 

@@ -384,6 +384,13 @@ class Checkpointer:
     def _engines(self) -> dict[str, Any]:
         return self.r.engines
 
+    def _all_shapes(self, model_state: dict) -> dict[str, list[int]]:
+        """Weight shapes of the whole model: the union over ranks (a pipeline stage or TP rank of the
+        Megatron engine holds only its own weights; FSDP2 ranks hold the same global DTensor shapes)."""
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, _model_shapes(model_state), group=self._pg)
+        return dict(sorted((k, v) for part in parts for k, v in part.items()))
+
     def save(self, step: int) -> Path:
         """Write ``global_step_{step}``; returns its folder once it is complete and ``latest`` names it."""
         start = time.perf_counter()
@@ -401,7 +408,7 @@ class Checkpointer:
         shapes = {}
         for role, engine in self._engines().items():
             state = engine.state_dict()
-            shapes[role] = _model_shapes(state["model"])
+            shapes[role] = self._all_shapes(state["model"])
             save_state(state, tmp / role, self._pg)
         error = None
         try:
@@ -510,7 +517,7 @@ class Checkpointer:
         path = Path(path)
         engines = self._engines()
         states = {role: engine.state_dict() for role, engine in engines.items()}
-        self._check_compatible(path, manifest, {k: _model_shapes(v["model"]) for k, v in states.items()})
+        self._check_compatible(path, manifest, {k: self._all_shapes(v["model"]) for k, v in states.items()})
         for role, engine in engines.items():
             load_state(states[role], path / role, self._pg)
             engine.load_state_dict(states[role])

@@ -71,7 +71,7 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree of the training mesh."""
     pp: int = 1
-    """Pipeline-parallel degree of the training mesh."""
+    """Pipeline-parallel degree of the training mesh (actor.strategy megatron: 1F1B schedule over the stages)."""
     rollout_tp: int = 1
     """Tensor-parallel degree of the rollout mesh; rollout DP is world_size / rollout_tp."""
 
@@ -169,7 +169,8 @@ class RolloutConfig:
 @dataclass
 class ActorConfig:
     strategy: str = "fsdp2"
-    """Training engine (verl's actor.strategy) for actor, reference and critic: fsdp2."""
+    """Training engine (verl's actor.strategy) for actor, reference and critic: fsdp2, or megatron
+    (megatron-core GPTModel cut parallel.tp x parallel.pp ways; actor and reference only)."""
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     weight_decay: float = 0.0

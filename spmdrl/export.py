@@ -36,6 +36,11 @@ def read_model_state(checkpoint: Path, role: str = "actor") -> dict[str, torch.T
     if role != "actor" or "actor" not in manifest["roles"]:
         raise ConfigError(f"checkpoint {str(checkpoint)!r} has no {role} that exports as a causal LM; "
                           f"use actor")
+    saved_cfg = checkpoint / "config.yaml"
+    if saved_cfg.is_file() and "strategy: megatron" in saved_cfg.read_text():
+        raise ConfigError(f"checkpoint {str(checkpoint)!r} holds Megatron shards (actor.strategy megatron), which "
+                          f"this export does not convert; train with trainer.export_hf_on_save true, which writes "
+                          f"a Hugging Face folder global_step_N/hf/ at each save")
     config = AutoConfig.from_pretrained(checkpoint / manifest["model_files"])
     # Real (not meta) tensors: DCP copies the saved shards into them in place.
     model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[manifest["dtype"]])

@@ -4,8 +4,9 @@
     actor = build_engine(cfg, model_path, role="actor", dims=dims, device=device, total_steps=100)
 
 ``cfg.actor.strategy`` picks the backend: ``fsdp2`` (``spmdrl.engines.fsdp2.FSDP2Engine``)
-runs on CPU and GPU. Each engine class checks its own config keys (``check_config``)
-before any process group exists.
+or ``megatron`` (``spmdrl.engines.megatron.MegatronEngine``: megatron-core GPTModel with
+``parallel.tp`` / ``parallel.pp``; actor and reference, no critic); both run on CPU and GPU.
+Each engine class checks its own config keys (``check_config``) before any process group exists.
 """
 
 from __future__ import annotations
@@ -26,8 +27,23 @@ def _fsdp2() -> type[TrainEngine]:
     return FSDP2Engine
 
 
+def _megatron() -> type[TrainEngine]:
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # its notices that Apex / Transformer Engine are absent: we use neither
+            warnings.simplefilter("ignore")
+            import megatron.core  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"actor.strategy 'megatron' needs megatron-core, which is not importable here ({err}); "
+                          f"pip install -c constraints.txt 'megatron-core==0.16.1'") from err
+    from spmdrl.engines.megatron import MegatronEngine
+
+    return MegatronEngine
+
+
 # strategy name (actor.strategy) -> factory returning the class; a backend is imported only when chosen.
-ENGINES: dict[str, Callable[[], type[TrainEngine]]] = {"fsdp2": _fsdp2}
+ENGINES: dict[str, Callable[[], type[TrainEngine]]] = {"fsdp2": _fsdp2, "megatron": _megatron}
 
 
 def engine_class(strategy: str) -> type[TrainEngine]:
@@ -51,8 +67,7 @@ def build_engine(
         cfg,
         role,
         model_path=model_path,
-        dp_mesh=dims.fsdp_mesh,
-        tp_mesh=dims.tp_mesh,
+        dims=dims,
         device=device,
         total_steps=total_steps,
     )

@@ -9,6 +9,11 @@ optimizer. The loop never sees FSDP2 vs Megatron: it calls
     engine.offload(); engine.onload()                         # around rollout
     engine.state_dict(); engine.load_state_dict(sd)           # checkpoints (DCP)
 
+Each engine class is built by ``from_config(cfg, role, model_path=..., dims=..., device=...,
+total_steps=...)`` with the run's ``ParallelDims``: an engine takes the meshes it needs from it
+(FSDP2: the FSDP and TP meshes; Megatron: TP, PP and DP), so adding a parallel axis does not
+change the factory. ``check_config(cfg)`` refuses what the engine cannot do before any work.
+
 ``loss_fn(outputs, micro_batch, scale) -> (loss, metrics)`` receives the
 forward outputs of one micro-batch and a ``LossScale`` with the mini-batch's
 global counts, so token-mean losses divide by the global number of valid
@@ -19,14 +24,17 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional
 
 import torch
+import torch.distributed as dist
 
+from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
 from spmdrl.batch import Batch
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
+    from spmdrl.parallel import ParallelDims
 
 
 @dataclass
@@ -46,6 +54,24 @@ class TrainEngine(abc.ABC):
     def check_config(cls, cfg: "Config") -> None:
         """Raise ValueError (one sentence) when ``cfg`` asks this engine for something it cannot do;
         runs before any process group or model exists. The default accepts everything."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(
+        cls,
+        cfg: "Config",
+        role: Literal["actor", "ref", "critic"],
+        *,
+        model_path: str,
+        dims: "ParallelDims",
+        device: torch.device | str,
+        total_steps: int | None,
+    ) -> "TrainEngine":
+        """The ``role`` engine of this rank on the meshes of ``dims`` (collective: every rank calls it)."""
+
+    @abc.abstractmethod
+    def num_params(self) -> int:
+        """Parameters of the full (unsharded) model; tied weights counted once."""
 
     @abc.abstractmethod
     def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict[str, torch.Tensor]:
@@ -77,3 +103,54 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
         """Inverse of ``state_dict``."""
+
+
+def gather_rows(batch: Batch, group: dist.ProcessGroup, comm_device: torch.device) -> Batch:
+    """Rows of every rank of ``group``, in group-rank order; prompts left-padded and responses
+    right-padded to the group's longest. Non-tensor fields are dropped (losses only read tensors).
+
+    Model-parallel ranks (TP, PP) hold different rows of the world-sharded batch but must run the
+    same forward; every rank holds the same number of rows, so rank r's rows of the result are
+    ``[r * len(batch), (r + 1) * len(batch))``.
+    """
+    size = dist.get_world_size(group)
+    total, resp = batch["input_ids"].shape[1], batch["response_mask"].shape[1]
+    shapes = [torch.zeros(2, dtype=torch.int64, device=comm_device) for _ in range(size)]
+    dist.all_gather(shapes, torch.tensor([total - resp, resp], device=comm_device), group=group)
+    p_max = max(int(s[0]) for s in shapes)
+    r_max = max(int(s[1]) for s in shapes)
+    out = {}
+    for key, v in batch.tensors.items():
+        if v.dim() >= 2 and v.shape[1] == total:
+            pad_p, pad_r = p_max - (total - resp), r_max - resp
+            v = torch.cat(
+                [
+                    v.new_zeros(v.shape[0], pad_p, *v.shape[2:]),
+                    v[:, : total - resp],
+                    v[:, total - resp :],
+                    v.new_zeros(v.shape[0], pad_r, *v.shape[2:]),
+                ],
+                dim=1,
+            )
+        elif v.dim() >= 2 and v.shape[1] == resp:
+            v = torch.cat([v, v.new_zeros(v.shape[0], r_max - resp, *v.shape[2:])], dim=1)
+        v = v.contiguous().to(comm_device)
+        parts = [torch.empty_like(v) for _ in range(size)]
+        dist.all_gather(parts, v, group=group)
+        out[key] = torch.cat(parts).to(batch["input_ids"].device)
+    return Batch(out)
+
+
+def token_outputs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = False
+) -> dict[str, torch.Tensor]:
+    """{"logp", optional "entropy"} [n, R] float32 from the logits [n, R, V] that predict ``labels`` [n, R].
+
+    The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus); otherwise it is a
+    metric computed in the same chunked pass as the log-probs.
+    """
+    if with_entropy and entropy_grad:
+        logits = logits.float() / temperature
+        return {"logp": logprobs_from_logits(logits, labels), "entropy": entropy_from_logits(logits)}
+    logp, entropy = token_logprobs(logits, labels, temperature, with_entropy)
+    return {"logp": logp} if entropy is None else {"logp": logp, "entropy": entropy}

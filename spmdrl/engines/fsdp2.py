@@ -31,7 +31,7 @@ no-grad forwards, then keeps this rank's rows of the result).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine
+from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows, token_outputs
 from spmdrl.engines.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
 from spmdrl.engines.weights import (
@@ -55,11 +54,13 @@ from spmdrl.engines.weights import (
     clip_grad_norm_,
     iter_full_state,
     iter_unsharded_state,
+    move_optimizer_state,
 )
 from spmdrl.precision import resolve_dtype, to_dtype
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
+    from spmdrl.parallel import ParallelDims
 
 Role = Literal["actor", "ref", "critic", "reward"]
 FROZEN = ("ref", "reward")  # roles without optimizer or gradients
@@ -250,7 +251,7 @@ class FSDP2Engine(TrainEngine):
         p = cfg.parallel
         if p.pp > 1:
             raise ValueError(f"parallel.pp is {p.pp} but actor.strategy 'fsdp2' has no pipeline schedule; "
-                             f"set parallel.pp: 1")
+                             f"set parallel.pp: 1, or actor.strategy: megatron")
         if cfg.model.fused_kernels == "on" and p.tp > 1:
             raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
                              f"support tensor parallelism: set model.fused_kernels to auto or off")
@@ -262,16 +263,17 @@ class FSDP2Engine(TrainEngine):
         role: Role,
         *,
         model_path: str,
-        dp_mesh: DeviceMesh,
-        tp_mesh: DeviceMesh | None,
+        dims: "ParallelDims",
         device: torch.device | str,
         total_steps: int | None,
     ) -> "FSDP2Engine":
-        """Build a role's engine from the run config (``model_path`` already resolved from ``builtin:``)."""
+        """Build a role's engine from the run config (``model_path`` already resolved from ``builtin:``)
+        on the FSDP mesh (or HSDP mesh) and TP mesh of ``dims``."""
         a, m = cfg.actor, cfg.model
+        tp_mesh = dims.tp_mesh
         common = dict(
             role=role,
-            dp_mesh=dp_mesh,
+            dp_mesh=dims.fsdp_mesh,
             tp_mesh=tp_mesh,
             device=device,
             dtype=m.dtype,
@@ -348,38 +350,10 @@ class FSDP2Engine(TrainEngine):
             )
 
     def _gather_tp(self, batch: Batch) -> Batch:
-        """Rows of the whole TP group, in TP-rank order; prompts left-padded and responses right-padded
-        to the group's longest. Non-tensor fields are dropped (losses only read tensors)."""
+        """Rows of the whole TP group, in TP-rank order (``gather_rows``)."""
         if self.tp_mesh is None:
             return batch
-        group = self.tp_mesh.get_group()
-        tp = self.tp_mesh.size()
-        total, resp = batch["input_ids"].shape[1], batch["response_mask"].shape[1]
-        dev = self._comm_device()
-        shapes = [torch.zeros(2, dtype=torch.int64, device=dev) for _ in range(tp)]
-        dist.all_gather(shapes, torch.tensor([total - resp, resp], device=dev), group=group)
-        p_max = max(int(s[0]) for s in shapes)
-        r_max = max(int(s[1]) for s in shapes)
-        out = {}
-        for key, v in batch.tensors.items():
-            if v.dim() >= 2 and v.shape[1] == total:
-                pad_p, pad_r = p_max - (total - resp), r_max - resp
-                v = torch.cat(
-                    [
-                        v.new_zeros(v.shape[0], pad_p, *v.shape[2:]),
-                        v[:, : total - resp],
-                        v[:, total - resp :],
-                        v.new_zeros(v.shape[0], pad_r, *v.shape[2:]),
-                    ],
-                    dim=1,
-                )
-            elif v.dim() >= 2 and v.shape[1] == resp:
-                v = torch.cat([v, v.new_zeros(v.shape[0], r_max - resp, *v.shape[2:])], dim=1)
-            v = v.contiguous().to(dev)
-            parts = [torch.empty_like(v) for _ in range(tp)]
-            dist.all_gather(parts, v, group=group)
-            out[key] = torch.cat(parts).to(batch["input_ids"].device)
-        return Batch(out)
+        return gather_rows(batch, self.tp_mesh.get_group(), self._comm_device())
 
     def _loss_scale(self, mini: Batch) -> LossScale:
         counts = torch.tensor(
@@ -412,12 +386,7 @@ class FSDP2Engine(TrainEngine):
         # prompt, not past the end), and its [n, R, V] output comes out contiguous.
         keep = torch.arange(ids.shape[1] - resp - 1, ids.shape[1] - 1, device=ids.device)
         logits = self.model(**kwargs, use_cache=False, logits_to_keep=keep).logits  # [n, R, V]
-        labels = ids[:, -resp:]
-        if with_entropy and entropy_grad:
-            logits = logits.float() / self.temperature
-            return {"logp": logprobs_from_logits(logits, labels), "entropy": entropy_from_logits(logits)}
-        logp, entropy = token_logprobs(logits, labels, self.temperature, with_entropy)
-        return {"logp": logp} if entropy is None else {"logp": logp, "entropy": entropy}
+        return token_outputs(logits, ids[:, -resp:], self.temperature, with_entropy, entropy_grad)
 
     def forward_no_grad(
         self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
@@ -527,24 +496,15 @@ class FSDP2Engine(TrainEngine):
         if self.optimizer is None:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self._move_optimizer_state(lambda p: torch.device("cpu"))
+        move_optimizer_state(self.optimizer, lambda p: torch.device("cpu"))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
         """Optimizer moments back next to their parameters (on the device, or the CPU under cpu_offload)."""
         if self.optimizer is not None:
-            self._move_optimizer_state(lambda p: p.device)
+            move_optimizer_state(self.optimizer, lambda p: p.device)
 
-    def _move_optimizer_state(self, where: Callable[[nn.Parameter], torch.device]) -> None:
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                state = self.optimizer.state.get(p, {})
-                for k, v in state.items():
-                    # Adam's "step" is a CPU scalar by design (non-capturable): leave it where it is.
-                    # Blocking copies: a non-blocking D2H copy may be read before it lands.
-                    if isinstance(v, torch.Tensor) and k != "step":
-                        state[k] = v.to(where(p))
 
     def state_dict(self) -> dict:
         """Sharded model (+ optimizer, scheduler, step) for ``torch.distributed.checkpoint.save/load``.

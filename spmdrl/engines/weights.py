@@ -8,7 +8,7 @@ functions serve 1 rank and k ranks.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Iterator, Literal
+from typing import Callable, Iterable, Iterator, Literal
 
 import torch
 import torch.nn as nn
@@ -111,6 +111,18 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float) -> float:
         for grads in groups.values():
             torch._foreach_mul_(grads, coef)
     return total
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, where: Callable[[nn.Parameter], torch.device]) -> None:
+    """Move every optimizer state tensor of parameter ``p`` to ``where(p)`` (offload / onload)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for k, v in state.items():
+                # Adam's "step" is a CPU scalar by design (non-capturable): leave it where it is.
+                # Blocking copies: a non-blocking D2H copy may be read before it lands.
+                if isinstance(v, torch.Tensor) and k != "step":
+                    state[k] = v.to(where(p))
 
 
 def hf_name(name: str) -> str:

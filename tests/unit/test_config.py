@@ -41,7 +41,7 @@ BAD = [
     (["--rollout.engine", "trt"], "rollout.engine is 'trt'; valid values: hf, native"),
     # Backends that are not part of this version are refused before any work, not after start-up.
     (["--rollout.engine", "sglang"], "rollout.engine is 'sglang'; valid values: hf, native, vllm"),
-    (["--actor.strategy", "megatron"], "actor.strategy is 'megatron'; valid values: fsdp2"),
+    (["--actor.strategy", "deepspeed"], "actor.strategy is 'deepspeed'; valid values: fsdp2, megatron"),
     (["--actor.param_dtype", "fp8"], "actor.param_dtype"),
     (["--actor.kl_loss_type", "k9"], "actor.kl_loss_type is 'k9'"),
     (["--actor.loss_agg_mode", "mean"], "actor.loss_agg_mode is 'mean'"),
@@ -108,6 +108,20 @@ def test_backends_check_their_own_options(monkeypatch, capsys):
     assert code == 2 and "parallel.pp is 2 but actor.strategy 'fsdp2' has no pipeline schedule" in err
     code, err = run_main(["--config", GRPO, "--model.fused_kernels", "on", "--parallel.tp", "2"], capsys)
     assert code == 2 and "model.fused_kernels is 'on' with parallel.tp=2" in err
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--config", str(REPO / "configs" / "ppo.yaml")], "needs a critic, which actor.strategy 'megatron' does not build"),
+    (["--actor.param_dtype", "float16"], "computes in float32 or bfloat16"),
+    (["--parallel.pp", "3"], "parallel.pp=3 does not divide the model's num_hidden_layers (4)"),
+    (["--actor.cpu_offload", "true"], "actor.cpu_offload / ref.offload is true"),
+])
+def test_megatron_checks_its_options(extra, fragment, monkeypatch, capsys):
+    pytest.importorskip("megatron.core")
+    monkeypatch.setenv("WORLD_SIZE", "3" if "3" in extra else "2")
+    code, err = run_main(["--config", GRPO, "--actor.strategy", "megatron", "--data.train_batch_size", "6",
+                          "--actor.ppo_mini_batch_size", "6", *extra], capsys)
+    assert code == 2 and fragment in err, err
 
 
 def test_overrides_and_output_dir():

@@ -1,0 +1,325 @@
+"""A megatron-core GPTModel from a Hugging Face config.json, and the HF <-> Megatron weight conversion.
+
+    arch = HFArch.from_folder(path)                          # Llama / Qwen2 / Qwen3 decoder
+    config = transformer_config(arch, tp=2, pp=1)
+    model = build_gpt_model(arch, config, pre_process=True, post_process=True)
+    load_hf_state(model, HFWeights(path), arch, tp_rank, tp)           # HF -> this rank's shards
+    full = to_hf(rule, [shard of every TP rank], arch)                # this rank's shards -> HF
+
+One table of ``Rule``s (``layer_rules`` / ``global_rules``) names every
+Megatron parameter and the HF tensors it is made of; ``to_megatron`` and
+``to_hf`` are the two directions of the same rule, so loading and exporting
+cannot disagree. Megatron layouts, per TP rank (``tp`` ranks, ``r`` this one):
+
+- ``linear_qkv`` [(nq + 2 ng) d / tp, H]: per query group, its q heads then its
+  k and v head, groups contiguous (so a TP shard is a block of whole groups).
+- ``linear_fc1`` [2 F / tp, H]: this rank's slice of gate_proj, then its slice of
+  up_proj (Megatron's gated MLP splits its column-parallel output in two).
+- column-parallel weights (qkv, fc1, vocab rows) split dim 0, row-parallel ones
+  (``linear_proj``, ``linear_fc2``, kind ``row``) dim 1, norms are replicated.
+- the vocabulary is padded to a multiple of ``tp`` (``VocabParallelEmbedding``
+  needs equal shards); padded rows are zeros and never exported.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Sequence
+
+import torch
+import torch.nn as nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+Kind = Literal["replicated", "row", "vocab", "qkv", "gate_up"]
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """The decoder shape of a Llama-family HF config (what GPTModel needs)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> "HFArch":
+        """Read ``path/config.json``; ValueError (one sentence) for what GPTModel here cannot express."""
+        file = Path(path) / "config.json"
+        return cls.from_dict(json.loads(file.read_text()), str(file))
+
+    @classmethod
+    def from_dict(cls, cfg: dict, file: str) -> "HFArch":
+        """``from_folder`` on the parsed config.json (``file`` names it in errors)."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"{file}: model_type {model_type!r} has no Megatron conversion; supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{file}: rope type {rope_type!r} is not converted to Megatron; only 'default' RoPE")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{file}: hidden_act {cfg.get('hidden_act')!r} is not converted; only 'silu' (SwiGLU)")
+        if model_type != "qwen2" and cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise ValueError(f"{file}: attention_bias / mlp_bias is true; Megatron's layers here have biases only on "
+                             f"q, k and v (Qwen2), so the o_proj / MLP biases would be lost")
+        if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError(f"{file}: partial_rotary_factor is not 1; only full-width RoPE is converted")
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{file}: use_sliding_window is true; Megatron's GPTModel here is full attention only")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            ffn_hidden_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+        )
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """ValueError (one sentence) when the model cannot be cut into ``tp`` x ``pp`` pieces."""
+        for what, n in (("num_key_value_heads", self.num_kv_heads), ("num_attention_heads", self.num_heads),
+                        ("intermediate_size", self.ffn_hidden_size)):
+            if n % tp:
+                raise ValueError(f"parallel.tp={tp} does not divide the model's {what} ({n})")
+        if self.num_layers % pp:
+            raise ValueError(f"parallel.pp={pp} does not divide the model's num_hidden_layers ({self.num_layers})")
+
+    def padded_vocab(self, tp: int) -> int:
+        return -(-self.vocab_size // tp) * tp
+
+
+def transformer_config(arch: HFArch, tp: int, pp: int, compute_dtype: torch.dtype = torch.float32) -> "TransformerConfig":
+    """Megatron's config for ``arch``: float32 weights, no fusions, no dropout (as HF's
+    inference-equivalent forward), weights initialised on the CPU (then overwritten by the HF weights),
+    per-token loss (our losses already divide by the global token count), plain isend/irecv between
+    stages, which exchange activations in ``compute_dtype`` (what a stage emits under autocast)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=compute_dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        calculate_per_token_loss=True,
+        batch_p2p_comm=False,
+        # Micro-batches may hold different numbers of rows: stages exchange shapes before activations.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # dense model; the default "allgather" refuses variable lengths
+    )
+
+
+def build_gpt_model(arch: HFArch, config: "TransformerConfig", *, pre_process: bool, post_process: bool) -> nn.Module:
+    """GPTModel with Megatron's own layers (no Transformer Engine); logits gathered over TP (full vocab)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm),
+        vocab_size=arch.padded_vocab(config.tensor_model_parallel_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=False,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+    )
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron parameter (``mg``, relative to the decoder layer for layer rules) and its HF tensors."""
+
+    mg: str
+    hf: tuple[str, ...]
+    kind: Kind
+
+
+def layer_rules(arch: HFArch) -> list[Rule]:
+    """Rules of one decoder layer; HF names relative to ``model.layers.{i}.``."""
+    rules = [
+        Rule("input_layernorm.weight", ("input_layernorm.weight",), "replicated"),
+        Rule("self_attention.linear_qkv.weight",
+             ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
+        Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",), "row"),
+        Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), "replicated"),
+        Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
+        Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",), "row"),
+    ]
+    if arch.qkv_bias:
+        rules.append(Rule("self_attention.linear_qkv.bias",
+                          ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"))
+    if arch.qk_norm:
+        rules += [Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "replicated"),
+                  Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "replicated")]
+    return rules
+
+
+def global_rules(arch: HFArch) -> list[Rule]:
+    """Rules outside the decoder layers. A tied model's last pipeline stage holds its own copy of the
+    embedding as ``output_layer.weight`` (kept equal by summing the two copies' gradients)."""
+    head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    return [
+        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+        Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+        Rule("output_layer.weight", (head,), "vocab"),
+    ]
+
+
+def _qkv_groups(arch: HFArch) -> tuple[int, int]:
+    """(query groups, rows per group / head_dim) of the interleaved qkv layout."""
+    return arch.num_kv_heads, arch.num_heads // arch.num_kv_heads + 2
+
+
+def to_megatron(rule: Rule, hf: Sequence[torch.Tensor], arch: HFArch, tp_rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's shard of ``rule``'s Megatron parameter, from its full HF tensors."""
+    if rule.kind == "replicated":
+        return hf[0]
+    if rule.kind == "row":
+        return hf[0].chunk(tp, dim=1)[tp_rank]
+    if rule.kind == "vocab":
+        padded = hf[0].new_zeros(arch.padded_vocab(tp), *hf[0].shape[1:])  # [V_pad, H]
+        padded[: arch.vocab_size] = hf[0]
+        return padded.chunk(tp, dim=0)[tp_rank]
+    if rule.kind == "gate_up":
+        gate, up = hf
+        return torch.cat([gate.chunk(tp, dim=0)[tp_rank], up.chunk(tp, dim=0)[tp_rank]])
+    groups, per_group = _qkv_groups(arch)
+    q, k, v = (t.reshape(groups, -1, *t.shape[1:]) for t in hf)  # [ng, heads_in_group * d, (H)]
+    full = torch.cat([q, k, v], dim=1).reshape(groups * per_group * arch.head_dim, *hf[0].shape[1:])
+    return full.chunk(tp, dim=0)[tp_rank]
+
+
+def to_hf(rule: Rule, parts: Sequence[torch.Tensor], arch: HFArch) -> list[torch.Tensor]:
+    """The full HF tensors of ``rule`` from the shards of every TP rank, in TP-rank order (inverse of
+    ``to_megatron``)."""
+    if rule.kind == "replicated":
+        return [parts[0]]
+    if rule.kind == "row":
+        return [torch.cat(list(parts), dim=1)]
+    if rule.kind == "vocab":
+        return [torch.cat(list(parts), dim=0)[: arch.vocab_size]]
+    if rule.kind == "gate_up":
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    groups, per_group = _qkv_groups(arch)
+    full = torch.cat(list(parts), dim=0)
+    grouped = full.reshape(groups, per_group * arch.head_dim, *full.shape[1:])
+    d = arch.head_dim
+    q, k, v = grouped.split([(per_group - 2) * d, d, d], dim=1)
+    return [t.reshape(-1, *full.shape[1:]) for t in (q, k, v)]
+
+
+class HFWeights:
+    """The tensors of a folder's safetensors files (sharded or not), read one at a time on demand:
+    a rank loads only the weights of its own pipeline stage."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors weights to load into the Megatron model")
+        self._where: dict[str, object] = {}  # tensor name -> the open file that holds it
+        for f in files:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+            self._where.update({k: handle for k in handle.keys()})
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name].get_slice(name).get_shape())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+
+def local_rules(model: nn.Module, arch: HFArch) -> list[tuple[str, Rule, tuple[str, ...]]]:
+    """``(megatron parameter name, rule, full HF names)`` of every parameter of this rank's model.
+
+    Layers are named by their global index (``layer_number - 1``), so a later pipeline stage's
+    ``decoder.layers.0`` maps to the HF layer it really is.
+    """
+    rules = {r.mg: (r, r.hf) for r in global_rules(arch)}
+    per_layer = layer_rules(arch)
+    for local, layer in enumerate(model.decoder.layers):
+        i = layer.layer_number - 1
+        for r in per_layer:
+            rules[f"decoder.layers.{local}.{r.mg}"] = (r, tuple(f"model.layers.{i}.{h}" for h in r.hf))
+    out = []
+    for name, _ in model.named_parameters():
+        if name not in rules:
+            raise ValueError(f"Megatron parameter {name!r} has no HF conversion rule")
+        rule, hf_names = rules[name]
+        out.append((name, rule, hf_names))
+    return out
+
+
+@torch.no_grad()
+def load_hf_state(model: nn.Module, hf_state: "HFWeights | dict[str, torch.Tensor]", arch: HFArch, tp_rank: int,
+                  tp: int) -> None:
+    """Copy this rank's shards of the HF weights into ``model`` (every local parameter is written)."""
+    params = dict(model.named_parameters())
+    for name, rule, hf_names in local_rules(model, arch):
+        missing = [h for h in hf_names if h not in hf_state]
+        if missing:
+            raise ValueError(f"HF weights lack {missing[0]!r}, needed for Megatron's {name}")
+        shard = to_megatron(rule, [hf_state[h] for h in hf_names], arch, tp_rank, tp)
+        if shard.shape != params[name].shape:
+            raise ValueError(f"{name}: HF weights give shape {tuple(shard.shape)}, the model has "
+                             f"{tuple(params[name].shape)}")
+        params[name].copy_(shard)
