@@ -16,27 +16,19 @@ scores 0 and is counted, but a scorer that hangs hangs the run. With
 ``num_workers>0`` each item runs in a worker process (forkserver, or spawn
 where that is missing) with a per-item clock of ``timeout_s`` that starts when
 the worker receives the item; a worker that overruns is killed and replaced,
-and its item scores 0. Workers are our own processes with one pipe each
-rather than a concurrent.futures pool, because a futures pool can neither time
-an item from the moment it starts nor kill one stuck worker without breaking
-the whole pool.
+and its item scores 0 (the pool is ``spmdrl.workers.WorkerPool``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
-import multiprocessing as mp
-import multiprocessing.connection
-import sys
-import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from spmdrl import tasks
+from spmdrl.workers import WorkerPool, import_file
 
 # torch is imported inside functions: worker processes import this module, and
 # a light import keeps their start-up (which happens again after every kill) fast.
@@ -59,20 +51,7 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
     if not sep or not path or not name:
         raise ValueError(f"reward.function={spec!r} is neither 'builtin' nor 'path/to/file.py:function'")
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"reward file {str(file)!r} (reward.function={spec!r}) does not exist")
-    module_name = f"spmdrl_user_reward_{abs(hash(str(file.resolve())))}"
-    mod_spec = importlib.util.spec_from_file_location(module_name, file)
-    if mod_spec is None or mod_spec.loader is None:
-        raise ValueError(f"reward file {str(file)!r} (reward.function={spec!r}) cannot be imported as Python")
-    module = importlib.util.module_from_spec(mod_spec)
-    # Registered before running it, as importlib documents: dataclasses and pickle look modules up there.
-    sys.modules[module_name] = module
-    try:
-        mod_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise ImportError(f"importing reward file {str(file)!r} (reward.function={spec!r}) failed: {e!r}") from e
+    module = import_file(file, "reward", f"reward.function={spec!r}")
     fn = getattr(module, name, None)
     if not callable(fn):
         defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
@@ -114,56 +93,18 @@ def _call(fn: Callable[..., Any], item: tuple) -> tuple[float, dict[str, Any]]:
                          extra_info=extra_info))
 
 
-def _worker_main(conn: multiprocessing.connection.Connection, spec: str) -> None:
-    """Worker process: load the function, announce readiness, then score items until told to stop."""
+def _worker_setup(spec: str) -> Callable[[tuple], tuple[float, dict[str, Any]]]:
+    """In a worker process: the scoring function for items ``(data_source, solution, ground_truth, extra_info)``."""
     try:
-        fn: Optional[Callable[..., Any]] = load_reward_function(spec)
-        load_error = ""
-    except Exception as e:  # reported per item, so the parent need not special-case start-up
-        fn, load_error = None, f"{type(e).__name__}: {e}"
-    conn.send(("ready",))
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        idx, item = msg
-        try:
-            if fn is None:
-                raise RuntimeError(load_error)
-            score, extra = _call(fn, item)
-            conn.send(("ok", idx, score, extra))
-        except Exception as e:
-            conn.send(("error", idx, f"{type(e).__name__}: {e}"))
+        fn = load_reward_function(spec)
+    except Exception as e:  # reported per item, so the pool need not special-case start-up
+        load_error = f"{type(e).__name__}: {e}"
 
+        def fail(item: tuple) -> tuple[float, dict[str, Any]]:
+            raise RuntimeError(load_error)
 
-class _Worker:
-    def __init__(self, ctx: Any, spec: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True, name="spmdrl-reward")
-        self.proc.start()
-        child.close()
-        self.ready = False
-        self.born = time.monotonic()
-        self.item: Optional[int] = None  # index of the item being scored
-        self.started = 0.0  # when that item was sent
-
-    def send(self, idx: int, item: tuple) -> None:
-        self.conn.send((idx, item))
-        self.item, self.started = idx, time.monotonic()
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
-
-    def stop(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.proc.join(timeout=2)
-        self.kill()
+        return fail
+    return lambda item: _call(fn, item)
 
 
 @dataclass
@@ -172,82 +113,6 @@ class _Result:
     extra: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     timed_out: bool = False
-
-
-class _WorkerPool:
-    """``num_workers`` scoring processes, each fed one item at a time and replaced when it hangs or dies."""
-
-    def __init__(self, spec: str, num_workers: int, timeout_s: float) -> None:
-        methods = mp.get_all_start_methods()
-        self.ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-        self.spec, self.num_workers, self.timeout_s = spec, num_workers, timeout_s
-        self.workers: list[_Worker] = []
-
-    def _replace(self, w: _Worker) -> None:
-        w.kill()
-        self.workers[self.workers.index(w)] = _Worker(self.ctx, self.spec)
-
-    def run(self, items: Sequence[tuple]) -> list[_Result]:
-        while len(self.workers) < self.num_workers:
-            self.workers.append(_Worker(self.ctx, self.spec))
-        results = [_Result() for _ in items]
-        pending = deque(range(len(items)))
-        while pending or any(w.item is not None for w in self.workers):
-            for w in self.workers:
-                if w.ready and w.item is None and pending:
-                    idx = pending.popleft()
-                    try:
-                        w.send(idx, items[idx])
-                    except OSError:  # died while idle; retry the item on its replacement
-                        pending.appendleft(idx)
-                        self._replace(w)
-            now = time.monotonic()
-            deadlines = [w.started + self.timeout_s for w in self.workers if w.item is not None]
-            deadlines += [w.born + _WORKER_START_TIMEOUT_S for w in self.workers if not w.ready]
-            wait_s = max(0.0, min(deadlines) - now) if deadlines else None
-            ready = multiprocessing.connection.wait([w.conn for w in self.workers], timeout=wait_s)
-            for w in [w for w in self.workers if w.conn in ready]:
-                try:
-                    msg = w.conn.recv()
-                except (EOFError, OSError):  # the process died (crash, os._exit, OOM kill)
-                    w.proc.join(timeout=1)  # reap it, so the exit code is known for the message
-                    if not w.ready:  # before loading anything: respawning would only repeat it
-                        self.close()
-                        raise RuntimeError(
-                            f"a reward worker exited during start-up (exit code {w.proc.exitcode}, "
-                            f"reward.function={self.spec!r})"
-                        ) from None
-                    if w.item is not None:
-                        results[w.item].error = f"reward worker died (exit code {w.proc.exitcode})"
-                    self._replace(w)
-                    continue
-                if msg[0] == "ready":
-                    w.ready = True
-                    continue
-                res = results[msg[1]]
-                if msg[0] == "ok":
-                    res.score, res.extra = msg[2], msg[3]
-                else:
-                    res.error = msg[2]
-                w.item = None
-            now = time.monotonic()
-            for w in list(self.workers):
-                if w.item is not None and now - w.started >= self.timeout_s:
-                    results[w.item].timed_out = True
-                    results[w.item].error = f"timed out after {self.timeout_s:g} s (reward.timeout_s)"
-                    self._replace(w)
-                elif not w.ready and now - w.born >= _WORKER_START_TIMEOUT_S:
-                    self.close()
-                    raise RuntimeError(
-                        f"a reward worker did not start within {_WORKER_START_TIMEOUT_S:g} s "
-                        f"(reward.function={self.spec!r})"
-                    )
-        return results
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.stop()
-        self.workers = []
 
 
 @dataclass
@@ -276,7 +141,11 @@ class RewardManager:
         self.function = function
         # Loading here, in the parent, turns a bad path or name into an error before any training work.
         self._fn = load_reward_function(function)
-        self._pool = _WorkerPool(function, num_workers, timeout_s) if num_workers > 0 else None
+        self._pool = WorkerPool(
+            _worker_setup, (function,), num_workers=num_workers, timeout_s=timeout_s, name="reward",
+            start_timeout_s=_WORKER_START_TIMEOUT_S, timeout_note="reward.timeout_s",
+            context=f"reward.function={function!r}",
+        ) if num_workers > 0 else None
 
     @classmethod
     def from_config(cls, cfg: "RewardConfig") -> "RewardManager":
@@ -303,7 +172,11 @@ class RewardManager:
             for ds in sorted(set(map(str, data_sources))):
                 tasks.get_scorer(ds)
         items = list(zip(data_sources, solution_strs, ground_truths, extra_infos))
-        results = self._pool.run(items) if self._pool is not None else [self._score_here(it) for it in items]
+        if self._pool is not None:
+            results = [_Result(*o.value) if not o.error else _Result(error=o.error, timed_out=o.timed_out)
+                       for o in self._pool.run(items)]
+        else:
+            results = [self._score_here(it) for it in items]
 
         keys = sorted({k for r in results for k in r.extra})
         errors = [r.error for r in results if r.error]

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.util
 import math
 import operator
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
+
+from spmdrl.workers import import_file
 
 
 class Tool:
@@ -173,20 +173,10 @@ def load_tool_class(spec: str) -> type[Tool]:
         return BUILTIN_TOOLS[spec]
     path, sep, cls_name = spec.rpartition(":")
     if sep:
-        file = Path(path).expanduser()
-        if not file.is_file():
-            raise ValueError(f"tool class {spec!r}: file {str(file)!r} does not exist")
-        module_name = f"spmdrl_user_tool_{abs(hash(str(file.resolve())))}"
-        mod_spec = importlib.util.spec_from_file_location(module_name, file)
-        if mod_spec is None or mod_spec.loader is None:
-            raise ValueError(f"tool class {spec!r}: {str(file)!r} cannot be imported as Python")
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[module_name] = module  # before running it, so pickle and dataclasses find it
         try:
-            mod_spec.loader.exec_module(module)
-        except Exception as err:
-            del sys.modules[module_name]
-            raise ValueError(f"tool class {spec!r}: importing {str(file)!r} failed: {err!r}") from err
+            module = import_file(Path(path).expanduser(), "tool", f"class_name={spec!r}")
+        except (FileNotFoundError, ImportError) as err:  # as ValueError, like every tool config error
+            raise ValueError(str(err)) from err
     else:
         module_name, _, cls_name = spec.rpartition(".")
         if not module_name:
