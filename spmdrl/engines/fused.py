@@ -13,12 +13,19 @@ eager oneDNN/cuBLAS calls; the graphs are small (~25 s to compile on first use
 on 2 CPU cores, ~4 s once inductor has cached them on disk); shapes are dynamic,
 so a new batch or sequence length does not recompile. The modules keep their parameters and names; only
 their ``forward`` is replaced, per instance.
+
+Inductor's on-disk cache is kept per CPU capability (``_isa_keyed_inductor_cache``): its FX graph cache
+does not key on the vector ISA inductor generated for (``ATEN_CPU_CAPABILITY`` moves it), so C++ written
+for AVX2 was reloaded by an AVX-512 process, compiled with AVX-512 flags, and corrupted the heap (and an
+AVX2 process got AVX-512 loops and wrong gradients). Measured on an AVX-512 CPU with torch 2.13.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import types
+from pathlib import Path
 from typing import Callable, Literal
 
 import torch
@@ -41,9 +48,21 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 _COMPILED: dict[str, Callable] = {}
 
 
+def _isa_keyed_inductor_cache() -> None:
+    """Point inductor's cache at a folder of this process's CPU capability (``isa-AVX512``, ``isa-AVX2``, ...)
+    inside ``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``$SPMDRL_CACHE/inductor``; see the module docstring."""
+    from spmdrl.tools.tiny_model import cache_dir
+
+    leaf = f"isa-{torch.backends.cpu.get_cpu_capability()}"  # honours ATEN_CPU_CAPABILITY, as inductor does
+    base = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or cache_dir() / "inductor")
+    if base.name != leaf:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / leaf)
+
+
 def _compiled(name: str) -> Callable:
     """One compiled function per kind, shared by every module (one graph cache, not one per layer)."""
     if name not in _COMPILED:
+        _isa_keyed_inductor_cache()
         fn = {"rms_norm": _rms_norm, "swiglu": _swiglu}[name]
         _COMPILED[name] = torch.compile(fn, dynamic=True)
     return _COMPILED[name]

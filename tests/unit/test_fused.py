@@ -55,3 +55,26 @@ def test_resolve_fused_kernels_rule_and_errors():
         resolve_fused_kernels("on", "cpu", 2)
     with pytest.raises(ValueError, match="'fast'"):
         resolve_fused_kernels("fast", "cpu", 1)  # type: ignore[arg-type]
+
+
+def test_inductor_cache_is_kept_per_cpu_capability(tmp_path):
+    """Inductor's FX graph cache does not key on the vector ISA: C++ written for AVX2 (ATEN_CPU_CAPABILITY=avx2,
+    the ISA-hidden tier) reloaded by an AVX-512 process corrupted its heap. Each capability gets its own folder
+    under the user's TORCHINDUCTOR_CACHE_DIR (or $SPMDRL_CACHE/inductor), and applying it twice nests once."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; from spmdrl.engines import fused; fused._isa_keyed_inductor_cache(); "
+            "fused._isa_keyed_inductor_cache(); print(os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+    dirs = {}
+    for cap in ("default", "avx2"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": cap, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        dirs[cap] = out.stdout.strip().splitlines()[-1]
+    assert dirs == {"default": str(tmp_path / "isa-DEFAULT"), "avx2": str(tmp_path / "isa-AVX2")}
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "SPMDRL_CACHE": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1].startswith(str(tmp_path / "inductor" / "isa-"))
