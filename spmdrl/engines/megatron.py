@@ -171,6 +171,9 @@ class MegatronEngine(TrainEngine):
         from spmdrl.algos.registry import ADVANTAGES
         from spmdrl.parallel import resolve_device_type
 
+        if cfg.reward_model.enable:
+            raise ValueError("reward_model.enable is true but actor.strategy 'megatron' builds no reward model "
+                             "(a sequence-classification head); set actor.strategy: fsdp2 to use one")
         compute = resolve_dtype(cfg.actor.param_dtype, resolve_device_type(cfg.trainer.device))
         if compute not in (torch.float32, torch.bfloat16) or cfg.actor.reduce_dtype != "float32":
             raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} / actor.reduce_dtype "
