@@ -33,8 +33,8 @@ summed over Megatron's embedding group, and the global norm taken once per
 parameter (TP-replicated norms counted on TP rank 0, the tied copy once).
 AdamW is elementwise, so this is exactly the update of one rank holding the
 whole model. Megatron's DDP and distributed optimizer are not used: their
-contiguous gradient buffers live on the CUDA device and they reduce-scatter,
-which gloo cannot, and the plain optimizer keeps CPU tests exact against FSDP2.
+contiguous gradient buffers and streams are CUDA-only, and the plain optimizer
+keeps CPU tests exact against FSDP2.
 
 On CPU every call into Megatron runs under ``megatron_cpu.cpu_compat()``.
 """
