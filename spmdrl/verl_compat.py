@@ -107,6 +107,63 @@ def _strategy(value: Any) -> Any:
     return "fsdp2" if value in ("fsdp", "fsdp2") else value
 
 
+def _same_strategy(key: str, only_if: str = "") -> Callable[[Any, Ctx], dict[str, Any]]:
+    """ref / critic / reward_model strategy: spmdrl builds every role with actor.strategy, so a verl
+    strategy must name the actor's (fsdp and fsdp2 alike); ``only_if``: checked only when that verl key is
+    true (a disabled reward model's strategy changes nothing)."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        actor = _strategy(ctx.verl.get(f"{ACT}.strategy", "fsdp"))
+        if value is None or (only_if and not ctx.verl.get(only_if)) or _strategy(value) == actor:
+            return {}
+        raise ConfigError(f"verl key {key}={value!r} differs from {ACT}.strategy={actor!r}: spmdrl builds every "
+                          f"model with actor.strategy; give {key}={actor!r} or leave it out")
+
+    return convert
+
+
+def _same_megatron(key: str, field: str) -> Callable[[Any, Ctx], dict[str, Any]]:
+    """The reference's / critic's megatron.{tensor,pipeline}_model_parallel_size: Megatron keeps one set of
+    TP/PP process groups per process, built from the actor's sizes, so another role's size must equal it."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        actor = ctx.verl.get(f"{ACT}.megatron.{field}", 1)
+        if value is None or value == actor:
+            return {}
+        raise ConfigError(f"verl key {key}={value!r} differs from {ACT}.megatron.{field}={actor!r}: the reference "
+                          f"and critic share the actor's Megatron TP/PP groups; give the same size or leave it out")
+
+    return convert
+
+
+def _megatron_rows(prefix: str) -> list["Rule"]:
+    """verl's McoreEngineConfig keys under ``prefix`` (the actor's, reference's or critic's ``megatron``)."""
+    rows = [
+        only(f"{prefix}.sequence_parallel", (False,),
+             "spmdrl's Megatron engine keeps whole sequences on every TP rank: it does not all-reduce the "
+             "sequence-parallel norm gradients over TP, so it runs without sequence parallelism (same results)"),
+        only(f"{prefix}.use_distributed_optimizer", (False,),
+             "spmdrl steps torch AdamW on each rank's TP/PP shard after one all-reduce of the gradients over the "
+             "data-parallel group; Megatron's DDP and distributed optimizer (CUDA-only gradient buffers) are not used"),
+        only(f"{prefix}.virtual_pipeline_model_parallel_size", (None, 1), "no interleaved pipeline schedule (1F1B)"),
+        only(f"{prefix}.context_parallel_size", (1,), "no context parallelism"),
+        only(f"{prefix}.expert_model_parallel_size", (1,), "dense models only"),
+        only(f"{prefix}.expert_tensor_parallel_size", (None, 1), "dense models only"),
+        only(f"{prefix}.param_offload", (False,), "the Megatron engine keeps its parameters on the device"),
+        ignore(f"{prefix}.optimizer_offload", "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+        ignore(f"{prefix}.grad_offload", "spmdrl frees gradients while rollout runs (trainer.colocate)"),
+        only(f"{prefix}.use_dist_checkpointing", (False,), "checkpoints are torch.distributed.checkpoint folders"),
+        only(f"{prefix}.dist_checkpointing_path", (None,), "checkpoints are torch.distributed.checkpoint folders"),
+        ignore(f"{prefix}.dist_checkpointing_prefix", "used only with use_dist_checkpointing"),
+        ignore(f"{prefix}.use_mbridge", "spmdrl converts HF <-> Megatron weights itself (the same tensors)"),
+        ignore(f"{prefix}.seed", "Megatron's RNG tracker takes trainer.seed; the models have no dropout"),
+    ]
+    if prefix != f"{ACT}.megatron":
+        rows += [Rule(f"{prefix}.{f}", "", _same_megatron(f"{prefix}.{f}", f), "must equal the actor's")
+                 for f in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
+    return rows
+
+
 def _top_k(value: Any) -> Any:
     return -1 if value in (0, -1) else value  # verl's hf rollout writes 0 for "no top-k", vLLM -1
 
@@ -217,6 +274,7 @@ TABLE: list[Rule] = [
     m(f"{ACT}.strategy", "actor.strategy", _strategy, "fsdp and fsdp2 both mean fsdp2"),
     m(f"{ACT}.megatron.tensor_model_parallel_size", "parallel.tp"),
     m(f"{ACT}.megatron.pipeline_model_parallel_size", "parallel.pp"),
+    *_megatron_rows(f"{ACT}.megatron"),
     m(f"{ACT}.ppo_mini_batch_size", "actor.ppo_mini_batch_size"),
     m(f"{ACT}.ppo_micro_batch_size_per_gpu", "actor.ppo_micro_batch_size_per_gpu"),
     Rule(f"{ACT}.ppo_micro_batch_size", "actor.ppo_micro_batch_size_per_gpu",
@@ -301,7 +359,8 @@ TABLE: list[Rule] = [
     Rule(f"{AR}.ref.log_prob_micro_batch_size", "ref.log_prob_micro_batch_size_per_gpu",
          _per_gpu("ref.log_prob_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
     m(f"{AR}.ref.fsdp_config.param_offload", "ref.offload"),
-    only(f"{AR}.ref.strategy", ("fsdp", "fsdp2"), "the reference uses actor.strategy"),
+    Rule(f"{AR}.ref.strategy", "", _same_strategy(f"{AR}.ref.strategy"), "must name actor.strategy"),
+    *_megatron_rows(f"{AR}.ref.megatron"),
     ignore(f"{AR}.ref.use_torch_compile", PERF),
     only(f"{AR}.ref.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
     ignore(f"{AR}.ref.fsdp_config.reshard_after_forward", PERF),
@@ -310,7 +369,8 @@ TABLE: list[Rule] = [
     ignore(f"{AR}.ref.log_prob_max_token_len_per_gpu", PERF),
     # critic
     m("critic.model.path", "critic.model_path", _path),
-    only("critic.strategy", ("fsdp", "fsdp2"), "the critic uses actor.strategy"),
+    Rule("critic.strategy", "", _same_strategy("critic.strategy"), "must name actor.strategy"),
+    *_megatron_rows("critic.megatron"),
     m("critic.optim.lr", "critic.lr"),
     m("critic.optim.weight_decay", "critic.weight_decay"),
     m("critic.optim.lr_warmup_steps", "critic.lr_warmup_steps", _warmup_steps, "-1 (use the ratio) sets nothing"),
@@ -350,7 +410,8 @@ TABLE: list[Rule] = [
     m("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu"),
     m("reward_model.max_length", "reward_model.max_length"),
     only("reward_model.reward_manager", ("naive",), "rule scores come from reward.function"),
-    only("reward_model.strategy", ("fsdp", "fsdp2"), "the reward model uses actor.strategy"),
+    Rule("reward_model.strategy", "", _same_strategy("reward_model.strategy", "reward_model.enable"),
+         "must name actor.strategy when reward_model.enable (megatron has no reward model)"),
     ignore("reward_model.model.use_remove_padding", PERF),
     ignore("reward_model.model.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
     ignore("reward_model.model.fsdp_config.reshard_after_forward", PERF),

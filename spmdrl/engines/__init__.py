@@ -5,7 +5,7 @@
 
 ``cfg.actor.strategy`` picks the backend: ``fsdp2`` (``spmdrl.engines.fsdp2.FSDP2Engine``)
 or ``megatron`` (``spmdrl.engines.megatron.MegatronEngine``: megatron-core GPTModel with
-``parallel.tp`` / ``parallel.pp``; actor and reference, no critic); both run on CPU and GPU.
+``parallel.tp`` / ``parallel.pp``; actor, reference and critic, no reward model); both run on CPU and GPU.
 Each engine class checks its own config keys (``check_config``) before any process group exists.
 """
 

@@ -55,6 +55,7 @@ from spmdrl.engines.weights import (
     iter_full_state,
     iter_unsharded_state,
     move_optimizer_state,
+    value_head_weight,
 )
 from spmdrl.precision import resolve_dtype, to_dtype
 
@@ -87,10 +88,8 @@ class ValueModel(nn.Module):
         self.model = backbone
         hidden = self.config.hidden_size
         self.score = nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
-        # Small seeded weights: values start near 0, equal on every rank, and the backbone gets a gradient.
-        gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            self.score.weight.copy_(torch.randn(1, hidden, generator=gen) / (hidden * math.sqrt(hidden)))
+            self.score.weight.copy_(value_head_weight(hidden, seed))
             self.score.bias.zero_()
 
     def forward(

@@ -1,14 +1,18 @@
 """Megatron training engine: megatron-core GPTModel with tensor and pipeline parallelism.
 
-``actor.strategy: megatron`` builds the actor and the frozen reference as
-megatron-core ``GPTModel``s from the HF folder (``megatron_weights.py``: config
-and the HF <-> Megatron conversion), cut ``parallel.tp`` x ``parallel.pp`` ways;
-the remaining ranks are data parallel. Every rank runs it under torchrun like
-the rest of spmdrl:
+``actor.strategy: megatron`` builds the actor, the frozen reference and the
+critic as megatron-core ``GPTModel``s from the HF folder (``megatron_weights.py``:
+config and the HF <-> Megatron conversion), cut ``parallel.tp`` x ``parallel.pp``
+ways; the remaining ranks are data parallel. The critic's last stage has a
+scalar value head where the LM head was (``megatron_weights.ValueHead``), so it
+runs through the same schedule, optimizer, checkpoints and export. Every rank
+runs it under torchrun like the rest of spmdrl:
 
     engine = MegatronEngine(path, role="actor", dims=ParallelDims(world, tp=2).build(), lr=1e-5)
     logp = engine.forward_no_grad(batch, micro_batch_size=8)["logp"]          # [N, R]
     metrics = engine.train_step(batch, loss_fn, mini_batch_size=8, micro_batch_size=4)
+    critic = MegatronEngine(path, role="critic", dims=dims, lr=1e-5)
+    values = critic.forward_no_grad(batch, micro_batch_size=8)["values"]      # [N, R]
 
 Data: the batch is sharded over the world; the ranks of one model replica (its
 TP x PP group) gather their rows (``gather_rows``) so they run the same
@@ -29,17 +33,16 @@ summed over Megatron's embedding group, and the global norm taken once per
 parameter (TP-replicated norms counted on TP rank 0, the tied copy once).
 AdamW is elementwise, so this is exactly the update of one rank holding the
 whole model. Megatron's DDP and distributed optimizer are not used: their
-contiguous gradient buffers live on the CUDA device and they reduce-scatter,
-which gloo cannot, and the plain optimizer keeps CPU tests exact against FSDP2.
+contiguous gradient buffers and streams are CUDA-only, and the plain optimizer
+keeps CPU tests exact against FSDP2.
 
 On CPU every call into Megatron runs under ``megatron_cpu.cpu_compat()``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import warnings
-from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, Iterator, Literal
 
@@ -48,7 +51,8 @@ import torch.distributed as dist
 
 from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows, token_outputs
-from spmdrl.engines.megatron_cpu import check_version, compat_context, install_cpu_rng_tracker
+from spmdrl.engines.megatron_cpu import compat_context
+from spmdrl.engines.megatron_setup import init_model_parallel, model_arch, quiet_megatron
 from spmdrl.engines.megatron_weights import (
     HFArch,
     HFWeights,
@@ -60,7 +64,7 @@ from spmdrl.engines.megatron_weights import (
     to_hf,
     transformer_config,
 )
-from spmdrl.engines.weights import build_optimizer, build_scheduler, move_optimizer_state
+from spmdrl.engines.weights import build_optimizer, build_scheduler, move_optimizer_state, value_head_weight
 from spmdrl.precision import resolve_dtype
 
 if TYPE_CHECKING:
@@ -70,62 +74,13 @@ if TYPE_CHECKING:
 Role = Literal["actor", "ref", "critic"]
 
 
-@contextmanager
-def quiet_megatron():
-    """Megatron's import-time notices that Apex and Transformer Engine are absent (we use its local layers
-    on purpose) and its config's cuda-graph scope deprecation notice (we use no cuda graphs)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling back)")
-        warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-        yield
-
-
-def init_model_parallel(dims: "ParallelDims", device: torch.device, seed: int) -> None:
-    """Megatron's process groups for ``dims`` (collective), checked against spmdrl's training mesh.
-
-    Megatron keeps one global set of groups; the actor and reference share it. A different
-    layout (tests build several in one process) replaces it.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    if ps.model_parallel_is_initialized():
-        same = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) == (
-            dims.tp, dims.pp)
-        if not same:
-            ps.destroy_model_parallel()
-    if not ps.model_parallel_is_initialized():
-        # Megatron's default order (tp fastest, then dp, then pp) is ParallelDims' row-major train mesh.
-        ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp)
-    mine = sorted(dist.get_process_group_ranks(ps.get_data_parallel_group()))
-    here = dims.coords(dist.get_rank())
-    ours = [r for r in range(dims.world_size) if (dims.coords(r)["pp"], dims.coords(r)["tp"]) == (here["pp"], here["tp"])]
-    if mine != ours:
-        raise RuntimeError(f"Megatron's data-parallel group {mine} is not spmdrl's {ours}")
-    if device.type == "cpu":
-        check_version()
-        install_cpu_rng_tracker(seed, ps.get_tensor_model_parallel_rank())
-    else:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def _model_arch(path: str) -> HFArch | None:
-    """The architecture of ``model.path`` before it exists on disk (a built-in model's from its size);
-    None for an unknown built-in name, which the config check refuses."""
-    if path.startswith("builtin:"):
-        from spmdrl.tools.tiny_model import SIZES
-
-        size = SIZES.get(path.split(":", 1)[1])
-        return None if size is None else HFArch.from_dict({"model_type": "qwen2", "vocab_size": 1, **size}, path)
-    return HFArch.from_folder(path)
-
-
 class MegatronEngine(TrainEngine):
-    """One GPTModel shard (this rank's TP slice of its PP stage) and, for the actor, its AdamW.
+    """One GPTModel shard (this rank's TP slice of its PP stage) and, for the actor and critic, its AdamW.
 
     Args:
         model_path: Hugging Face model folder (Llama / Qwen2 / Qwen3 architecture).
-        role: "actor" (trained) or "ref" (frozen, no optimizer).
+        role: "actor" (trained), "ref" (frozen, no optimizer) or "critic" (trained; the LM head is
+            replaced by a scalar value head, ``megatron_weights.ValueHead``, initialised as FSDP2's).
         dims: the run's parallel degrees with meshes built; uses tp, pp and the DP mesh.
         device: cpu (gloo, under ``cpu_compat``) or this rank's cuda device.
         param_dtype: compute dtype; bfloat16 runs the forward (and so the backward) under
@@ -135,7 +90,7 @@ class MegatronEngine(TrainEngine):
         lr, weight_decay, betas, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps:
             AdamW and ``weights.WarmupSchedule``, as the FSDP2 engine.
         max_grad_norm: clip threshold (0: no clipping; the norm is reported either way).
-        seed: Megatron's RNG tracker seed.
+        seed: Megatron's RNG tracker seed, and the critic's value-head init (``value_head_weight``).
     """
 
     def __init__(
@@ -160,8 +115,8 @@ class MegatronEngine(TrainEngine):
         with quiet_megatron():
             from megatron.core import parallel_state as ps
 
-        if role not in ("actor", "ref"):
-            raise ValueError(f"megatron engine role {role!r} is not supported; valid: actor, ref")
+        if role not in ("actor", "ref", "critic"):
+            raise ValueError(f"megatron engine role {role!r} is not supported; valid: actor, ref, critic")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts score at temperature 1)")
         if param_dtype not in (torch.float32, torch.bfloat16):
@@ -185,12 +140,16 @@ class MegatronEngine(TrainEngine):
 
         self.arch = HFArch.from_folder(model_path)
         self.arch.check_parallel(self.tp, self.pp)
+        extra = {}
+        if role == "critic":  # HF's *ForTokenClassification: backbone + score, no LM head to tie
+            self.arch = dataclasses.replace(self.arch, value_head=True, tie_word_embeddings=False)
+            extra = {"score.weight": value_head_weight(self.arch.hidden_size, seed), "score.bias": torch.zeros(1)}
         with quiet_megatron():
             self.config = transformer_config(self.arch, self.tp, self.pp, param_dtype)
         with self._compat(), quiet_megatron():
             self.model = build_gpt_model(self.arch, self.config, pre_process=self.pp_rank == 0,
                                          post_process=self.pp_rank == self.pp - 1)
-        hf = HFWeights(model_path)
+        hf = HFWeights(model_path, extra)
         converted = {h for _, _, names in self._export_plan() for h in names} | {"lm_head.weight"}
         unused = sorted(hf.names() - converted)
         if unused:  # a weight no rule converts would be silently dropped: a different model
@@ -203,7 +162,7 @@ class MegatronEngine(TrainEngine):
             self.model.requires_grad_(False)
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        if role == "actor":
+        if role != "ref":
             self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
             self.scheduler = build_scheduler(self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps)
 
@@ -212,18 +171,21 @@ class MegatronEngine(TrainEngine):
         from spmdrl.algos.registry import ADVANTAGES
         from spmdrl.parallel import resolve_device_type
 
-        if ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_values"):
-            raise ValueError(f"algorithm.adv_estimator {cfg.algorithm.adv_estimator!r} needs a critic, which "
-                             f"actor.strategy 'megatron' does not build; use actor.strategy fsdp2")
-
+        if cfg.reward_model.enable:
+            raise ValueError("reward_model.enable is true but actor.strategy 'megatron' builds no reward model "
+                             "(a sequence-classification head); set actor.strategy: fsdp2 to use one")
         compute = resolve_dtype(cfg.actor.param_dtype, resolve_device_type(cfg.trainer.device))
         if compute not in (torch.float32, torch.bfloat16) or cfg.actor.reduce_dtype != "float32":
             raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} / actor.reduce_dtype "
                              f"{cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes in float32 or bfloat16 "
                              f"and reduces gradients in float32; use those")
-        arch = _model_arch(cfg.model.path)
-        if arch is not None:  # the model must cut into tp x pp pieces
-            arch.check_parallel(cfg.parallel.tp, cfg.parallel.pp)
+        paths = [cfg.model.path]
+        if ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_values") and cfg.critic.model_path:
+            paths.append(cfg.critic.model_path)
+        for path in paths:  # each model must cut into tp x pp pieces
+            arch = model_arch(path)
+            if arch is not None:
+                arch.check_parallel(cfg.parallel.tp, cfg.parallel.pp)
         if cfg.model.fused_kernels == "on":
             raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own layers; "
                              "set it to auto or off")
@@ -254,8 +216,12 @@ class MegatronEngine(TrainEngine):
         compute = resolve_dtype(cfg.actor.param_dtype, torch.device(device).type)
         common = dict(role=role, dims=dims, device=device, seed=cfg.trainer.seed, param_dtype=compute,
                       temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0)
-        if role != "actor":
+        if role == "ref":
             return cls(model_path, **common)
+        if role == "critic":  # model_path: critic.model_path or model.path, resolved by the caller
+            c = cfg.critic
+            return cls(model_path, lr=c.lr, weight_decay=c.weight_decay, lr_warmup_steps=c.lr_warmup_steps,
+                       total_steps=total_steps, max_grad_norm=c.max_grad_norm, **common)
         a = cfg.actor
         return cls(model_path, lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas),
                    lr_warmup_steps=a.lr_warmup_steps, lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
@@ -266,7 +232,7 @@ class MegatronEngine(TrainEngine):
 
     def num_params(self) -> int:
         """Parameters of the full model (from the HF weights; tied weights counted once)."""
-        return sum(math.prod(s) for s in self._hf_shapes.values())
+        return sum(math.prod(self._hf_shapes[h]) for _, _, names in self._export_plan() for h in names)
 
     # ------------------------------------------------------------------ collectives
 
@@ -329,11 +295,15 @@ class MegatronEngine(TrainEngine):
               entropy_grad: bool, logits: torch.Tensor):
         """Last stage: per-token outputs, then the loss; Megatron's (loss, tokens, data) triple. With
         ``calculate_per_token_loss`` Megatron back-propagates the loss as is: ours already divides by
-        the mini-batch's global token count."""
-        vocab = self.arch.vocab_size
-        keep = x["keep"][..., None].expand(-1, -1, logits.shape[-1])  # [n, R, V_pad]
-        picked = logits.gather(1, keep)[..., :vocab]  # [n, R, V]
-        outputs = token_outputs(picked, x["labels"], self.temperature, with_entropy, entropy_grad)
+        the mini-batch's global token count. A critic's "logits" are its values [n, L, 1]: value j is
+        read where the actor's logit j is (as FSDP2's critic), so values[:, j] scores response token j."""
+        if self.role == "critic":
+            outputs = {"values": logits[..., 0].gather(1, x["keep"]).float()}  # [n, R]
+        else:
+            vocab = self.arch.vocab_size
+            keep = x["keep"][..., None].expand(-1, -1, logits.shape[-1])  # [n, R, V_pad]
+            picked = logits.gather(1, keep)[..., :vocab]  # [n, R, V]
+            outputs = token_outputs(picked, x["labels"], self.temperature, with_entropy, entropy_grad)
         tokens = torch.zeros((), dtype=torch.int)
         if loss_fn is None:
             return torch.zeros((), device=logits.device), tokens, outputs
@@ -361,7 +331,8 @@ class MegatronEngine(TrainEngine):
             )
 
     def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """{"logp", optional "entropy"}: each [N, R] float32 on the batch's device, for this rank's rows."""
+        """{"logp", optional "entropy"} (actor, ref) or {"values"} (critic): each [N, R] float32 on the
+        batch's device, for this rank's rows."""
         self._check_rows(len(batch))
         full = self._gather(batch)
         micros = [m.to(self.device) for m in full.split(micro_batch_size)]
@@ -369,7 +340,7 @@ class MegatronEngine(TrainEngine):
         with torch.no_grad():
             store = self._run_schedule(micros, True, loss_fn=None, scale=None, with_entropy=with_entropy,
                                        entropy_grad=False)
-        keys = ["logp"] + (["entropy"] if with_entropy else [])
+        keys = ["values"] if self.role == "critic" else ["logp"] + (["entropy"] if with_entropy else [])
         shape = (len(full), full["response_mask"].shape[1])
         if self._is_last_stage():
             out = {k: torch.cat([s[k] for s in store]).float() for k in keys}
@@ -441,7 +412,8 @@ class MegatronEngine(TrainEngine):
         per rank; the same contract as ``FSDP2Engine.train_step`` (with TP x PP, a mini-batch is the
         model replica's union of ``mini_batch_size * tp * pp`` rows, cut into micro-batches)."""
         if self.optimizer is None:
-            raise ValueError(f"the {self.role} engine is frozen and has no optimizer; train_step needs actor")
+            raise ValueError(f"the {self.role} engine is frozen and has no optimizer; train_step needs actor "
+                             f"or critic")
         self._check_rows(len(batch))
         self.model.train()
         sums: dict[str, float] = {}
@@ -468,8 +440,9 @@ class MegatronEngine(TrainEngine):
                 self.scheduler.step()
                 self.global_step += 1
         out = self._reduce_metrics(sums, n_micro)
-        out["actor/lr"] = float(lr)
-        out["actor/grad_norm"] = sum(norms) / max(1, len(norms))
+        prefix = "critic" if self.role == "critic" else "actor"
+        out[f"{prefix}/lr"] = float(lr)
+        out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
         return out
 
     def _reduce_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
@@ -488,15 +461,16 @@ class MegatronEngine(TrainEngine):
     # ------------------------------------------------------------------ weights, memory, checkpoints
 
     def _export_plan(self) -> list[tuple[int, object, tuple[str, ...]]]:
-        """(owning stage, rule, HF names) of every exported tensor, in HF order; a tied head is left out."""
+        """(owning stage, rule, HF names) of every exported tensor, in HF order; a tied head is left out,
+        a critic's value head (``score.weight``, ``score.bias``) comes last."""
         per_stage = self.arch.num_layers // self.pp
-        embed, norm, head = global_rules(self.arch)
+        embed, norm, *heads = global_rules(self.arch)
         plan = [(0, embed, embed.hf)]
         for i in range(self.arch.num_layers):
             plan += [(i // per_stage, r, tuple(f"model.layers.{i}.{h}" for h in r.hf)) for r in layer_rules(self.arch)]
         plan.append((self.pp - 1, norm, norm.hf))
         if not self.arch.tie_word_embeddings:
-            plan.append((self.pp - 1, head, head.hf))
+            plan += [(self.pp - 1, head, head.hf) for head in heads]
         return plan
 
     @torch.no_grad()

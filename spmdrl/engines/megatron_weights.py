@@ -19,6 +19,9 @@ cannot disagree. Megatron layouts, per TP rank (``tp`` ranks, ``r`` this one):
   (``linear_proj``, ``linear_fc2``, kind ``row``) dim 1, norms are replicated.
 - the vocabulary is padded to a multiple of ``tp`` (``VocabParallelEmbedding``
   needs equal shards); padded rows are zeros and never exported.
+- a critic (``HFArch.value_head``) has no LM head: its last stage's
+  ``output_layer`` is a replicated [1, H] linear with a bias, HF's
+  ``*ForTokenClassification`` ``score.weight`` / ``score.bias``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class HFArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    value_head: bool = False  # a critic: the output layer is score [1, H] + bias, never tied to the embedding
 
     @classmethod
     def from_folder(cls, path: str | Path) -> "HFArch":
@@ -162,7 +166,7 @@ def build_gpt_model(arch: HFArch, config: "TransformerConfig", *, pre_process: b
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(
+    model = GPTModel(
         config,
         get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm),
         vocab_size=arch.padded_vocab(config.tensor_model_parallel_size),
@@ -170,10 +174,36 @@ def build_gpt_model(arch: HFArch, config: "TransformerConfig", *, pre_process: b
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=False,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings and not arch.value_head,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
     )
+    if arch.value_head and post_process:
+        # GPTModel always builds its vocab head on the last stage; the critic swaps it for the value head
+        # (the [V, H] shard is freed here), so Megatron's own forward and schedule run unchanged.
+        model.output_layer = ValueHead(arch.hidden_size)
+    return model
+
+
+class ValueHead(nn.Module):
+    """A critic's value head in place of ``GPTModel.output_layer``: hidden [s, b, H] -> values [s, b, 1].
+
+    Replicated over TP (not a Megatron parallel linear): without sequence parallelism every TP rank
+    holds the whole final hidden state and computes the same values and loss, so its gradient is
+    already complete and equal on each TP rank; the engine sums it over DP and counts it once (TP
+    rank 0) in the gradient norm.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))  # [1, H], loaded as HF's score.weight
+        self.bias = nn.Parameter(torch.zeros(1))  # [1], score.bias
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        # GPTModel._postprocess calls output_layer(hidden, weight=..., runtime_gather_output=...) and
+        # takes (output, bias); weight is None because the critic never ties its head.
+        return nn.functional.linear(hidden, self.weight, self.bias), None
 
 
 @dataclass(frozen=True)
@@ -208,12 +238,15 @@ def layer_rules(arch: HFArch) -> list[Rule]:
 def global_rules(arch: HFArch) -> list[Rule]:
     """Rules outside the decoder layers. A tied model's last pipeline stage holds its own copy of the
     embedding as ``output_layer.weight`` (kept equal by summing the two copies' gradients)."""
-    head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
-    return [
+    rules = [
         Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
         Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
-        Rule("output_layer.weight", (head,), "vocab"),
     ]
+    if arch.value_head:
+        return rules + [Rule("output_layer.weight", ("score.weight",), "replicated"),
+                        Rule("output_layer.bias", ("score.bias",), "replicated")]
+    head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+    return rules + [Rule("output_layer.weight", (head,), "vocab")]
 
 
 def _qkv_groups(arch: HFArch) -> tuple[int, int]:
@@ -262,9 +295,10 @@ def to_hf(rule: Rule, parts: Sequence[torch.Tensor], arch: HFArch) -> list[torch
 
 class HFWeights:
     """The tensors of a folder's safetensors files (sharded or not), read one at a time on demand:
-    a rank loads only the weights of its own pipeline stage."""
+    a rank loads only the weights of its own pipeline stage. ``extra`` adds tensors the folder lacks
+    (a critic's freshly initialised value head)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, extra: dict[str, torch.Tensor] | None = None):
         from safetensors import safe_open
 
         files = sorted(Path(path).glob("*.safetensors"))
@@ -274,17 +308,22 @@ class HFWeights:
         for f in files:
             handle = safe_open(str(f), framework="pt", device="cpu")
             self._where.update({k: handle for k in handle.keys()})
+        self._extra = dict(extra or {})
 
     def names(self) -> set[str]:
-        return set(self._where)
+        return set(self._where) | set(self._extra)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._extra:
+            return tuple(self._extra[name].shape)
         return tuple(self._where[name].get_slice(name).get_shape())
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._extra or name in self._where
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._extra:
+            return self._extra[name]
         return self._where[name].get_tensor(name)
 
 

@@ -35,6 +35,15 @@ def build_optimizer(
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, foreach=True)
 
 
+def value_head_weight(hidden_size: int, seed: int) -> torch.Tensor:
+    """A critic's initial value-head weight [1, H] (its bias starts at 0), the same on every rank and engine.
+
+    Small seeded weights: values start near 0 and the backbone still gets a gradient.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(1, hidden_size, generator=gen) / (hidden_size * math.sqrt(hidden_size))
+
+
 class WarmupSchedule:
     """LR multiplier: linear warm-up to 1 over ``warmup_steps``, then constant or cosine to ``min_lr_ratio``.
 

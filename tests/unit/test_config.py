@@ -111,7 +111,8 @@ def test_backends_check_their_own_options(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    (["--config", str(REPO / "configs" / "ppo.yaml")], "needs a critic, which actor.strategy 'megatron' does not build"),
+    (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm"],
+     "reward_model.enable is true but actor.strategy 'megatron' builds no reward model"),
     (["--actor.param_dtype", "float16"], "computes in float32 or bfloat16"),
     (["--parallel.pp", "3"], "parallel.pp=3 does not divide the model's num_hidden_layers (4)"),
     (["--actor.cpu_offload", "true"], "actor.cpu_offload / ref.offload is true"),

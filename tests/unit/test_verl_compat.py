@@ -91,6 +91,17 @@ def test_mapping_conversions_and_verl_defaults():
     assert cfg.critic.ppo_mini_batch_size == 8 and cfg.critic.lr == 1e-5
 
 
+def test_megatron_keys_of_actor_reference_and_critic():
+    cfg, _ = parse_config([
+        "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.ref.strategy=megatron", "critic.strategy=megatron",
+        *[f"{p}.megatron.{k}={v}" for p in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
+          for k, v in (("tensor_model_parallel_size", 2), ("pipeline_model_parallel_size", 2),
+                       ("sequence_parallel", False), ("use_distributed_optimizer", False), ("seed", 42))],
+        "reward_model.strategy=fsdp",  # the reward model is off: its strategy changes nothing
+    ])
+    assert cfg.actor.strategy == "megatron" and (cfg.parallel.tp, cfg.parallel.pp) == (2, 2)
+
+
 def test_verl_null_keeps_spmdrl_default_unless_spmdrl_takes_null():
     cfg, _ = parse_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "data.val_files=null",
                            "trainer.total_training_steps=null", "actor_rollout_ref.rollout.max_model_len=null"])
@@ -199,8 +210,16 @@ BAD = [
     (["actor_rollout_ref.rollout.mode=async"], "verl key actor_rollout_ref.rollout.mode='async' is not supported"),
     (["actor_rollout_ref.actor.optim.lr=fast"], "(set by verl key actor_rollout_ref.actor.optim.lr)"),
     (["data.truncation=middle"], "verl key data.truncation='middle' has no spmdrl equivalent; valid values:"),
-    (["actor_rollout_ref.actor.strategy=megatron"], "actor.strategy is 'megatron'; valid values: fsdp2"),
+    (["actor_rollout_ref.actor.strategy=deepspeed"], "actor.strategy is 'deepspeed'; valid values: fsdp2, megatron"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
+    (["critic.strategy=megatron"], "critic.strategy='megatron' differs from actor_rollout_ref.actor.strategy='fsdp2'"),
+    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "critic.megatron.tensor_model_parallel_size=1"],
+     "critic.megatron.tensor_model_parallel_size=1 differs from actor_rollout_ref.actor.megatron."
+     "tensor_model_parallel_size=2"),
+    (["actor_rollout_ref.actor.megatron.sequence_parallel=True"],
+     "sequence_parallel=True is not supported: spmdrl accepts only False"),
+    (["critic.megatron.use_distributed_optimizer=True"],
+     "use_distributed_optimizer=True is not supported: spmdrl accepts only False"),
     (["trainer.total_steps=3"], "trainer.total_steps=3 is a spmdrl key, not a verl key; write it as --trainer.total_steps"),
 ]
 
