@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
 from spmdrl.batch import Batch
+from spmdrl.engines.weights import move_optimizer_state
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -50,6 +51,9 @@ LossFn = Callable[[dict[str, torch.Tensor], Batch, LossScale], tuple[torch.Tenso
 
 
 class TrainEngine(abc.ABC):
+    optimizer: Optional[torch.optim.Optimizer]  # None for a frozen engine (reference, reward model)
+    device: torch.device
+
     @classmethod
     def check_config(cls, cfg: "Config") -> None:
         """Raise ValueError (one sentence) when ``cfg`` asks this engine for something it cannot do;
@@ -88,13 +92,20 @@ class TrainEngine(abc.ABC):
         """Full (unsharded) tensors under Hugging Face names, optionally cast to ``dtype``, never the
         whole model gathered at once."""
 
-    @abc.abstractmethod
     def offload(self) -> None:
-        """Move optimizer state and gradients off the device."""
+        """Optimizer moments to the CPU and gradients dropped while the rollout engine has the device (a frozen
+        engine has no optimizer: nothing to do). Engines set ``optimizer`` and ``device``."""
+        if self.optimizer is None:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        move_optimizer_state(self.optimizer, lambda p: torch.device("cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    @abc.abstractmethod
     def onload(self) -> None:
-        """Bring optimizer state back to the device."""
+        """Optimizer moments back next to their parameters (on the device, or the CPU under CPU offload)."""
+        if self.optimizer is not None:
+            move_optimizer_state(self.optimizer, lambda p: p.device)
 
     @abc.abstractmethod
     def state_dict(self) -> dict:

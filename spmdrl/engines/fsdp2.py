@@ -54,7 +54,6 @@ from spmdrl.engines.weights import (
     clip_grad_norm_,
     iter_full_state,
     iter_unsharded_state,
-    move_optimizer_state,
     value_head_weight,
 )
 from spmdrl.precision import resolve_dtype, to_dtype
@@ -489,21 +488,6 @@ class FSDP2Engine(TrainEngine):
             yield from iter_unsharded_state(self.model)
         else:
             yield from iter_full_state(self.model, dtype)
-
-    def offload(self) -> None:
-        """Optimizer moments to the CPU and gradients dropped (no-op for the moments on a CPU device)."""
-        if self.optimizer is None:
-            return
-        self.optimizer.zero_grad(set_to_none=True)
-        move_optimizer_state(self.optimizer, lambda p: torch.device("cpu"))
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def onload(self) -> None:
-        """Optimizer moments back next to their parameters (on the device, or the CPU under cpu_offload)."""
-        if self.optimizer is not None:
-            move_optimizer_state(self.optimizer, lambda p: p.device)
-
 
     def state_dict(self) -> dict:
         """Sharded model (+ optimizer, scheduler, step) for ``torch.distributed.checkpoint.save/load``.

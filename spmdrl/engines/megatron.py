@@ -64,7 +64,7 @@ from spmdrl.engines.megatron_weights import (
     to_hf,
     transformer_config,
 )
-from spmdrl.engines.weights import build_optimizer, build_scheduler, move_optimizer_state, value_head_weight
+from spmdrl.engines.weights import build_optimizer, build_scheduler, value_head_weight
 from spmdrl.precision import resolve_dtype
 
 if TYPE_CHECKING:
@@ -496,19 +496,6 @@ class MegatronEngine(TrainEngine):
                 for t in tensors:
                     dist.broadcast(t, src=self.pp_ranks[stage], group=self.pp_group)
             yield from zip(hf_names, tensors)
-
-    def offload(self) -> None:
-        """Optimizer moments to the CPU and gradients dropped."""
-        if self.optimizer is None:
-            return
-        self.optimizer.zero_grad(set_to_none=True)
-        move_optimizer_state(self.optimizer, lambda p: torch.device("cpu"))
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def onload(self) -> None:
-        if self.optimizer is not None:
-            move_optimizer_state(self.optimizer, lambda p: p.device)
 
     def _state_names(self) -> dict[str, str]:
         """Checkpoint key of every local parameter: ``tp{rank}.`` + its name with the layer's global index.
