@@ -44,7 +44,7 @@ class LossScale:
 
     global_tokens: float  # valid response tokens in the mini-batch over all DP ranks
     global_seqs: float  # responses in the mini-batch over all DP ranks
-    dp_size: int  # FSDP averages gradients over DP; losses are multiplied by this to undo it
+    # No DP correction here: an engine whose gradient reduction averages (FSDP2) scales its own backward.
 
 
 LossFn = Callable[[dict[str, torch.Tensor], Batch, LossScale], tuple[torch.Tensor, dict[str, float]]]

@@ -360,7 +360,7 @@ class FSDP2Engine(TrainEngine):
             device=self._comm_device(),
         )
         self._dp_all_reduce(counts)
-        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]), dp_size=self.dp_size)
+        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
 
     # ------------------------------------------------------------------ forward
 

@@ -359,7 +359,7 @@ class MegatronEngine(TrainEngine):
                               device=self._comm_device())
         if self.dp_size > 1:
             dist.all_reduce(counts, group=self.dp_group)
-        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]), dp_size=self.dp_size)
+        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
 
     def _reduce_grads(self) -> None:
         """Sum gradients over data-parallel replicas, and the tied embedding's first and last stage copies."""

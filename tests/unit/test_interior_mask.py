@@ -137,7 +137,7 @@ def test_actor_loss_with_kl_and_entropy_ignores_interior_masked_tokens():
     g = torch.Generator().manual_seed(11)
     fields = {k: -torch.rand(B, T, generator=g) for k in ("logp", "old_logp", "ref_logp", "entropy")}
     fields["advantages"] = torch.randn(B, T, generator=g)
-    scale = LossScale(global_tokens=float(mask.sum()), global_seqs=5.0, dp_size=1)
+    scale = LossScale(global_tokens=float(mask.sum()), global_seqs=5.0)
     for mode in LOSS_AGG_MODES.names():
         cfg.actor.loss_agg_mode = mode
         fn = actor_loss_fn(cfg)
