@@ -22,6 +22,7 @@ contribution at the end of the trajectory, ``release`` frees what ``create`` mad
 
 from __future__ import annotations
 
+import abc
 import ast
 import importlib
 import math
@@ -35,7 +36,7 @@ import yaml
 from spmdrl.workers import import_file
 
 
-class Tool:
+class Tool(abc.ABC):
     """Base class of a tool; a subclass overrides ``execute`` and, when it keeps state, the others."""
 
     def __init__(self, config: dict, tool_schema: dict) -> None:
@@ -50,9 +51,9 @@ class Tool:
         """State of one trajectory (``kwargs``: the row's ``extra_info["tools_kwargs"][name]``, when given)."""
         return dict(kwargs)
 
+    @abc.abstractmethod
     def execute(self, parameters: dict, state: dict) -> str:
         """The text the model sees for one call; may update ``state`` in place. Runs in a worker process."""
-        raise NotImplementedError
 
     def calc_reward(self, state: dict) -> float:
         """Reward this tool adds to its trajectory's score (default: none)."""
@@ -189,6 +190,8 @@ def load_tool_class(spec: str) -> type[Tool]:
     cls = getattr(module, cls_name, None)
     if not (isinstance(cls, type) and all(callable(getattr(cls, m, None)) for m in ("execute", "create", "release"))):
         raise ValueError(f"tool class {spec!r}: {cls_name!r} is not a class with create/execute/release methods")
+    if getattr(cls, "__abstractmethods__", None):
+        raise ValueError(f"tool class {spec!r}: {cls_name!r} does not implement {', '.join(sorted(cls.__abstractmethods__))}")
     return cls
 
 

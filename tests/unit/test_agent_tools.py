@@ -67,6 +67,8 @@ tools:
      "not a class with create/execute/release"),
     ("tools:\n  - class_name: nowhere.py:Tool\n    tool_schema: {type: function, function: {name: a}}",
      "does not exist"),
+    ("tools:\n  - class_name: spmdrl.agent.tools.Tool\n    tool_schema: {type: function, function: {name: a}}",
+     "does not implement execute"),
     ("tools:\n  - class_name: calculator\n    tool_schema: {type: fn}", "type: function"),
     ("tools:\n  - class_name: calculator\n    tool_schema: {type: function, function: {name: 'a b'}}",
      "must be an identifier"),
