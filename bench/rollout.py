@@ -76,7 +76,8 @@ class _SpmdrlRunner:
         sys.path.insert(0, str(REPO))
         import torch
 
-        from spmdrl.rollout.base import SamplingParams, build_rollout
+        from spmdrl.rollout.base import SamplingParams
+        from spmdrl.rollout import build_rollout
 
         self.SamplingParams = SamplingParams
         extra = {}
@@ -150,7 +151,7 @@ def gemm_times(config_path: Path, rows: int, repeats: int, dtype: str) -> tuple[
     import torch.nn.functional as F
 
     sys.path.insert(0, str(REPO))
-    from spmdrl.rollout.native_model import DecoderConfig
+    from spmdrl.rollout.native.model import DecoderConfig
 
     c = DecoderConfig.from_folder(config_path)
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
@@ -177,7 +178,7 @@ def gemm_times(config_path: Path, rows: int, repeats: int, dtype: str) -> tuple[
 def gemm_limit(config_path: Path, flop: int, times: list[float]) -> tuple[float, float]:
     """(GFLOP/s, GEMM-bound tok/s) from the median of the timed passes."""
     sys.path.insert(0, str(REPO))
-    from spmdrl.rollout.native_model import DecoderConfig
+    from spmdrl.rollout.native.model import DecoderConfig
 
     rate = flop / statistics.median(times)
     return rate / 1e9, rate / (2 * DecoderConfig.from_folder(config_path).num_params())
@@ -196,7 +197,7 @@ def run_worker(python: str, spec: dict, env: dict) -> list[dict]:
 
 def build_models(models: list[str]) -> dict[str, Path]:
     sys.path.insert(0, str(REPO))
-    from spmdrl.tools.tiny_model import resolve_builtin_model
+    from spmdrl.builtin.models import resolve_builtin_model
 
     return {m: Path(resolve_builtin_model(f"builtin:{m}")) for m in models}
 

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
-    p.add_argument("--data", required=True, help="train parquet in verl's layout (spmdrl.tools.make_task)")
+    p.add_argument("--data", required=True, help="train parquet in verl's layout (spmdrl.builtin.tasks)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=8)
@@ -40,7 +40,7 @@ def main() -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from spmdrl.tasks import compute_score
+    from spmdrl.reward.scorers import compute_score
 
     ds = datasets.load_dataset("parquet", data_files=a.data, split="train")
     ds = ds.map(lambda row: {"prompt": list(row["prompt"]), "ground_truth": row["reward_model"]["ground_truth"]},

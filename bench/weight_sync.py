@@ -38,9 +38,9 @@ def main() -> None:
     import torch.distributed as dist
 
     from spmdrl.parallel import ParallelDims, init_distributed
-    from spmdrl.rollout.base import build_rollout
-    from spmdrl.rollout.native_model import Decoder
-    from spmdrl.tools.tiny_model import resolve_builtin_model
+    from spmdrl.rollout import build_rollout
+    from spmdrl.rollout.native.model import Decoder
+    from spmdrl.builtin.models import resolve_builtin_model
 
     rank, world = init_distributed("cpu")
     dims = ParallelDims(world, rollout_tp=a.tp).build()

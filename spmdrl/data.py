@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
-from spmdrl.tools.make_task import resolve_builtin_data
+from spmdrl.builtin.tasks import resolve_builtin_data
 
 if TYPE_CHECKING:
     from spmdrl.config import DataConfig

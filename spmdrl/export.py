@@ -24,9 +24,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from spmdrl.checkpoint import load_state, read_manifest, resolve_resume, verify_checkpoint
+from spmdrl.checkpoint.manager import load_state, read_manifest, resolve_resume, verify_checkpoint
 from spmdrl.errors import ConfigError
-from spmdrl.hf_folder import DEFAULT_SHARD, parse_size, write_hf_folder
+from spmdrl.checkpoint.hf_folder import DEFAULT_SHARD, parse_size, write_hf_folder
 from spmdrl.precision import DTYPES
 def read_model_state(checkpoint: Path, role: str = "actor") -> dict[str, torch.Tensor]:
     """Full tensors of a checkpoint's model under HF names, loaded in this process (no process group)."""

@@ -36,9 +36,11 @@ from spmdrl.objectives import actor_loss_fn, critic_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords, rollout_tp_rank
 from spmdrl.plot import plot_run
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
-from spmdrl.reward_model import RewardModelScorer
-from spmdrl.rewards import RewardManager, decode_responses
-from spmdrl.rollout.base import RolloutSession, SamplingParams, eos_ids_from_folder, rollout_engine_class
+from spmdrl.reward.model import RewardModelScorer
+from spmdrl.reward.rule import RewardManager, decode_responses
+from spmdrl.rollout.base import SamplingParams, eos_ids_from_folder
+from spmdrl.rollout import rollout_engine_class
+from spmdrl.rollout.session import RolloutSession
 from spmdrl.validation import validate
 
 log = logging.getLogger("spmdrl")
@@ -84,7 +86,7 @@ def build(cfg: Config, dims: ParallelDims) -> Run:
     from transformers import AutoTokenizer
 
     from spmdrl.data import build_train_loader, build_val_loader
-    from spmdrl.tools.tiny_model import resolve_builtin_model
+    from spmdrl.builtin.models import resolve_builtin_model
 
     rank = dist.get_rank()
     device = device_for_rank(dims.device_type)
@@ -393,7 +395,7 @@ def _batch_metrics(batch: Batch, cfg: Config) -> dict[str, float]:
 
 
 def run(cfg: Config, dims: ParallelDims) -> None:
-    from spmdrl.checkpoint import Checkpointer, RunState
+    from spmdrl.checkpoint.manager import Checkpointer, RunState
 
     r = build(cfg, dims)
     engines = {role: e for role, e in (("actor", r.actor), ("critic", r.critic)) if e is not None}

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from spmdrl.cli import exit_with, parse_config, validate
+from spmdrl.config.parse import exit_with, parse_config, validate
 from spmdrl.errors import ConfigError
 
 

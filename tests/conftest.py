@@ -10,6 +10,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in tiny Qwen2 folder (random weights, local BPE tokenizer), built once per test session."""
-    from spmdrl.tools.tiny_model import build_model
+    from spmdrl.builtin.models import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny_model") / "tiny", "tiny", seed=0)

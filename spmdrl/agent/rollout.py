@@ -6,7 +6,7 @@
 Every rank runs its own conversations (no server). A turn is one ``generate``
 call on the rows still running: each continues from its prompt plus its
 response so far. A row whose turn ends (EOS) with Hermes tool calls pauses; its
-calls run in the tool workers (``spmdrl.agent.sandbox``), the tool messages are
+calls run in the tool workers (``spmdrl.agent.runner``), the tool messages are
 tokenized as the chat template renders them (``spmdrl.agent.chat``) and
 appended, and it goes on in the next call. A row that ends without a call, runs
 out of ``data.max_response_length`` or reaches ``max_assistant_turns`` leaves.
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Seque
 import torch
 
 from spmdrl.agent.chat import PARSERS, ChatTokens, ParsedCall
-from spmdrl.agent.sandbox import ToolCall, ToolRunner
+from spmdrl.agent.runner import ToolCall, ToolRunner
 from spmdrl.agent.tools import Tool, ToolSpec, load_tool_config
 from spmdrl.rollout.base import GenerationOutput, SamplingParams, left_pad
 

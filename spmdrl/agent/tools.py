@@ -15,7 +15,7 @@
 
 A tool is a class with four methods (``Tool``): ``create`` makes the state of one
 trajectory (in the training process), ``execute`` runs one call with the parsed
-arguments (in a worker process, ``spmdrl.agent.sandbox``: the state travels to the
+arguments (in a worker process, ``spmdrl.agent.runner``: the state travels to the
 worker and back, so it must pickle), ``calc_reward`` returns an optional reward
 contribution at the end of the trajectory, ``release`` frees what ``create`` made.
 """
@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import yaml
 
-from spmdrl.workers import import_file
+from spmdrl.sandbox.pool import import_file
 
 
 class Tool(abc.ABC):

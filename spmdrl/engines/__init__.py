@@ -3,8 +3,8 @@
     from spmdrl.engines import build_engine
     actor = build_engine(cfg, model_path, role="actor", dims=dims, device=device, total_steps=100)
 
-``cfg.actor.strategy`` picks the backend: ``fsdp2`` (``spmdrl.engines.fsdp2.FSDP2Engine``)
-or ``megatron`` (``spmdrl.engines.megatron.MegatronEngine``: megatron-core GPTModel with
+``cfg.actor.strategy`` picks the backend: ``fsdp2`` (``spmdrl.engines.fsdp2.engine.FSDP2Engine``)
+or ``megatron`` (``spmdrl.engines.megatron.engine.MegatronEngine``: megatron-core GPTModel with
 ``parallel.tp`` / ``parallel.pp``; actor, reference and critic, no reward model); both run on CPU and GPU.
 Each engine class checks its own config keys (``check_config``) before any process group exists.
 """
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from spmdrl.parallel import ParallelDims
 
 def _fsdp2() -> type[TrainEngine]:
-    from spmdrl.engines.fsdp2 import FSDP2Engine
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
 
     return FSDP2Engine
 
@@ -37,7 +37,7 @@ def _megatron() -> type[TrainEngine]:
     except ImportError as err:
         raise ImportError(f"actor.strategy 'megatron' needs megatron-core, which is not importable here ({err}); "
                           f"pip install -c constraints.txt 'megatron-core==0.16.1'") from err
-    from spmdrl.engines.megatron import MegatronEngine
+    from spmdrl.engines.megatron.engine import MegatronEngine
 
     return MegatronEngine
 

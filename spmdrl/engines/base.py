@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
 from spmdrl.batch import Batch
-from spmdrl.engines.weights import move_optimizer_state
+from spmdrl.engines.optim import move_optimizer_state
 
 if TYPE_CHECKING:
     from spmdrl.config import Config

@@ -9,8 +9,8 @@ An engine lives in-process on every rank. Its calls come in this order
     out = engine.generate(prompts, sampling)        # any number of calls
     engine.sleep(level)
 
-Backends are looked up by name through factory functions that import them
-lazily (``rollout_engine_class``), so a run with the native engine never
+Backends are looked up by name in ``spmdrl.rollout`` (``rollout_engine_class``),
+whose factories import them lazily, so a run with the native engine never
 imports another backend; each engine checks its own config keys
 (``check_config``) before any work and builds itself (``from_config``).
 """
@@ -18,11 +18,10 @@ imports another backend; each engine checks its own config keys
 from __future__ import annotations
 
 import abc
-import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
@@ -126,6 +125,13 @@ def eos_ids_from_folder(model_path: str | Path, tokenizer_eos: Optional[int] = N
     return sorted(ids)
 
 
+# What ``sleep`` frees and ``wake_up`` re-materialises.
+SLEEP_TAGS = ("weights", "kv_cache")
+# Engines that run one whole model per rank refuse rollout TP with this sentence.
+TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the native and hf rollout engines run one engine per rank; "
+                  "rollout tensor parallelism needs an engine that shards (set parallel.rollout_tp: 1)")
+
+
 class RolloutEngine(abc.ABC):
     """One in-process generation engine per rank (one rollout DP x TP coordinate)."""
 
@@ -142,9 +148,8 @@ class RolloutEngine(abc.ABC):
         """Free the KV cache; level 1 also moves weights off the device, level 2 frees them."""
 
     @abc.abstractmethod
-    def wake_up(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
         """Re-materialise what ``tags`` names ("weights", "kv_cache")."""
-
 
     def close(self) -> None:
         """Release what the engine started (threads, process groups) at the end of a run; default: nothing."""
@@ -170,98 +175,3 @@ def common_kwargs(cfg: "Config", device: torch.device) -> dict:
     (``auto`` decided for ``device``), ``max_num_seqs`` and the base sampling seed (engines add their DP rank)."""
     r = cfg.rollout
     return dict(dtype=resolve_dtype(r.dtype, device.type), max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed * 1000)
-
-
-def _native() -> type[RolloutEngine]:
-    from spmdrl.rollout.native import NativeRollout
-
-    return NativeRollout
-
-
-def _hf() -> type[RolloutEngine]:
-    from spmdrl.rollout.hf import HFRollout
-
-    return HFRollout
-
-
-def _vllm() -> type[RolloutEngine]:
-    from spmdrl.rollout.vllm import VLLMRollout
-
-    return VLLMRollout
-
-
-# name -> factory returning the class; a backend's module is imported only when chosen.
-ROLLOUT_ENGINES: dict[str, Callable[[], type[RolloutEngine]]] = {"native": _native, "hf": _hf, "vllm": _vllm}
-
-
-def rollout_engine_class(name: str) -> type[RolloutEngine]:
-    if name not in ROLLOUT_ENGINES:
-        raise ValueError(f"rollout.engine is {name!r}; valid engines: {', '.join(sorted(ROLLOUT_ENGINES))}")
-    return ROLLOUT_ENGINES[name]()
-
-
-def build_rollout(name: str, model_path: str, **kwargs) -> RolloutEngine:
-    """Construct the engine called ``name`` directly (tests, benchmarks); the loop uses ``from_config``."""
-    return rollout_engine_class(name)(model_path, **kwargs)
-
-
-class RolloutSession:
-    """The one owner of the rollout order, so that no path generates from freed or stale weights:
-
-        with session.awake():        # wake weights, load the actor's when they are stale, wake KV cache
-            out = engine.generate(...)   # any number of calls: DAPO rounds, ReMax baselines, validation
-        # here the engine sleeps (colocated runs), at ``sleep_level``
-
-    Weights are stale after the actor trained (``actor_changed``), after a resume,
-    and after a level-2 sleep freed them.
-    """
-
-    def __init__(self, engine: RolloutEngine, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *,
-                 sleep_level: int, colocate: bool, tp_rank: int = 0, tp: int = 1):
-        if sleep_level not in (1, 2):
-            raise ValueError(f"rollout.sleep_level is {sleep_level}; valid levels: 1, 2")
-        if not 0 <= tp_rank < tp:
-            raise ValueError(f"rollout TP rank {tp_rank} is outside a TP group of {tp}")
-        self.engine, self._export = engine, export
-        self.sleep_level, self.colocate = sleep_level, colocate
-        self.tp_rank, self.tp = tp_rank, tp
-        self.stale = False  # the engine was built from the same folder as the actor
-        self._depth = 0
-
-    def actor_changed(self) -> None:
-        self.stale = True
-
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
-        """This rank's share of the responses to ``prompts`` (inside ``awake``). Every rank of a rollout TP
-        group passes the group's prompts; each keeps ``tp_share`` of them, so the batch ends up sharded over
-        the world in rollout order (DESIGN.md, "Meshes"). With tp == 1 that is every row."""
-        if not self._depth:
-            raise RuntimeError("RolloutSession.generate called outside `with session.awake():`")
-        out = self.engine.generate(prompts, sampling)
-        if self.tp == 1:
-            return out
-        share = tp_share(len(prompts), self.tp_rank, self.tp)
-        keep = (out.prompt_index >= share.start) & (out.prompt_index < share.stop)  # [N]
-        return out.select(keep.nonzero().squeeze(-1))
-
-    @contextlib.contextmanager
-    def awake(self, sync_phase: Callable[[], ContextManager] = contextlib.nullcontext
-              ) -> Iterator[RolloutEngine]:
-        """The engine, awake with the actor's current weights; ``sync_phase`` times the wake and load."""
-        if self._depth:  # already awake: an inner caller shares the outer window
-            yield self.engine
-            return
-        with sync_phase():
-            self.engine.wake_up(("weights",))
-            if self.stale:
-                self.engine.update_weights(self._export())
-                self.stale = False
-            self.engine.wake_up(("kv_cache",))
-        self._depth += 1
-        try:
-            yield self.engine
-        finally:
-            self._depth -= 1
-            if self.colocate:
-                self.engine.sleep(self.sleep_level)
-                self.stale = self.stale or self.sleep_level == 2

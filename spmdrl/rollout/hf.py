@@ -21,6 +21,8 @@ import torch
 from spmdrl.parallel import rollout_coords
 from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
+    SLEEP_TAGS,
+    TP_UNSUPPORTED,
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
@@ -28,7 +30,6 @@ from spmdrl.rollout.base import (
     eos_ids_from_folder,
     left_pad,
 )
-from spmdrl.rollout.native import TP_UNSUPPORTED, SLEEP_TAGS
 from spmdrl.rollout.weight_store import WeightStore
 from spmdrl.rollout.sampling import response_mask_and_reasons, stop_id_tensor, truncate_logits, validate_sampling
 

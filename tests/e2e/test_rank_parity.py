@@ -65,7 +65,7 @@ def test_one_and_two_ranks_agree(config, tmp_path, spmdrl_cache, monkeypatch):
     # Adam magnifies reduction-order noise in near-zero gradients, so elementwise bounds would be loose).
     from safetensors.torch import load_file
 
-    from spmdrl.tools.tiny_model import resolve_builtin_model
+    from spmdrl.builtin.models import resolve_builtin_model
 
     monkeypatch.setenv("SPMDRL_CACHE", spmdrl_cache)
     p0 = load_file(str(resolve_builtin_model("builtin:tiny")) + "/model.safetensors")

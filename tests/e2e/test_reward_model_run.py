@@ -14,8 +14,8 @@ pytestmark = pytest.mark.e2e
 
 
 def test_reward_model_and_rule_score_two_ranks(tmp_path, spmdrl_cache) -> None:
-    from spmdrl.tasks import get_task
-    from spmdrl.tools.make_task import write_parquet
+    from spmdrl.builtin.tasks import get_task
+    from spmdrl.builtin.tasks import write_parquet
 
     val = write_parquet(get_task("arith")("val", 5, 0), tmp_path / "val.parquet")  # batches of 4 then 1 prompt
     out = tmp_path / "run"

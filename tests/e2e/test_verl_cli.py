@@ -123,7 +123,7 @@ def _gsm8k_jsonl(path: Path, n: int, start: int) -> Path:
 
 @pytest.fixture(scope="module")
 def verl_run(tmp_path_factory, tiny_model_dir, spmdrl_cache) -> dict:
-    from spmdrl.tools.prepare_gsm8k import main as prepare
+    from spmdrl.builtin.gsm8k import main as prepare
 
     root = tmp_path_factory.mktemp("verl_cli")
     data, out = root / "gsm8k", root / "out"
@@ -136,7 +136,7 @@ def verl_run(tmp_path_factory, tiny_model_dir, spmdrl_cache) -> dict:
 
 
 def test_resolved_config_equals_the_hand_written_spmdrl_config(verl_run, tmp_path):
-    from spmdrl.cli import parse_config
+    from spmdrl.config.parse import parse_config
 
     hand = tmp_path / "same_run.yaml"
     hand.write_text(SPMDRL_YAML.format(**{k: verl_run[k] for k in ("data", "model", "out")}))

@@ -45,9 +45,9 @@ def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
     import torch.distributed as dist
 
     from spmdrl.algos.kl import build_kl_controller
-    from spmdrl.checkpoint import RunState
+    from spmdrl.checkpoint.manager import RunState
     from spmdrl.config import Config
-    from spmdrl.engines.fsdp2 import FSDP2Engine
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
 
     cfg = Config()
@@ -85,7 +85,7 @@ def _optim(engine) -> dict[str, str]:
 
 
 def _save_steps(rank: int, world: int, model_dir: str, out: str) -> dict:
-    from spmdrl.checkpoint import Checkpointer
+    from spmdrl.checkpoint.manager import Checkpointer
 
     r = _run(model_dir, out)
     ckpt = Checkpointer(r, install_signal_handlers=False)
@@ -109,7 +109,7 @@ def _save_steps(rank: int, world: int, model_dir: str, out: str) -> dict:
 
 def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, other_model: str,
                            bad: dict) -> dict:
-    from spmdrl.checkpoint import Checkpointer
+    from spmdrl.checkpoint.manager import Checkpointer
     from spmdrl.errors import ConfigError
 
     r = _run(model_dir, out, seed=7)

@@ -59,7 +59,7 @@ def vf_loss(outputs, mb, scale):
 
 
 def _engine(model_dir: str, dims, **kw):
-    from spmdrl.engines.fsdp2 import FSDP2Engine
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
 
     return FSDP2Engine(
         model_dir,

@@ -64,12 +64,12 @@ def _run(rank: int, world: int, model_dir: str, ckpt: str, result: str) -> None:
 
     from spmdrl.batch import from_generation
     from spmdrl.config import Config
-    from spmdrl.engines.fsdp2 import FSDP2Engine
-    from spmdrl.engines.megatron import MegatronEngine
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
+    from spmdrl.engines.megatron.engine import MegatronEngine
     from spmdrl.objectives import actor_loss_fn, critic_loss_fn
     from spmdrl.parallel import ParallelDims
     from spmdrl.rollout.base import SamplingParams
-    from spmdrl.rollout.native import NativeRollout
+    from spmdrl.rollout.native.engine import NativeRollout
 
     batch = make_batch(2048)
     mine = batch.select(slice(rank * N // 2, (rank + 1) * N // 2))  # this rank's rows, as the loop shards them

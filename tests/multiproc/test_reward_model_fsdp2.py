@@ -27,9 +27,9 @@ ROWS = {0: [0, 1, 2], 1: [3]}
 def _scores(rank: int, world: int, model_dir: str) -> list[float]:
     from transformers import AutoTokenizer
 
-    from spmdrl.engines.fsdp2 import FSDP2Engine
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
-    from spmdrl.reward_model import RewardModelScorer
+    from spmdrl.reward.model import RewardModelScorer
 
     dims = ParallelDims(world).build()
     engine = FSDP2Engine(model_dir, role="reward", dp_mesh=dims.fsdp_mesh, device="cpu", seed=0)
@@ -45,8 +45,8 @@ def _scores(rank: int, world: int, model_dir: str) -> list[float]:
 def test_fsdp2_reward_engine_equals_transformers_forward(tmp_path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from spmdrl.reward_model import render
-    from spmdrl.tools.tiny_model import build_model
+    from spmdrl.reward.model import render
+    from spmdrl.builtin.models import build_model
 
     model_dir = str(build_model(tmp_path / "rm", "tiny", seed=3, reward=True))
     per_rank = spawn(_scores, 2, model_dir)
@@ -64,8 +64,8 @@ def test_fsdp2_reward_engine_equals_transformers_forward(tmp_path) -> None:
 
 
 def test_max_length_cuts_on_the_right_and_scores_the_cut_text(tmp_path) -> None:
-    from spmdrl.reward_model import encode
-    from spmdrl.tools.tiny_model import build_tokenizer
+    from spmdrl.reward.model import encode
+    from spmdrl.builtin.models import build_tokenizer
 
     tok = build_tokenizer(tmp_path, seed=0)
     batch = encode(tok, ["<|im_start|>user\nhi<|im_end|>\n", "a b c d e f g h"], 4, tok.pad_token_id)

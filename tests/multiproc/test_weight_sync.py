@@ -12,9 +12,9 @@ def _sync(rank, world_size, model_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
     from spmdrl.batch import from_generation
-    from spmdrl.engines.fsdp2 import FSDP2Engine
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.rollout.base import SamplingParams
-    from spmdrl.rollout.native import NativeRollout
+    from spmdrl.rollout.native.engine import NativeRollout
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     actor = FSDP2Engine(model_dir, role="actor", dp_mesh=mesh, lr=1e-2, seed=0)

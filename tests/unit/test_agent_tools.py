@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.agent.sandbox import MAX_OUTPUT_CHARS, ToolCall, ToolRunner
+from spmdrl.agent.runner import MAX_OUTPUT_CHARS, ToolCall, ToolRunner
 from spmdrl.agent.tools import CALCULATOR_SCHEMA, ToolSpec, load_tool_config, safe_eval
 
 FAULTS = Path(__file__).with_name("agent_fault_tools.py")

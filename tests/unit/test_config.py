@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.cli import parse_config
+from spmdrl.config.parse import parse_config
 from spmdrl.config import output_dir
 from spmdrl.train import main
 

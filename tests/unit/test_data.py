@@ -8,8 +8,8 @@ import pytest
 
 from spmdrl.config import DataConfig
 from spmdrl.data import PromptDataset, PromptLoader, ValidationLoader, build_train_loader, build_val_loader
-from spmdrl.tasks import generate_arith
-from spmdrl.tools.make_task import write_parquet
+from spmdrl.builtin.tasks import generate_arith
+from spmdrl.builtin.tasks import write_parquet
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from spmdrl.engines import engine_class
 from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits
-from spmdrl.engines.weights import (
+from spmdrl.engines.optim import (
     WarmupSchedule,
     build_optimizer,
     build_scheduler,
@@ -103,7 +103,7 @@ def test_engine_registry_errors():
 
 
 def test_attention_kernel_auto_rule():
-    from spmdrl.engines.fsdp2 import resolve_attn_implementation
+    from spmdrl.engines.fsdp2.engine import resolve_attn_implementation
 
     assert resolve_attn_implementation("auto", "cpu", 80) == "eager"  # measured ~3x faster backward on CPU
     assert resolve_attn_implementation("auto", "cpu", 4096) == "sdpa"  # eager's [L, L] scores get too big

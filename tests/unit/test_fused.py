@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from spmdrl.engines.fused import apply_fused_kernels, compiler_available, resolve_fused_kernels
+from spmdrl.engines.fsdp2.fused import apply_fused_kernels, compiler_available, resolve_fused_kernels
 
 needs_compiler = pytest.mark.skipif(not compiler_available("cpu"), reason="no C++ compiler for inductor")
 
@@ -65,7 +65,7 @@ def test_inductor_cache_is_kept_per_cpu_capability(tmp_path):
     import subprocess
     import sys
 
-    code = ("import os; from spmdrl.engines import fused; fused._isa_keyed_inductor_cache(); "
+    code = ("import os; from spmdrl.engines.fsdp2 import fused; fused._isa_keyed_inductor_cache(); "
             "fused._isa_keyed_inductor_cache(); print(os.environ['TORCHINDUCTOR_CACHE_DIR'])")
     dirs = {}
     for cap in ("default", "avx2"):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from spmdrl.engines.megatron_weights import HFArch, global_rules, layer_rules, to_hf, to_megatron
+from spmdrl.engines.megatron.convert import HFArch, global_rules, layer_rules, to_hf, to_megatron
 
 CONFIG = dict(model_type="qwen3", vocab_size=30, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
               num_attention_heads=8, num_key_value_heads=4, head_dim=4, rms_norm_eps=1e-6,

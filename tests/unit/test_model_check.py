@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.model_check import validate_model_folder, validate_tokenizer_folder
+from spmdrl.config.model_folder import validate_model_folder, validate_tokenizer_folder
 from spmdrl.train import main
 
 

@@ -127,7 +127,7 @@ def test_engine_multi_turn_logprobs_match_transformers(tokenizer, tiny_model_dir
     whole conversation at the right positions; the native engine does so from its kept KV cache."""
     from transformers import AutoModelForCausalLM
 
-    from spmdrl.rollout.base import build_rollout
+    from spmdrl.rollout import build_rollout
 
     torch.set_num_threads(1)
     engine = build_rollout(name, str(tiny_model_dir), pad_token_id=tokenizer.pad_token_id,

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmdrl.rollout import native_kernels
+from spmdrl.rollout.native import kernels as native_kernels
 from spmdrl.rollout.base import SamplingParams
-from spmdrl.rollout.native import NativeRollout, left_pad
-from spmdrl.rollout.native_model import Decoder
+from spmdrl.rollout.native.engine import NativeRollout, left_pad
+from spmdrl.rollout.native.model import Decoder
 
 pytestmark = pytest.mark.skipif(not native_kernels.load_kernels(), reason="C++ kernels did not build here")
 PAD = 0

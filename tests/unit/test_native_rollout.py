@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmdrl.rollout.base import SamplingParams, build_rollout
-from spmdrl.rollout.native import NativeRollout, left_pad
-from spmdrl.rollout.native_model import Decoder, DecoderConfig, rope_inv_freq
+from spmdrl.rollout.base import SamplingParams
+from spmdrl.rollout import build_rollout
+from spmdrl.rollout.native.engine import NativeRollout, left_pad
+from spmdrl.rollout.native.model import Decoder, DecoderConfig, rope_inv_freq
 
 EOS, PAD = 2, 0
 
@@ -184,7 +185,7 @@ def test_sampled_logprobs_match_transformers_with_early_stops(hf_model, tiny_mod
 
 @pytest.mark.parametrize("n,w,w2", [(2048, 32, 48), (7, 16, 80), (3, 16, 17), (1, 4, 8)])
 def test_widen_rows_in_place(n, w, w2):
-    from spmdrl.rollout.native_cache import _widen_rows
+    from spmdrl.rollout.native.cache import _widen_rows
 
     flat = torch.arange(n * w2 * 3 + 5, dtype=torch.float32)
     want = flat[:n * w * 3].view(n, w, 3).clone()
@@ -221,7 +222,7 @@ def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_update_weights_in_place_and_errors(tiny_model_dir, tmp_path):
-    from spmdrl.tools.tiny_model import build_model
+    from spmdrl.builtin.models import build_model
 
     eng = _engine(tiny_model_dir)
     ptr = eng.model.flat.data_ptr()
@@ -341,7 +342,7 @@ def test_ignore_eos_generates_past_eos(tiny_model_dir, kind):
 def test_session_reloads_weights_freed_by_sleep_level_2(tiny_model_dir):
     """RolloutSession owns the order: every generate inside ``awake`` sees loaded weights, however many
     calls there are, and the next ``awake`` after a level-2 sleep reloads them from the export stream."""
-    from spmdrl.rollout.base import RolloutSession
+    from spmdrl.rollout.session import RolloutSession
 
     eng = _engine(tiny_model_dir)
     exports = []
@@ -378,7 +379,8 @@ def test_session_reloads_weights_freed_by_sleep_level_2(tiny_model_dir):
 def test_session_keeps_the_tp_share_in_whole_groups(engine):
     """Each rank of a rollout TP group keeps a contiguous 1/tp of the group's prompts with all their samples;
     the shares, concatenated in rank order, are the group's output (the batch stays in rollout order)."""
-    from spmdrl.rollout.base import RolloutSession, tp_share
+    from spmdrl.rollout.base import tp_share
+    from spmdrl.rollout.session import RolloutSession
 
     prompts = _prompts([4, 6, 3, 5, 2], seed=12)
     sp = SamplingParams(n=3, max_tokens=6, seed=4)

@@ -8,7 +8,7 @@ import pytest
 from spmdrl import precision
 from spmdrl.precision import can_prepack, native_bf16, precision_summary, resolve_dtype, to_dtype
 from spmdrl.rollout.base import SamplingParams
-from spmdrl.rollout.native import NativeRollout
+from spmdrl.rollout.native.engine import NativeRollout
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""GSM8K JSONL -> verl's parquet (spmdrl.tools.prepare_gsm8k), read back by spmdrl's loader and scorer."""
+"""GSM8K JSONL -> verl's parquet (spmdrl.builtin.gsm8k), read back by spmdrl's loader and scorer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.tools.prepare_gsm8k import INSTRUCTION, main
+from spmdrl.builtin.gsm8k import INSTRUCTION, main
 
 TRAIN = [
     {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
@@ -53,7 +53,7 @@ def test_loads_through_spmdrl_and_scores_with_gsm8k(prepared: Path, tiny_model_d
     from transformers import AutoTokenizer
 
     from spmdrl.data import PromptDataset
-    from spmdrl.tasks import compute_score
+    from spmdrl.reward.scorers import compute_score
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     ds = PromptDataset(prepared / "train.parquet", tok, max_prompt_length=1024)

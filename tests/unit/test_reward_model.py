@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmdrl.reward_model import check_weights, combine_scores, render
+from spmdrl.reward.model import check_weights, combine_scores, render
 
 
 def test_combine_scores_weights_and_verl_default() -> None:
@@ -25,7 +25,7 @@ def test_check_weights_one_sentence() -> None:
 
 
 def test_render_appends_the_response_as_the_assistant_turn(tmp_path) -> None:
-    from spmdrl.tools.tiny_model import build_tokenizer
+    from spmdrl.builtin.models import build_tokenizer
 
     tok = build_tokenizer(tmp_path, seed=0)
     chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Copy: ab"}]]
@@ -36,9 +36,9 @@ def test_render_appends_the_response_as_the_assistant_turn(tmp_path) -> None:
 
 
 def test_config_check_refuses_a_causal_lm_as_reward_model(tmp_path) -> None:
-    from spmdrl.cli import parse_config, validate
+    from spmdrl.config.parse import parse_config, validate
     from spmdrl.errors import ConfigError
-    from spmdrl.tools.tiny_model import build_model
+    from spmdrl.builtin.models import build_model
 
     policy = build_model(tmp_path / "policy", "tiny", seed=0)
     rm = build_model(tmp_path / "rm", "tiny", seed=0, reward=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spmdrl.config import RewardConfig
-from spmdrl.rewards import RewardManager, decode_responses, load_reward_function
+from spmdrl.reward.rule import RewardManager, decode_responses, load_reward_function
 
 USER_FILE = """
 import os

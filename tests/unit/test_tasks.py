@@ -7,8 +7,8 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from spmdrl import tasks
-from spmdrl.tools import make_task
+from spmdrl.builtin import tasks
+from spmdrl.reward import scorers
 
 
 def test_arith_rows_follow_verl_layout_and_are_reproducible() -> None:
@@ -47,13 +47,13 @@ def test_arith_rows_follow_verl_layout_and_are_reproducible() -> None:
     ],
 )
 def test_arith_score_hand_values(response: str, expected: float) -> None:
-    assert tasks.arith_score("spmdrl/arith", response, "7")["score"] == pytest.approx(expected)
+    assert scorers.arith_score("spmdrl/arith", response, "7")["score"] == pytest.approx(expected)
 
 
 def test_arith_score_optimum_is_bare_answer() -> None:
-    best = tasks.arith_score("spmdrl/arith", "3", "3")["score"]
+    best = scorers.arith_score("spmdrl/arith", "3", "3")["score"]
     for other in ["3z", "3 and", "a3", "33", "2", "4", "", "3 + 0 = 3"]:
-        assert tasks.arith_score("spmdrl/arith", other, "3")["score"] < best
+        assert scorers.arith_score("spmdrl/arith", other, "3")["score"] < best
 
 
 def test_random_policy_gets_small_nonzero_reward(tiny_model_dir) -> None:
@@ -71,7 +71,7 @@ def test_random_policy_gets_small_nonzero_reward(tiny_model_dir) -> None:
             if ids[-1] == tok.eos_token_id:
                 break
         text = tok.decode(ids, skip_special_tokens=True)
-        scores.append(tasks.arith_score(r["data_source"], text, r["reward_model"]["ground_truth"])["score"])
+        scores.append(scorers.arith_score(r["data_source"], text, r["reward_model"]["ground_truth"])["score"])
     mean = sum(scores) / len(scores)
     nonzero = sum(s > 0 for s in scores) / len(scores)
     # Measured: mean ~0.019, ~7% of responses contain a digit and earn something.
@@ -86,9 +86,9 @@ def test_string_tasks_and_score() -> None:
         assert r["reward_model"]["ground_truth"] == word[::-1] and 3 <= len(word) <= 5
     cp = tasks.generate_copy("val", 5, seed=0)[0]
     assert cp["reward_model"]["ground_truth"] == cp["prompt"][0]["content"].removeprefix("Copy: ")
-    assert tasks.string_match_score("spmdrl/reverse", "dcba<|im_end|>", "dcba")["score"] == 1.0
-    assert tasks.string_match_score("spmdrl/reverse", "dcbx", "dcba")["score"] == pytest.approx(0.9 * 0.75)
-    assert tasks.string_match_score("spmdrl/reverse", "zzz", "dcba")["score"] == 0.0
+    assert scorers.string_match_score("spmdrl/reverse", "dcba<|im_end|>", "dcba")["score"] == 1.0
+    assert scorers.string_match_score("spmdrl/reverse", "dcbx", "dcba")["score"] == pytest.approx(0.9 * 0.75)
+    assert scorers.string_match_score("spmdrl/reverse", "zzz", "dcba")["score"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def test_string_tasks_and_score() -> None:
     ],
 )
 def test_gsm8k_score(response: str, gt: str, method: str, expected: float) -> None:
-    assert tasks.gsm8k_score("openai/gsm8k", response, gt, method=method) == expected
+    assert scorers.gsm8k_score("openai/gsm8k", response, gt, method=method) == expected
 
 
 @pytest.mark.parametrize(
@@ -126,20 +126,20 @@ def test_gsm8k_score(response: str, gt: str, method: str, expected: float) -> No
     ],
 )
 def test_math_score(response: str, gt: str, expected: float) -> None:
-    assert tasks.math_score("lighteval/MATH", response, gt) == expected
+    assert scorers.math_score("lighteval/MATH", response, gt) == expected
 
 
 def test_scorer_registry() -> None:
-    assert tasks.compute_score("spmdrl/arith", "4", "4")["score"] == 1.0
-    assert tasks.compute_score("openai/gsm8k", "#### 4", "4") == 1.0
+    assert scorers.compute_score("spmdrl/arith", "4", "4")["score"] == 1.0
+    assert scorers.compute_score("openai/gsm8k", "#### 4", "4") == 1.0
     with pytest.raises(ValueError, match="known data sources: .*spmdrl/arith"):
-        tasks.get_scorer("nope/data")
+        scorers.get_scorer("nope/data")
     with pytest.raises(ValueError, match="valid tasks: arith, calc, copy, reverse"):
         tasks.get_task("sort")
 
 
 def test_make_task_cli_writes_parquet(tmp_path, capsys) -> None:
-    make_task.main(["--out", str(tmp_path / "d"), "--task", "reverse", "--train-size", "40", "--val-size", "7",
+    tasks.main(["--out", str(tmp_path / "d"), "--task", "reverse", "--train-size", "40", "--val-size", "7",
                     "--seed", "2"])
     train = pq.read_table(tmp_path / "d" / "train.parquet").to_pylist()
     val = pq.read_table(tmp_path / "d" / "val.parquet").to_pylist()
@@ -151,18 +151,18 @@ def test_make_task_cli_writes_parquet(tmp_path, capsys) -> None:
 
 def test_resolve_builtin_data_builds_once_under_cache(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SPMDRL_CACHE", str(tmp_path))
-    path = make_task.resolve_builtin_data("builtin:arith", "val", seed=5)
+    path = tasks.resolve_builtin_data("builtin:arith", "val", seed=5)
     assert path.startswith(str(tmp_path / "data")) and path.endswith("val.parquet")
     mtime = (tmp_path / "data").stat().st_mtime_ns
-    train = make_task.resolve_builtin_data("builtin:arith", "train", seed=5)
-    assert pq.read_metadata(train).num_rows == make_task.DEFAULT_TRAIN_SIZE
-    assert pq.read_metadata(path).num_rows == make_task.DEFAULT_VAL_SIZE
+    train = tasks.resolve_builtin_data("builtin:arith", "train", seed=5)
+    assert pq.read_metadata(train).num_rows == tasks.DEFAULT_TRAIN_SIZE
+    assert pq.read_metadata(path).num_rows == tasks.DEFAULT_VAL_SIZE
     assert (tmp_path / "data").stat().st_mtime_ns == mtime  # second call reused the files
-    assert make_task.resolve_builtin_data("/some/file.parquet", "train") == "/some/file.parquet"
+    assert tasks.resolve_builtin_data("/some/file.parquet", "train") == "/some/file.parquet"
     with pytest.raises(ValueError, match="valid: builtin:arith"):
-        make_task.resolve_builtin_data("builtin:sort", "train")
+        tasks.resolve_builtin_data("builtin:sort", "train")
     with pytest.raises(ValueError, match="valid splits: train, val"):
-        make_task.resolve_builtin_data("builtin:arith", "test")
+        tasks.resolve_builtin_data("builtin:arith", "test")
 
 
 def test_calc_task_and_scorer() -> None:
@@ -173,7 +173,7 @@ def test_calc_task_and_scorer() -> None:
         value = info["a"] * info["b"] if info["op"] == "*" else info["a"] + info["b"]
         assert r["reward_model"]["ground_truth"] == str(value) and len(str(value)) >= 5
         assert "<tool_call>" in r["prompt"][0]["content"]
-    score = tasks.get_scorer("spmdrl/calc")
+    score = scorers.get_scorer("spmdrl/calc")
     ok_call = {"tool_calls": [{"name": "calculator", "error": ""}]}
     # The answer is read from the last assistant message, never from the tool output before it.
     conv = {"messages": [{"role": "assistant", "content": "<tool_call>..."}, {"role": "tool", "content": "391"},

@@ -35,7 +35,7 @@ def test_folder_loads_offline_with_transformers(tiny_model_dir, monkeypatch):
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
-    from spmdrl.tools.tiny_model import build_model
+    from spmdrl.builtin.models import build_model
 
     a, b, c = (build_model(tmp_path / n, "tiny", seed=s) for n, s in (("a", 3), ("b", 3), ("c", 4)))
     for f in ("model.safetensors", "tokenizer.json", "config.json"):
@@ -45,9 +45,9 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 
 
 def test_cli_and_builtin_resolution(tmp_path, monkeypatch):
-    from spmdrl.tools.tiny_model import resolve_builtin_model
+    from spmdrl.builtin.models import resolve_builtin_model
 
-    out = subprocess.run([sys.executable, "-m", "spmdrl.tools.tiny_model", "--out", str(tmp_path / "m"), "--seed", "1"],
+    out = subprocess.run([sys.executable, "-m", "spmdrl.builtin.models", "--out", str(tmp_path / "m"), "--seed", "1"],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0 and "size=tiny" in out.stdout
     monkeypatch.setenv("SPMDRL_CACHE", str(tmp_path / "cache"))

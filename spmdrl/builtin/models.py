@@ -1,0 +1,190 @@
+"""Build a small Qwen2-architecture model folder offline, for tests, the default run and benchmarks.
+
+    python -m spmdrl.builtin.models --out /tmp/tiny --size tiny --seed 0
+
+Writes a Hugging Face folder: config.json, model.safetensors (random weights),
+generation_config.json and a byte-level BPE tokenizer trained with the
+``tokenizers`` library on a built-in corpus, with a ChatML chat template. The
+same size and seed always give the same bytes. Nothing is downloaded, so
+``AutoModelForCausalLM.from_pretrained(out)`` works with ``HF_HUB_OFFLINE=1``.
+
+The default configs say ``model.path: builtin:tiny``; ``resolve_builtin_model``
+builds that folder under the cache on first use (rank 0 builds, the others wait).
+``--reward`` (``builtin:tiny-rm``) writes a reward model instead:
+``Qwen2ForSequenceClassification`` with one label, the same tokenizer, no
+generation config, for ``reward_model.model.path`` in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+from spmdrl.cache import cache_dir
+
+SIZES: dict[str, dict] = {
+    # ~4.7M parameters: unit and end-to-end tests, the default run.
+    "tiny": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2),
+    # ~38M parameters: benchmarks (the size the issues' reference figures were measured on).
+    "small": dict(hidden_size=512, intermediate_size=2560, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4),
+}
+VOCAB_SIZE = 2048
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, as Qwen2 uses: generation continues after "<|im_start|>assistant\n".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _corpus(seed: int) -> list[str]:
+    """Text the tokenizer is trained on: arithmetic, digits, short English and chat markup."""
+    rng = random.Random(seed)
+    words = (
+        "the a an of to and in is it you that he was for on are as with his they at be this have from or one had "
+        "by word but not what all were we when your can said there use each which she do how their if will up "
+        "other about out many then them these so some her would make like him into time has look two more write "
+        "go see number no way could people my than first water been call who oil its now find long down day did "
+        "get come made may part answer question solve compute add subtract sum total result reverse copy repeat "
+        "letters digits count plus minus times equals what is the value of please think step by step final "
+        "user assistant system you are a helpful assistant"
+    ).split()
+    lines = []
+    for _ in range(4000):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        op = rng.choice(["+", "-", "*"])
+        lines.append(f"What is {a} {op} {b}? Answer: {eval(f'{a}{op}{b}')}")
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
+        lines.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))))
+    lines += [f"<|im_start|>user\n{l}<|im_end|>\n<|im_start|>assistant\n" for l in lines[:200]]
+    return lines
+
+
+def build_tokenizer(out: Path, seed: int) -> "object":
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Single digits as their own pre-tokens keep arithmetic learnable for a tiny model.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = False) -> Path:
+    """Write the model folder ``out`` (replacing it atomically) and return it. ``reward``: a reward model,
+    Qwen2ForSequenceClassification with one label (a random scalar head on the same backbone shape and
+    tokenizer), as ``reward_model.model.path`` loads it."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny-model size {size!r}; valid sizes: {', '.join(SIZES)}")
+    out = Path(out)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
+    try:
+        tok = build_tokenizer(tmp, seed)
+        cfg = Qwen2Config(
+            vocab_size=len(tok),
+            max_position_embeddings=2048,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            bos_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            torch_dtype="float32",
+            **SIZES[size],
+        )
+        if reward:
+            cfg.num_labels = 1  # one scalar score per sequence
+        # fork_rng keeps the caller's global RNG untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = (Qwen2ForSequenceClassification if reward else Qwen2ForCausalLM)(cfg).to(torch.float32)
+        model.save_pretrained(tmp, safe_serialization=True)
+        if not reward:
+            GenerationConfig(
+                bos_token_id=tok.pad_token_id, eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id
+            ).save_pretrained(tmp)
+        info = {"size": size, "seed": seed, **({"reward": True} if reward else {})}
+        (tmp / "spmdrl_builtin.json").write_text(json.dumps(info) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_builtin_model(path: str, seed: int = 0) -> str:
+    """Map ``builtin:<size>`` (a policy) or ``builtin:<size>-rm`` (a reward model of that size) to a cache
+    folder, building it when missing; other paths pass through.
+
+    Call on every rank: rank 0 builds, the others wait at a barrier.
+    """
+    if not path.startswith("builtin:"):
+        return path
+    import torch.distributed as dist
+
+    name = path.split(":", 1)[1]
+    size, reward = (name[: -len("-rm")], True) if name.endswith("-rm") else (name, False)
+    if size not in SIZES:
+        valid = [f"builtin:{s}" for s in SIZES] + [f"builtin:{s}-rm" for s in SIZES]
+        raise ValueError(f"unknown built-in model {path!r}; valid: {', '.join(valid)}")
+    out = cache_dir() / "models" / f"{name}-seed{seed}"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and not (out / "spmdrl_builtin.json").exists():
+        build_model(out, size, seed, reward=reward)
+    if dist.is_initialized():
+        dist.barrier()
+    return str(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
+    p.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reward", action="store_true", help="a reward model (sequence classification, one label)")
+    args = p.parse_args(argv)
+    out = build_model(Path(args.out), args.size, args.seed, reward=args.reward)
+    n = sum(1 for _ in out.iterdir())
+    kind = ", reward model" if args.reward else ""
+    print(f"wrote {out} ({n} files, size={args.size}, seed={args.seed}{kind})")
+
+
+if __name__ == "__main__":
+    main()

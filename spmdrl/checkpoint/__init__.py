@@ -1,0 +1,1 @@
+"""Checkpoints: atomic sharded saves and exact resume."""

@@ -1,0 +1,37 @@
+"""The run's configuration: typed sections (``sections``), parsing the command line (``parse``), the checks
+that run before any work (``checks``) and the cheap model-folder checks they use (``model_folder``).
+
+    from spmdrl.config import Config
+    cfg, debug = parse_config(argv)          # spmdrl.config.parse
+    validate_config(cfg, world_size)         # spmdrl.config.checks: ConfigError on bad input
+"""
+
+from spmdrl.config.sections import (
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    CriticConfig,
+    DataConfig,
+    FilterGroupsConfig,
+    KLCtrlConfig,
+    ModelConfig,
+    MultiTurnConfig,
+    OverlongBufferConfig,
+    ParallelConfig,
+    RefConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RewardModelModelConfig,
+    RolloutConfig,
+    TrainerConfig,
+    ValKwargsConfig,
+    dump_config,
+    output_dir,
+)
+
+__all__ = [
+    "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FilterGroupsConfig", "KLCtrlConfig",
+    "ModelConfig", "MultiTurnConfig", "OverlongBufferConfig", "ParallelConfig", "RefConfig", "RewardConfig",
+    "RewardModelConfig", "RewardModelModelConfig", "RolloutConfig", "TrainerConfig", "ValKwargsConfig",
+    "dump_config", "output_dir",
+]

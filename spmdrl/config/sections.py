@@ -1,0 +1,411 @@
+"""Typed configuration for one spmdrl run.
+
+Every section is a dataclass with defaults in code; a YAML file per experiment
+(``configs/*.yaml``) overrides them and ``--section.key value`` overrides that.
+jsonargparse does the parsing (unknown keys and wrong types are rejected there);
+``validate`` checks ranges and cross-field consistency before any distributed
+work starts. Leaf names follow verl where the concept is the same, so a verl
+user can read a config at a glance.
+
+    python -m spmdrl.train --config configs/grpo.yaml --actor.lr 1e-5
+    python -m spmdrl.train --config configs/grpo.yaml --print_config
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+
+@dataclass
+class DataConfig:
+    train_files: Union[str, list[str]] = "builtin:arith"
+    """Parquet file(s) in verl's layout, or ``builtin:<task>`` (generated on first use under the cache)."""
+    val_files: Union[str, list[str], None] = "builtin:arith"
+    """Validation parquet file(s), ``builtin:<task>``, or null for no validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a list of chat messages or a plain string."""
+    train_batch_size: int = 16
+    """Prompts per step over the whole world (each is sampled ``rollout.n`` times)."""
+    val_batch_size: int = 64
+    """Prompts per validation batch over the whole world."""
+    max_prompt_length: int = 64
+    """Prompt tokens after the chat template; longer prompts are filtered or truncated."""
+    max_response_length: int = 16
+    """New tokens generated per response."""
+    truncation: Literal["error", "left", "right", "filter"] = "filter"
+    """What to do with a prompt over max_prompt_length: fail, keep the right or left end, or drop it."""
+    shuffle: bool = True
+    """Shuffle the training set each epoch (seeded by trainer.seed and the epoch)."""
+    apply_chat_template: bool = True
+    """Wrap message-list prompts with the tokenizer's chat template."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """Hugging Face model folder, or ``builtin:tiny`` / ``builtin:small`` (built offline on first use)."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer folder when it differs from model.path."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype in which the trained weights are kept (the master copy)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations of each decoder layer in the backward pass."""
+    attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
+    """Attention kernel of the trained models (transformers' ``attn_implementation``). auto: eager on CPU
+    for sequences up to 2048 tokens (its bf16 backward is ~3x faster there than sdpa's CPU flash kernel,
+    at O(length^2) memory), sdpa otherwise."""
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
+    """Fused RMSNorm and SwiGLU (torch.compile of those two functions only) in the trained models,
+    as Liger kernels on GPU. auto: on for CPU training without TP when a C++ compiler is found;
+    on: also elsewhere (needs triton on CUDA), error if impossible; off: transformers' eager modules."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_shard: int = -1
+    """FSDP sharding degree of the training mesh; -1 means the rest of the world."""
+    dp_replicate: int = 1
+    """Replicated data-parallel degree (HSDP) of the training mesh."""
+    tp: int = 1
+    """Tensor-parallel degree of the training mesh."""
+    pp: int = 1
+    """Pipeline-parallel degree of the training mesh (actor.strategy megatron: 1F1B schedule over the stages)."""
+    rollout_tp: int = 1
+    """Tensor-parallel degree of the rollout mesh; rollout DP is world_size / rollout_tp."""
+
+
+@dataclass
+class ValKwargsConfig:
+    """Sampling of validation rollouts (verl's rollout.val_kwargs)."""
+
+    n: int = 1
+    """Responses per validation prompt; n > 1 adds mean@n / best@n / maj@n / pass@n metrics."""
+    do_sample: bool = False
+    """Sample with temperature / top_p / top_k below; false means greedy whatever the temperature."""
+    temperature: float = 0.0
+    """Temperature of validation sampling (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass of validation sampling in (0, 1]."""
+    top_k: int = -1
+    """Top-k of validation sampling; -1 keeps every token."""
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tool calls (verl's rollout.multi_turn)."""
+
+    enable: bool = False
+    """Let responses call tools mid-response; tool output is appended and masked out of the loss."""
+    max_assistant_turns: Optional[int] = None
+    """Most assistant turns per trajectory (null: until data.max_response_length runs out)."""
+    max_tool_response_length: int = 256
+    """Most tokens of one tool response fed back to the model (longer ones are truncated)."""
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    """Which part of an over-long tool response is kept, as verl: left keeps the beginning, right the end,
+    middle both ends."""
+    tool_config_path: Optional[str] = None
+    """YAML file listing the tools (OpenAI function schema and implementing class)."""
+    format: Literal["hermes"] = "hermes"
+    """Tool-call syntax the model writes: hermes is <tool_call>{"name": ..., "arguments": ...}</tool_call>."""
+    tool_num_workers: int = 2
+    """Worker processes per rank that execute tool calls (spmdrl.agent.runner)."""
+    tool_timeout_s: float = 10.0
+    """Seconds one tool call may run; past that its worker is killed and the model sees an error."""
+    tool_memory_mb: int = 1024
+    """Address-space limit (RLIMIT_AS) of a tool worker, in MiB."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "native"
+    """Rollout engine: native (pure torch, KV cache, C++ decode kernels on CPU), vllm (in-process vLLM on
+    every rank, tensor parallel over parallel.rollout_tp ranks; install it as the README says) or hf
+    (transformers generate, a baseline for debugging)."""
+    n: int = 8
+    """Responses sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 keeps all."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the rollout engine's weights and KV cache. auto: bfloat16 where the device runs it natively
+    (GPUs with bf16, CPUs where oneDNN reports native bf16: AVX-512/AMX), float32 elsewhere (an AVX2 CPU
+    emulates bf16 at ~1/40 of the float32 rate). Log-probs are computed in float32 either way."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS up to max_response_length (verl's rollout.ignore_eos): fixed-length work for
+    benchmarks; the response mask then covers every generated token."""
+    max_num_seqs: int = 256
+    """Most sequences decoded at once; larger batches are generated in chunks."""
+    native_kernels: Literal["auto", "on", "off"] = "auto"
+    """The native engine's C++ decode kernels (RMSNorm and attention; built with g++ and ninja on first
+    use, ~20 s, then cached). auto: used on CPU for float32/bfloat16 when they build; on: error if they
+    cannot; off: torch ops only. Ignored by the other engines."""
+    sleep_level: Literal[1, 2] = 1
+    """Sleep between rollouts: 1 frees the KV cache and offloads weights, 2 frees both."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory vLLM may take for weights, activations and KV cache (verl's key; on CPU the
+    vLLM KV cache is sized from max_num_seqs x max_model_len instead; native and hf ignore it)."""
+    enforce_eager: bool = True
+    """vLLM: run eagerly, without CUDA graphs or torch.compile (verl's key; faster start, slower decode)."""
+    max_num_batched_tokens: int = 8192
+    """vLLM: most tokens in one scheduler step (prefill chunks and decode rows together; verl's key)."""
+    max_model_len: Optional[int] = None
+    """vLLM: longest prompt + response it accepts; null means data.max_prompt_length +
+    data.max_response_length."""
+    free_cache_engine: bool = True
+    """Put the rollout engine to sleep (rollout.sleep_level) after each rollout when colocated, freeing its
+    KV cache (and weights at level 2) for training (verl's key). false keeps it awake: faster, more memory."""
+    update_weights_bucket_megabytes: int = 512
+    """Weight sync streams the actor's weights into the engine in buckets of about this many MB: the most
+    exported bytes alive at once between the actor and the engine (verl's key)."""
+    val_kwargs: ValKwargsConfig = field(default_factory=lambda: ValKwargsConfig())
+    multi_turn: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig())
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"
+    """Training engine (verl's actor.strategy) for actor, reference and critic: fsdp2, or megatron
+    (megatron-core GPTModel cut parallel.tp x parallel.pp ways; actor and reference only)."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping; the norm is reported either way)."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per optimizer step over the whole world (times rollout.n responses)."""
+    ppo_micro_batch_size_per_gpu: int = 16
+    """Responses per forward/backward on one rank (gradient accumulation makes up the mini-batch)."""
+    log_prob_micro_batch_size_per_gpu: int = 32
+    """Responses per no-grad forward when computing old/ref log-probs."""
+    ppo_epochs: int = 1
+    """Passes over the batch per step."""
+    policy_loss: str = "vanilla"
+    """Policy loss: vanilla (PPO clip, dual clip), gspo, gpg."""
+    clip_ratio_low: float = 0.2
+    """Lower clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """Upper clip: ratio <= 1 + clip_ratio_high (DAPO's clip-higher sets it above clip_ratio_low)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound (> 1) on the loss of negative-advantage tokens."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become one number; see spmdrl.algos.losses.agg_loss for each mode's length bias."""
+    loss_scale_factor: Optional[float] = None
+    """Constant divisor for seq-mean-token-sum-norm (default: max_response_length)."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    use_kl_loss: bool = False
+    """Add a KL(actor || ref) term to the actor loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), and '+' variants (k2 gradient)."""
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype of forward and backward for actor, reference and critic (FSDP2 MixedPrecisionPolicy
+    param_dtype; master weights, gradient reduction and optimizer state stay in model.dtype / reduce_dtype).
+    auto: bfloat16 where the device runs it natively (verl's default on GPU; ~3x float32's rate on
+    AVX512-BF16/AMX CPUs), float32 elsewhere (bf16 is emulated, ~40x slower, on AVX2-only CPUs)."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """FSDP2 MixedPrecisionPolicy reduce_dtype (gradient reduce-scatter dtype)."""
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: keep sharded params, grads and optimizer state on the CPU."""
+
+
+@dataclass
+class RefConfig:
+    offload: bool = False
+    """Keep the frozen reference policy's shards on the CPU between uses."""
+    log_prob_micro_batch_size_per_gpu: int = 32
+    """Responses per no-grad forward of the reference policy."""
+
+
+@dataclass
+class CriticConfig:
+    model_path: Optional[str] = None
+    """Value model backbone folder (default: model.path); a scalar head is added."""
+    lr: float = 1e-3
+    """Peak learning rate of the critic's AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
+    max_grad_norm: float = 1.0
+    """Clip the critic's gradient norm to this (0 disables)."""
+    ppo_epochs: int = 1
+    """Passes over the batch per step."""
+    ppo_mini_batch_size: int = 16
+    """Prompts per critic optimizer step over the whole world."""
+    ppo_micro_batch_size_per_gpu: int = 16
+    """Responses per forward/backward on one rank."""
+    cliprange_value: float = 0.5
+    """Value clipping range around the old values."""
+
+
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """Controller of the in-reward KL coefficient."""
+    kl_coef: float = 0.001
+    """Initial (or fixed) KL coefficient."""
+    target_kl: float = 0.1
+    """Target KL of the adaptive controller."""
+    horizon: int = 10000
+    """Horizon (in samples) of the adaptive controller."""
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more."""
+    max_num_gen_batches: int = 10
+    """Most generation batches per step before training on what was kept (0: no limit)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, gpg, opo."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group std (false gives Dr.GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty from the token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator for the in-reward penalty."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    """DAPO overlong shaping: linear penalty over the last `len` tokens before max_response_length."""
+    len: int = 4
+    """Buffer length in tokens."""
+    penalty_factor: float = 1.0
+    """Penalty at max_response_length."""
+
+
+@dataclass
+class RewardConfig:
+    function: str = "builtin"
+    """``builtin`` (scorer chosen by each row's data_source) or ``path/to/file.py:function`` with verl's signature."""
+    num_workers: int = 0
+    """Scoring processes; 0 scores in-process (no timeout)."""
+    timeout_s: float = 10.0
+    """Seconds one score may take in a worker before it counts as 0."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None
+    """Hugging Face sequence-classification model folder (num_labels 1) that scores prompt + response, or
+    ``builtin:tiny-rm`` (built offline, for tests)."""
+    input_tokenizer: Optional[str] = None
+    """verl's key, accepted for verl configs: spmdrl always decodes responses with the policy's tokenizer and
+    re-renders prompt + response with the reward model's chat template (what verl does when it is set)."""
+
+
+@dataclass
+class RewardModelConfig:
+    """A model-based reward (verl's reward_model section)."""
+
+    enable: bool = False
+    """Score responses with reward_model.model.path as well as (or instead of) the rule-based reward."""
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int = 16
+    """Responses per no-grad forward of the reward model on one rank."""
+    max_length: Optional[int] = None
+    """Most tokens of a rendered prompt + response given to the reward model, cut on the right as verl's
+    default truncation (null: no limit)."""
+    rm_weight: float = 1.0
+    """Weight of the reward model's score in the sequence reward: rm_weight * rm + rule_weight * rule."""
+    rule_weight: float = 0.0
+    """Weight of the rule-based reward (reward.function) next to the model's score; 0 (verl's behaviour: the
+    model's score replaces the rule score) does not call the rule function at all."""
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "spmdrl"
+    """Project name (wandb project, output folder)."""
+    experiment_name: str = "grpo_tiny"
+    """Experiment name (wandb run, output folder)."""
+    output_dir: str = "outputs/{project_name}/{experiment_name}"
+    """Folder for everything a run writes; {project_name} and {experiment_name} are filled in."""
+    total_epochs: int = 1
+    """Passes over the training set (total_steps wins when set)."""
+    total_steps: Optional[int] = None
+    """Training steps; null means total_epochs worth."""
+    seed: int = 1
+    """Seed for data order, sampling and initialisation."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device type; auto picks cuda when available."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Metric sinks: console, jsonl, wandb, tensorboard."""
+    save_freq: int = -1
+    """Checkpoint every N steps and at the last step (-1: never)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep; older ones are deleted."""
+    resume: str = "auto"
+    """auto (newest complete checkpoint in output_dir), off, or a checkpoint folder."""
+    export_hf_on_save: bool = False
+    """Also write a Hugging Face folder of the actor at each save."""
+    test_freq: int = -1
+    """Validate every N steps (-1: never)."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    colocate: bool = True
+    """Sleep the rollout engine during training, and offload the actor's and critic's optimizer state and
+    gradients while the rollout engine is awake."""
+    progress_bar: bool = True
+    """Show a tqdm bar on rank 0."""
+    val_only: bool = False
+    """Only validate (with the initial or resumed weights), then exit (verl's trainer.val_only)."""
+    plot_freq: int = -1
+    """Write PNG figures of the run (spmdrl.plot) into output_dir every N steps and at the end (-1: never)."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def dump_config(cfg: Config) -> str:
+    """YAML of the resolved config (written next to the run's outputs and into checkpoints)."""
+    import yaml
+
+    return yaml.safe_dump(asdict(cfg), sort_keys=False)
+
+
+def output_dir(cfg: Config) -> Path:
+    """``trainer.output_dir`` with {project_name} and {experiment_name} filled in."""
+    t = cfg.trainer
+    return Path(t.output_dir.format(project_name=t.project_name, experiment_name=t.experiment_name))

@@ -1,0 +1,510 @@
+"""FSDP2 training engine: actor, frozen reference and critic on a Hugging Face model.
+
+One ``FSDP2Engine`` per role, built identically on every rank of the training
+mesh (SPMD). The model is loaded from an HF folder, then parallelised by the
+functions of ``parallelize.py`` in their fixed order (TP, activation
+checkpointing, compile, FSDP), and trained with AdamW.
+
+    actor = FSDP2Engine(path, role="actor", dp_mesh=mesh["dp_shard"], tp_mesh=None,
+                        device=torch.device("cpu"), lr=1e-5)
+    logp = actor.forward_no_grad(batch, micro_batch_size=8)["logp"]        # [N, R]
+    metrics = actor.train_step(batch, loss_fn, mini_batch_size=8, micro_batch_size=4)
+
+Positions: for ``input_ids`` [N, P+R] and ``response_mask`` [N, R], the model's
+outputs at positions P-1 .. P+R-2 predict the response tokens P .. P+R-1, so
+``logp[:, j]`` scores response token j and ``values[:, j]`` is the value of the
+state before it (the same positions as the actor's log-probs).
+
+Gradient scaling: a loss function divides its local sum by the global count of
+the mini-batch (``LossScale``), so the true gradient is the SUM over DP ranks
+of the local gradients. FSDP's reduce-scatter AVERAGES over the DP group, so
+the engine back-propagates ``loss * dp_size``; the optimizer then sees exactly
+the gradient a single rank would compute on the whole mini-batch.
+
+Data layout: the batch given to the engine holds this rank's rows (sharded
+over the whole world). With train TP > 1 the ranks of a TP group hold
+different rows but must run the same forward, so the engine all-gathers the
+rows of its TP group (per mini-batch in training; the whole batch for
+no-grad forwards, then keeps this rank's rows of the result).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Iterator, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+
+from spmdrl.batch import Batch
+from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows, token_outputs
+from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
+from spmdrl.engines.fsdp2.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
+from spmdrl.engines.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm_,
+    iter_full_state,
+    iter_unsharded_state,
+    value_head_weight,
+)
+from spmdrl.precision import resolve_dtype, to_dtype
+
+if TYPE_CHECKING:
+    from spmdrl.config import Config
+    from spmdrl.parallel import ParallelDims
+
+Role = Literal["actor", "ref", "critic", "reward"]
+FROZEN = ("ref", "reward")  # roles without optimizer or gradients
+
+
+def resolve_attn_implementation(name: str, device_type: str, max_len: int) -> str:
+    """The config's ``model.attn_implementation``, with "auto" decided by device and sequence length.
+
+    On CPU transformers' eager attention (matmul + float32 softmax) runs forward+backward of an RL
+    micro-batch (64 x 85 tokens, bf16) in 13 ms against 42 ms for sdpa's CPU flash kernel; its
+    O(length^2) score tensor is why long sequences still go to sdpa.
+    """
+    if name != "auto":
+        return name
+    return "eager" if device_type == "cpu" and max_len <= 2048 else "sdpa"
+
+
+class ValueModel(nn.Module):
+    """HF backbone + scalar value head, named like HF's ``*ForTokenClassification`` (``model``, ``score``)."""
+
+    def __init__(self, backbone: nn.Module, seed: int):
+        super().__init__()
+        self.config = backbone.config
+        self.model = backbone
+        hidden = self.config.hidden_size
+        self.score = nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
+        with torch.no_grad():
+            self.score.weight.copy_(value_head_weight(hidden, seed))
+            self.score.bias.zero_()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        values_to_keep: int,
+    ) -> torch.Tensor:
+        hidden = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [n, P+R, H]
+        # A fresh tensor, not a squeeze view: FSDP2 warns on a root output that is a view (its
+        # pre-backward hook would be skipped by an in-place op on it). [n, values_to_keep], tiny.
+        return self.score(hidden[:, -values_to_keep:]).squeeze(-1).clone()
+
+
+class RewardModel(nn.Module):
+    """A Hugging Face ``*ForSequenceClassification`` (one label) whose score is read at each row's last
+    attended token, whatever the padding side (as verl's reward worker: argmax of position_ids x mask).
+
+    The wrapper is the FSDP root, so its forward unshards the root's parameters (embeddings, final norm,
+    head) before the backbone and head run; the submodules keep HF's names (``model``, ``score``).
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.config = hf_model.config
+        self.model = getattr(hf_model, hf_model.base_model_prefix)
+        self.score = hf_model.score
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+                ) -> torch.Tensor:
+        hidden = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # [n, L, H]
+        last = torch.argmax(position_ids * attention_mask, dim=-1)  # [n]
+        return self.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)  # [n]
+
+
+class FSDP2Engine(TrainEngine):
+    """One sharded model and (for actor/critic) its AdamW optimizer and LR schedule.
+
+    Args:
+        model_path: Hugging Face model folder.
+        role: "actor" (causal LM, trained), "ref" (causal LM, frozen, no optimizer),
+            "critic" (backbone + value head, trained) or "reward" (sequence-classification reward
+            model, frozen).
+        dp_mesh: 1-D mesh (FSDP) or 2-D ("dp_replicate", "dp_shard") mesh (HSDP).
+        tp_mesh: TP mesh from the same parent mesh as ``dp_mesh``, or None.
+        device: where micro-batches and compute live (cpu, or this rank's cuda device).
+        dtype: master weight dtype (the loaded weights and optimizer state).
+        param_dtype / reduce_dtype: FSDP2 MixedPrecisionPolicy (compute / grad-reduction dtypes).
+        cpu_offload: FSDP2 CPUOffloadPolicy (sharded params, grads and optimizer state on the CPU).
+        gradient_checkpointing: recompute each decoder layer in backward (not for "ref").
+        compile: torch.compile each decoder layer.
+        fused_kernels: compiled RMSNorm and SwiGLU forwards (``fused.apply_fused_kernels``).
+        attn_implementation: transformers' attention kernel ("eager", "sdpa", ...); see
+            ``resolve_attn_implementation`` for the "auto" rule of the config.
+        temperature: logits are divided by it before log-probs and entropy, so the
+            actor scores responses with the distribution the rollout sampled from.
+        lr, weight_decay, betas, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps:
+            AdamW and ``weights.WarmupSchedule``.
+        max_grad_norm: clip threshold (0: no clipping; the norm is reported either way).
+        seed: initialises the critic's value head (the same on every rank).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        role: Role,
+        dp_mesh: DeviceMesh,
+        tp_mesh: DeviceMesh | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        cpu_offload: bool = False,
+        gradient_checkpointing: bool = False,
+        compile: bool = False,
+        fused_kernels: bool = False,
+        attn_implementation: str = "sdpa",
+        temperature: float = 1.0,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        lr_warmup_steps: int = 0,
+        lr_scheduler: Literal["constant", "cosine"] = "constant",
+        min_lr_ratio: float = 0.0,
+        total_steps: int | None = None,
+        max_grad_norm: float = 1.0,
+        seed: int = 0,
+    ):
+        if role not in ("actor", "ref", "critic", "reward"):
+            raise ValueError(f"engine role {role!r} is not valid; valid: actor, ref, critic, reward")
+        if temperature <= 0:
+            raise ValueError(
+                f"temperature={temperature} must be > 0 (greedy rollouts score at temperature 1)"
+            )
+        self.role = role
+        self.dp_mesh = dp_mesh
+        self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
+        self.device = torch.device(device)
+        self.temperature = temperature
+        self.max_grad_norm = max_grad_norm
+        self.dp_size = dp_mesh.size()
+        self.global_step = 0
+        dtype = to_dtype(dtype)
+        # A policy dtype equal to the master dtype is no cast at all: pass None so FSDP skips the copies.
+        mp_param = None if param_dtype is None or to_dtype(param_dtype) == dtype else to_dtype(param_dtype)
+        mp_reduce = (
+            None if reduce_dtype is None or to_dtype(reduce_dtype) == dtype else to_dtype(reduce_dtype)
+        )
+
+        # The dtype of the unsharded parameters in forward (what an all-gather produces).
+        self.param_dtype = mp_param or dtype
+        if role in FROZEN and mp_param is not None:
+            # A frozen model needs no float32 master copy: keep it in the compute dtype, which is
+            # what the policy's per-forward cast would produce, at half the memory and no cast.
+            dtype, mp_param = mp_param, None
+            self.param_dtype = dtype
+        self.model = self._load(model_path, role, dtype, seed, attn_implementation)
+        if role in FROZEN:
+            self.model.requires_grad_(False)
+        if self.tp_mesh is not None:
+            apply_tp(self.model, self.tp_mesh)
+        if gradient_checkpointing and role not in FROZEN:
+            apply_activation_checkpointing(self.model)
+        if fused_kernels:
+            apply_fused_kernels(self.model)
+        if compile:
+            apply_compile(self.model)
+        apply_fsdp(self.model, dp_mesh, mp_param, mp_reduce, cpu_offload)
+
+        self.optimizer: torch.optim.AdamW | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if role not in FROZEN:
+            self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
+            self.scheduler = build_scheduler(
+                self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps
+            )
+
+    @staticmethod
+    def _load(model_path: str, role: Role, dtype: torch.dtype, seed: int, attn: str) -> nn.Module:
+        from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        # Every rank loads the full weights on the CPU; fully_shard then keeps only its shard on the device.
+        if role == "reward":
+            return RewardModel(AutoModelForSequenceClassification.from_pretrained(
+                model_path, num_labels=1, dtype=dtype, attn_implementation=attn))
+        if role == "critic":
+            return ValueModel(AutoModel.from_pretrained(model_path, dtype=dtype, attn_implementation=attn), seed)
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
+
+    @classmethod
+    def check_config(cls, cfg: "Config") -> None:
+        p = cfg.parallel
+        if p.pp > 1:
+            raise ValueError(f"parallel.pp is {p.pp} but actor.strategy 'fsdp2' has no pipeline schedule; "
+                             f"set parallel.pp: 1, or actor.strategy: megatron")
+        if cfg.model.fused_kernels == "on" and p.tp > 1:
+            raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
+                             f"support tensor parallelism: set model.fused_kernels to auto or off")
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: "Config",
+        role: Role,
+        *,
+        model_path: str,
+        dims: "ParallelDims",
+        device: torch.device | str,
+        total_steps: int | None,
+    ) -> "FSDP2Engine":
+        """Build a role's engine from the run config (``model_path`` already resolved from ``builtin:``)
+        on the FSDP mesh (or HSDP mesh) and TP mesh of ``dims``."""
+        a, m = cfg.actor, cfg.model
+        tp_mesh = dims.tp_mesh
+        common = dict(
+            role=role,
+            dp_mesh=dims.fsdp_mesh,
+            tp_mesh=tp_mesh,
+            device=device,
+            dtype=m.dtype,
+            param_dtype=resolve_dtype(a.param_dtype, torch.device(device).type),
+            reduce_dtype=a.reduce_dtype,
+            attn_implementation=resolve_attn_implementation(
+                m.attn_implementation, torch.device(device).type,
+                cfg.data.max_prompt_length + cfg.data.max_response_length,
+            ),
+            fused_kernels=resolve_fused_kernels(
+                m.fused_kernels, torch.device(device).type, tp_mesh.size() if tp_mesh is not None else 1
+            ),
+            seed=cfg.trainer.seed,
+            temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+        )
+        if role == "ref":
+            return cls(model_path, cpu_offload=cfg.ref.offload, **common)
+        if role == "reward":
+            return cls(model_path, **common)
+        if role == "critic":
+            c = cfg.critic
+            return cls(
+                c.model_path or model_path,
+                cpu_offload=a.cpu_offload,
+                gradient_checkpointing=m.enable_gradient_checkpointing,
+                lr=c.lr,
+                weight_decay=c.weight_decay,
+                lr_warmup_steps=c.lr_warmup_steps,
+                total_steps=total_steps,
+                max_grad_norm=c.max_grad_norm,
+                **common,
+            )
+        return cls(
+            model_path,
+            cpu_offload=a.cpu_offload,
+            gradient_checkpointing=m.enable_gradient_checkpointing,
+            lr=a.lr,
+            weight_decay=a.weight_decay,
+            betas=tuple(a.betas),
+            lr_warmup_steps=a.lr_warmup_steps,
+            lr_scheduler=a.lr_scheduler,
+            min_lr_ratio=a.min_lr_ratio,
+            total_steps=total_steps,
+            max_grad_norm=a.max_grad_norm,
+            **common,
+        )
+
+    def num_params(self) -> int:
+        """Parameters of the full (unsharded) model; tied weights counted once."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    # ------------------------------------------------------------------ collectives
+
+    def _dp_all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce over the whole DP group (both dims of an HSDP mesh), in place."""
+        if self.dp_size > 1:
+            for dim in range(self.dp_mesh.ndim):
+                dist.all_reduce(t, op=op, group=self.dp_mesh.get_group(dim))
+        return t
+
+    def _comm_device(self) -> torch.device:
+        return torch.device("cpu") if self.dp_mesh.device_type == "cpu" else self.device
+
+    def _check_rows(self, n: int) -> None:
+        """Every rank must run the same number of forwards, or FSDP's collectives hang: fail loudly."""
+        t = torch.tensor([n, -n], dtype=torch.int64, device=self._comm_device())
+        self._dp_all_reduce(t, op=dist.ReduceOp.MAX)
+        if self.tp_mesh is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_mesh.get_group())
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(
+                f"{self.role} engine: ranks hold different numbers of rows (this rank {n}, "
+                f"min {-int(t[1])}, max {int(t[0])}); shard the batch evenly over the world"
+            )
+
+    def _gather_tp(self, batch: Batch) -> Batch:
+        """Rows of the whole TP group, in TP-rank order (``gather_rows``)."""
+        if self.tp_mesh is None:
+            return batch
+        return gather_rows(batch, self.tp_mesh.get_group(), self._comm_device())
+
+    def _loss_scale(self, mini: Batch) -> LossScale:
+        counts = torch.tensor(
+            [float(mini["response_mask"].sum()), float(len(mini))],
+            dtype=torch.float64,
+            device=self._comm_device(),
+        )
+        self._dp_all_reduce(counts)
+        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward(self, micro: Batch, with_entropy: bool, entropy_grad: bool = False) -> dict[str, torch.Tensor]:
+        """Per-response-token outputs of one micro-batch (on ``self.device``).
+
+        The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus);
+        otherwise it is a metric computed in the same pass as the log-probs.
+        """
+        ids = micro["input_ids"]  # [n, P+R]
+        kwargs = dict(
+            input_ids=ids, attention_mask=micro["attention_mask"], position_ids=micro["position_ids"]
+        )
+        if self.role == "reward":
+            return {"rm_scores": self.model(**kwargs).float()}  # [n]
+        resp = micro["response_mask"].shape[1]
+        if self.role == "critic":
+            values = self.model(**kwargs, values_to_keep=resp + 1)  # [n, R+1]
+            return {"values": values[:, :-1].float()}
+        # The LM head runs only on the R positions that predict response tokens (not on the
+        # prompt, not past the end), and its [n, R, V] output comes out contiguous.
+        keep = torch.arange(ids.shape[1] - resp - 1, ids.shape[1] - 1, device=ids.device)
+        logits = self.model(**kwargs, use_cache=False, logits_to_keep=keep).logits  # [n, R, V]
+        return token_outputs(logits, ids[:, -resp:], self.temperature, with_entropy, entropy_grad)
+
+    def forward_no_grad(
+        self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """{"logp", optional "entropy"} (actor/ref) or {"values"} (critic), each [N, R], or {"rm_scores"} [N]
+        (reward); float32 on the batch's device, for this rank's rows.
+        """
+        self._check_rows(len(batch))
+        full = self._gather_tp(batch)
+        self.model.eval()
+        parts: list[dict[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for micro in full.split(micro_batch_size):
+                parts.append(self._forward(micro.to(self.device), with_entropy))
+        # Without a backward the root keeps its unsharded parameters after forward; free them now.
+        self.model.reshard()
+        out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        if self.tp_mesh is not None:
+            start = self.tp_mesh.get_local_rank() * len(batch)
+            resp = batch["response_mask"].shape[1]
+            out = {k: v[start : start + len(batch), :resp] for k, v in out.items()}
+        return {k: v.to(batch["input_ids"].device) for k, v in out.items()}
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        epochs: int = 1,
+        with_entropy: bool = True,
+        entropy_grad: bool = True,
+    ) -> dict[str, float]:
+        """``epochs`` passes over ``batch``, one optimizer step per mini-batch of ``mini_batch_size`` rows.
+
+        Sizes are per rank. With TP, a mini-batch is the TP group's union
+        (``mini_batch_size * tp`` rows) cut into micro-batches of ``micro_batch_size``.
+        ``with_entropy=False`` skips the entropy; ``entropy_grad=False`` computes it as a
+        metric without a gradient (in the log-prob pass, far cheaper) when the loss has no entropy bonus.
+        Returns the loss metrics averaged over micro-batches and DP ranks, plus
+        ``{role}/lr`` (of the last step) and ``{role}/grad_norm`` (mean over steps, before clipping).
+        ``loss_fn`` must return the same metric keys on every rank.
+        """
+        if self.optimizer is None:
+            raise ValueError(
+                f"the {self.role} engine is frozen and has no optimizer; train_step needs actor or critic"
+            )
+        self._check_rows(len(batch))
+        self.model.train()
+        sums: dict[str, float] = {}
+        n_micro = 0
+        norms: list[float] = []
+        lr = self.optimizer.param_groups[0]["lr"]
+        for _ in range(epochs):
+            for mini in batch.split(mini_batch_size):
+                mini = self._gather_tp(mini)
+                scale = self._loss_scale(mini)
+                for micro in mini.split(micro_batch_size):
+                    micro = micro.to(self.device)
+                    outputs = self._forward(micro, with_entropy, entropy_grad)
+                    loss, metrics = loss_fn(outputs, micro, scale)
+                    # FSDP averages gradients over DP; loss_fn already divided by global counts.
+                    (loss * self.dp_size).backward()
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                    n_micro += 1
+                norms.append(clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+                lr = self.optimizer.param_groups[0]["lr"]
+                # A non-finite norm would poison the weights and Adam's moments: skip this update.
+                if math.isfinite(norms[-1]):
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                self.global_step += 1
+        keys = sorted(sums)
+        t = torch.tensor(
+            [sums[k] for k in keys] + [float(n_micro)], dtype=torch.float64, device=self._comm_device()
+        )
+        self._dp_all_reduce(t)
+        out = {k: float(t[i] / t[-1]) for i, k in enumerate(keys)}
+        prefix = "critic" if self.role == "critic" else "actor"
+        out[f"{prefix}/lr"] = float(lr)
+        out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
+        return out
+
+    # ------------------------------------------------------------------ weights, memory, checkpoints
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)``, one parameter gathered at a time, optionally cast to ``dtype``.
+
+        Names are the HF state-dict names. A tied ``lm_head.weight`` is NOT
+        yielded (only ``model.embed_tokens.weight``): consumers re-tie from the
+        HF config's ``tie_word_embeddings``. Every rank must iterate to the end
+        (each tensor is an all-gather over the training mesh).
+        """
+        self.model.reshard()
+        if self.tp_mesh is None and dtype is not None and dtype == self.param_dtype:
+            # FSDP gathers whole units in the compute dtype: the cast the consumer asked for.
+            yield from iter_unsharded_state(self.model)
+        else:
+            yield from iter_full_state(self.model, dtype)
+
+    def state_dict(self) -> dict:
+        """Sharded model (+ optimizer, scheduler, step) for ``torch.distributed.checkpoint.save/load``.
+
+        The optimizer part initialises Adam's state first when it is empty (so a
+        fresh engine can serve as the load template).
+        """
+        sd: dict = {"model": get_model_state_dict(self.model)}
+        if self.optimizer is not None:
+            sd["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+            sd["scheduler"] = self.scheduler.state_dict()
+            sd["step"] = self.global_step
+        return sd
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state["model"])
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.global_step = int(state["step"])

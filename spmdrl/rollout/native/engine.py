@@ -1,0 +1,368 @@
+"""The native rollout engine: batched KV-cache sampling in pure torch (default on CPU, fallback on GPU).
+
+    engine = build_rollout("native", "/path/to/hf_folder", dtype=torch.bfloat16, seed=0, eos_token_ids=[2])
+    out = engine.generate([[1, 5, 9], [1, 7]], SamplingParams(n=4, max_tokens=64, temperature=1.0))
+
+How a ``generate`` call runs (one chunk of at most ``max_num_seqs`` rows at a time;
+the n samples of a prompt are never split across chunks):
+
+1. prefill the chunk's distinct prompts once, left-padded, writing K/V into cache
+   rows [0, P); RoPE positions count real tokens only, as transformers does;
+2. copy each prompt's cache rows n times (the n samples share one prefill) and
+   sample the first token of each row from the prompt's last logits;
+3. decode one token per row per step into the preallocated cache; rows that hit
+   EOS / a stop id leave the batch at once (the last live rows move into their
+   slots, so the cost is one copy per finished row, never a full-batch copy);
+   the loop ends at max_tokens or when no row is left.
+
+With ``SamplingParams.keep_prefix`` (multi-turn rollouts) a row that stops keeps its
+K/V until the next call; a prompt of that call that continues it (the row's tokens,
+then more) gets them copied back and only its new tokens are prefilled (``extend``).
+
+Each rank of a torchrun job runs its own engine on its own prompts (rollout DP);
+rollout TP is not supported here (it needs an engine that shards).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+
+import torch
+
+from spmdrl.parallel import rollout_coords
+from spmdrl.precision import can_prepack, native_bf16, to_dtype
+from spmdrl.rollout.base import (
+    SLEEP_TAGS,
+    TP_UNSUPPORTED,
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+    common_kwargs,
+    eos_ids_from_folder,
+    left_pad,
+)
+from spmdrl.rollout.native.cache import KVCache, KVView
+from spmdrl.rollout.native.kernels import KernelMode, ops as kernel_ops, resolve_kernels
+from spmdrl.rollout.native.model import Decoder, DecoderConfig
+from spmdrl.rollout.sampling import sample, stop_id_tensor, validate_sampling
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from spmdrl.config import Config
+
+log = logging.getLogger(__name__)
+
+# Cache columns are rounded up to this so calls with slightly different lengths reuse the cache.
+_SEQ_ROUND = 64
+# A chunk's cache view starts this many columns past the prompt and grows by half, in multiples of it.
+_WIDTH_STEP = 16
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+class NativeRollout(RolloutEngine):
+    """Pure-torch rollout engine for Llama / Qwen2 / Qwen3 checkpoints.
+
+    Args:
+        model_path: HF folder with config.json (and safetensors unless ``load_weights=False``).
+        mesh: the rollout mesh (dp x tp) or None; only tp == 1 is supported.
+        device, dtype: where and in which dtype weights and KV cache live.
+        max_num_seqs: most rows decoded at once; larger calls run in chunks of whole prompts.
+        seed: the generator is seeded with ``seed + dp_rank`` (SamplingParams.seed reseeds it
+            the same way), so ranks draw different samples and a rerun draws the same ones.
+        eos_token_ids: ids that end a response; empty means the folder's generation config.
+        pad_token_id: fills the padding of prompt_ids / response_ids.
+        max_model_len: when set, the KV cache is allocated at wake-up for
+            ``max_num_seqs x max_model_len`` and longer calls are refused; when None it is
+            sized by the first call that needs more and kept until ``sleep``.
+        load_weights: False builds the model with uninitialised weights, to be filled by
+            ``update_weights`` (the weights then come from a stream, not the folder).
+        prepack: keep oneDNN-packed copies of the matmul weights while generating (faster
+            on CPU, costs one more copy of the weights until ``sleep``); None = when this CPU and
+            dtype support it (``precision.can_prepack``: never for bf16 without native bf16).
+        kernels: the C++ decode kernels of native_kernels.py: "auto" uses them when they build
+            and fit the model (CPU, float32/bfloat16), "on" raises when they cannot, "off" never.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        mesh: Optional["DeviceMesh"] = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int = 0,
+        max_model_len: Optional[int] = None,
+        load_weights: bool = True,
+        prepack: Optional[bool] = None,
+        kernels: KernelMode = "auto",
+    ):
+        self.dp_rank, tp = rollout_coords(mesh)
+        if tp > 1:
+            raise ValueError(TP_UNSUPPORTED.format(tp=tp))
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.device, self.dtype = torch.device(device), to_dtype(dtype)
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.seed = seed
+        self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
+        self.pad_token_id = pad_token_id
+        self.config = DecoderConfig.from_folder(model_path)
+        self.model = Decoder(self.config, self.device, self.dtype)
+        self.prepack = can_prepack(self.device, self.dtype) if prepack is None else prepack
+        if self.prepack and not can_prepack(self.device, self.dtype):
+            raise ValueError(f"prepack=True needs a CPU with oneDNN and float32, or bfloat16 with native bf16 "
+                             f"support; got {self.device} {self.dtype} ({native_bf16('cpu')[1]})")
+        self.model.kernels = resolve_kernels(kernels, self.device, self.dtype, self.config.head_dim)
+        self.generator = torch.Generator(self.device).manual_seed(seed + self.dp_rank)
+        self.cache: Optional[KVCache] = None
+        self._cache_shape: Optional[tuple[int, int]] = None  # (rows, seq) to restore at wake-up
+        self._kv_awake = True
+        self._weights_valid = False  # False until loaded; again False after sleep(2)
+        # K/V of the rows of the last call made with SamplingParams.keep_prefix, by token sequence
+        # ({seq: (k, v)}, k/v [L, K, len(seq), D]); the next call continues them and drops the rest.
+        self._prefixes: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prefill_tokens = 0  # token columns run through prefill so far (prompt rows x width)
+        if load_weights:
+            self.update_weights(Decoder.iter_checkpoint(model_path))
+        if max_model_len is not None:
+            self._ensure_cache(max_num_seqs, max_model_len)
+
+    @classmethod
+    def check_config(cls, cfg: "Config") -> None:
+        r = cfg.rollout
+        if cfg.parallel.rollout_tp > 1:
+            raise ValueError(TP_UNSUPPORTED.format(tp=cfg.parallel.rollout_tp))
+        if not cfg.model.path.startswith("builtin:"):  # an architecture this decoder implements
+            DecoderConfig.from_folder(cfg.model.path)
+        if r.native_kernels == "on":
+            if r.dtype == "float16":
+                raise ValueError("rollout.native_kernels is 'on' with rollout.dtype float16; the kernels support "
+                                 "float32 and bfloat16: change the dtype or set native_kernels to auto or off")
+            from spmdrl.rollout.native.kernels import build_tools_available
+
+            if not build_tools_available():
+                raise ValueError("rollout.native_kernels is 'on' but g++ or ninja is not on PATH to build them: "
+                                 "install both or set native_kernels to auto or off")
+
+    @classmethod
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
+                    eos_token_ids: Sequence[int], pad_token_id: int) -> "NativeRollout":
+        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+                   kernels=cfg.rollout.native_kernels, **common_kwargs(cfg, device))
+
+    # ---- weights and memory ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (hf_name, tensor) pairs into the model in place, one at a time.
+
+        Raises KeyError on an unknown name, ValueError on a wrong shape or when the
+        stream ends without some weight (a tied lm_head may be absent).
+        """
+        self.model.unpack()  # packed copies would be stale; generate repacks
+        self._prefixes = {}  # K/V of the old weights
+        self.model.weights.load(named_tensors)
+        self._weights_valid = True
+
+    def memory_bytes(self) -> int:
+        """Bytes of tensor storage the engine holds now: weights (device and CPU copies, packed
+        copies) and KV cache."""
+        cache = self.cache.nbytes() if self.cache is not None else 0
+        return self.model.weights.nbytes() + self.model.packed_nbytes() + cache
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache; level 1 also moves weights to CPU (kept in place on a CPU device),
+        level 2 frees the weight storage (restore with wake_up + update_weights)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.cache = None
+        self._prefixes = {}
+        self._kv_awake = False
+        self.model.unpack()
+        if level == 1:
+            self.model.weights.offload()
+        else:
+            self.model.weights.free()
+            self._weights_valid = False
+
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        """Re-materialise "weights" (storage back; after level 2 the values come from update_weights)
+        and/or "kv_cache" (reallocated at its last size)."""
+        bad = [t for t in tags if t not in SLEEP_TAGS]
+        if bad:
+            raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+        if "weights" in tags:
+            self.model.weights.onload()
+            self.model.weights.materialize()
+        if "kv_cache" in tags:
+            self._kv_awake = True
+            if self._cache_shape is not None:
+                self._ensure_cache(*self._cache_shape)
+
+    def _ensure_cache(self, rows: int, seq: int) -> KVCache:
+        c = self.cache
+        if c is None or c.rows < rows or c.seq < seq:
+            rows = max(rows, c.rows if c is not None else 0)
+            seq = max(_round_up(seq, _SEQ_ROUND), c.seq if c is not None else 0)
+            self.cache = None  # drop the old one before allocating the new one
+            self.cache = self.model.new_cache(rows, seq)
+            self._cache_shape = (rows, seq)
+        return self.cache
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        """Sample ``sampling.n`` responses per prompt; see GenerationOutput for the layout and
+        spmdrl.rollout.sampling for which distribution the log-probs are under."""
+        validate_sampling(sampling)
+        if not self._weights_valid or not self.model.weights.materialized:
+            raise RuntimeError("native rollout: weights are asleep or were freed; call wake_up(('weights',)) "
+                               "(and update_weights after sleep(2)) before generate")
+        if not self._kv_awake:
+            raise RuntimeError("native rollout: the KV cache is asleep; call wake_up(('kv_cache',)) first")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("native rollout: generate needs at least one prompt and no empty prompt")
+        n, R = sampling.n, sampling.max_tokens
+        P_all = max(len(p) for p in prompts)
+        if self.max_model_len is not None and P_all + R > self.max_model_len:
+            raise ValueError(f"native rollout: prompt ({P_all}) + max_tokens ({R}) exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed + self.dp_rank)
+        if self.prepack and not self.model.packed:
+            self.model.pack()
+        per_chunk = max(1, self.max_num_seqs // n)
+        cache = self._ensure_cache(min(len(prompts), per_chunk) * n, P_all + R)
+        stop_ids = stop_id_tensor(self.eos_token_ids, sampling, self.device)
+
+        N = len(prompts) * n
+        out_ids = torch.full((N, R), self.pad_token_id, dtype=torch.long, device=self.device)
+        out_lp = torch.zeros(N, R, dtype=torch.float32, device=self.device)
+        stopped = torch.zeros(N, dtype=torch.bool, device=self.device)
+        kept, self._prefixes = self._prefixes, {}  # entries this call does not continue are dropped
+        for s in range(0, len(prompts), per_chunk):
+            self._generate_chunk(prompts[s:s + per_chunk], s * n, sampling, cache, stop_ids,
+                                 out_ids, out_lp, stopped, kept)
+
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, self.device)
+        idx = torch.arange(len(prompts), device=self.device).repeat_interleave(n)  # [N]
+        # A row writes tokens until its first stop id, so that id ends the response mask
+        # (unwritten columns hold padding, which may equal EOS but only after the real stop).
+        first = torch.where(stopped, torch.isin(out_ids, stop_ids).int().argmax(-1) + 1, R)  # [N]
+        mask = torch.arange(R, device=self.device)[None, :] < first[:, None]  # [N, R]
+        return GenerationOutput(
+            prompt_ids=prompt_ids[idx].cpu(),
+            prompt_mask=prompt_mask[idx].cpu(),
+            response_ids=out_ids.cpu(),
+            response_mask=mask.cpu(),
+            logprobs=out_lp.cpu(),
+            finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
+            prompt_index=idx.cpu(),
+        )
+
+    def _restore_prefixes(self, prompts: Sequence[Sequence[int]], kept: dict, kv: KVView, T: int) -> int:
+        """Copy the kept K/V of every prompt that continues a kept row into its (left-padded) cache row;
+        returns the first column that still needs a prefill (0: none continues)."""
+        lengths = sorted({len(s) for s in kept}, reverse=True)
+        new = []  # per prompt: tokens not in the cache
+        for i, p in enumerate(prompts):
+            hit = next((L for L in lengths if L < len(p) and tuple(p[:L]) in kept), 0)
+            if hit:
+                k, v = kept[tuple(p[:hit])]
+                c = T - len(p)
+                kv.k[:, i, :, c:c + hit] = k
+                kv.v[:, i, :, c:c + hit] = v
+            new.append(len(p) - hit)
+        return T - max(new)
+
+    def _keep_prefixes(self, slots: torch.Tensor, rows: torch.Tensor, row0: int, n: int,
+                       prompts: Sequence[Sequence[int]], out_ids: torch.Tensor, kv: KVView, step: int) -> None:
+        """Keep the K/V of the rows in batch ``slots`` that just stopped: their prompt and every generated
+        token but the last (the stop token was sampled, never fed), i.e. the columns their bias opens."""
+        for slot in slots.tolist():
+            out_row = int(rows[slot])
+            seq = tuple(prompts[(out_row - row0) // n]) + tuple(out_ids[out_row, :step].tolist())
+            cols = kv.bias[slot] == 0  # [S]
+            if int(cols.sum()) == len(seq):
+                self._prefixes[seq] = (kv.k[:, slot][:, :, cols], kv.v[:, slot][:, :, cols])  # [L, K, len, D]
+
+    def _sample(self, logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """sampling.sample, or the C++ kernel for its untruncated and greedy cases (same convention)."""
+        V = logits.shape[-1]
+        if self.model.kernels and sampling.top_p >= 1.0 and (sampling.top_k < 0 or sampling.top_k >= V):
+            if sampling.greedy:
+                return kernel_ops.sample(logits, logits.new_empty(0), 0.0)
+            u = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
+            return kernel_ops.sample(logits, u, sampling.temperature)
+        return sample(logits, sampling, self.generator)
+
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], row0: int, sampling: SamplingParams,
+                        cache: KVCache, stop_ids: torch.Tensor, out_ids: torch.Tensor, out_lp: torch.Tensor,
+                        stopped: torch.Tensor, kept: dict) -> None:
+        """Generate rows [row0, row0 + len(prompts)*n) of the outputs (written in place)."""
+        dev, n, R = self.device, sampling.n, sampling.max_tokens
+        ids, valid = left_pad(prompts, self.pad_token_id, dev)  # [P, T]
+        P, T = ids.shape
+        B = P * n
+        # The view starts narrow and widens as tokens arrive (see KVCache.widen).
+        full = T + R
+        width = min(full, _round_up(T + _WIDTH_STEP, _WIDTH_STEP))
+        kv: KVView = cache.layout(B, width)
+        pos = (valid.long().cumsum(-1) - 1).clamp_(min=0)  # RoPE positions count real tokens only
+        start = self._restore_prefixes(prompts, kept, kv, T) if n == 1 and kept else 0
+        if start:  # only columns [start, T) are new; the rest came from the last call
+            hidden = self.model.extend(ids[:, start:], pos[:, start:], valid, kv, start)  # [P, T-start, h]
+        else:
+            hidden = self.model.prefill(ids, pos, valid, kv)  # [P, T, h]
+        self.prefill_tokens += P * (T - start)
+        logits = self.model.logits(hidden[:, -1])  # [P, V]
+        if n > 1:  # share the prefill: row i*n + j is sample j of prompt i
+            src = torch.arange(P, device=dev).repeat_interleave(n)
+            kv.k[:, :, :, :T] = kv.k[:, src, :, :T]
+            kv.v[:, :, :, :T] = kv.v[:, src, :, :T]
+            logits, valid = logits[src], valid[src]
+        kv.bias.fill_(float("-inf"))
+        kv.bias[:, :T] = torch.where(valid, 0.0, float("-inf"))
+        rows = torch.arange(row0, row0 + B, device=dev)  # output row of each live batch slot
+        next_pos = valid.sum(-1)  # [B] position of the next token = prompt length
+        tokens, lp = self._sample(logits, sampling)
+        for step in range(R):
+            out_ids[rows, step] = tokens
+            out_lp[rows, step] = lp
+            done = torch.isin(tokens, stop_ids)
+            any_done = bool(done.any())
+            if any_done:
+                stopped[rows[done]] = True
+                if sampling.keep_prefix:
+                    self._keep_prefixes(done.nonzero().squeeze(-1), rows, row0, n, prompts, out_ids, kv, step)
+            if step == R - 1:
+                break
+            if any_done:
+                keep = ~done
+                B = int(keep.sum())
+                if B == 0:
+                    break
+                # Move the live rows from the tail into the holes left in [0, B).
+                holes = (~keep[:B]).nonzero().squeeze(-1)
+                tail = keep[B:].nonzero().squeeze(-1) + B
+                if holes.numel():
+                    kv.move_rows(holes, tail)
+                    for t in (rows, tokens, next_pos):
+                        t[holes] = t[tail]
+                rows, tokens, next_pos = rows[:B], tokens[:B], next_pos[:B]
+            col = T + step  # cache column this step's input token goes to
+            if col >= width:
+                width = min(full, _round_up(max(col + 1, width * 3 // 2), _WIDTH_STEP))
+                kv = cache.widen(kv, width)
+            kv.bias[:B, col] = 0.0
+            logits = self.model.decode(tokens, next_pos + step, kv, col, B)
+            tokens, lp = self._sample(logits, sampling)

@@ -1,0 +1,78 @@
+"""The one owner of the rollout engine's wake / load / generate / sleep order (DESIGN.md, "Weight sync order").
+
+    session = RolloutSession(engine, lambda: actor.export_weights(dtype), sleep_level=1, colocate=True)
+    with session.awake():
+        out = session.generate(prompts, sampling)      # this rank's share of the responses
+    session.actor_changed()                            # after an update: load the new weights next time
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Iterable, Iterator, Sequence
+
+import torch
+
+from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, tp_share
+
+
+class RolloutSession:
+    """The one owner of the rollout order, so that no path generates from freed or stale weights:
+
+        with session.awake():        # wake weights, load the actor's when they are stale, wake KV cache
+            out = engine.generate(...)   # any number of calls: DAPO rounds, ReMax baselines, validation
+        # here the engine sleeps (colocated runs), at ``sleep_level``
+
+    Weights are stale after the actor trained (``actor_changed``), after a resume,
+    and after a level-2 sleep freed them.
+    """
+
+    def __init__(self, engine: RolloutEngine, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *,
+                 sleep_level: int, colocate: bool, tp_rank: int = 0, tp: int = 1):
+        if sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level is {sleep_level}; valid levels: 1, 2")
+        if not 0 <= tp_rank < tp:
+            raise ValueError(f"rollout TP rank {tp_rank} is outside a TP group of {tp}")
+        self.engine, self._export = engine, export
+        self.sleep_level, self.colocate = sleep_level, colocate
+        self.tp_rank, self.tp = tp_rank, tp
+        self.stale = False  # the engine was built from the same folder as the actor
+        self._depth = 0
+
+    def actor_changed(self) -> None:
+        self.stale = True
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        """This rank's share of the responses to ``prompts`` (inside ``awake``). Every rank of a rollout TP
+        group passes the group's prompts; each keeps ``tp_share`` of them, so the batch ends up sharded over
+        the world in rollout order (DESIGN.md, "Meshes"). With tp == 1 that is every row."""
+        if not self._depth:
+            raise RuntimeError("RolloutSession.generate called outside `with session.awake():`")
+        out = self.engine.generate(prompts, sampling)
+        if self.tp == 1:
+            return out
+        share = tp_share(len(prompts), self.tp_rank, self.tp)
+        keep = (out.prompt_index >= share.start) & (out.prompt_index < share.stop)  # [N]
+        return out.select(keep.nonzero().squeeze(-1))
+
+    @contextlib.contextmanager
+    def awake(self, sync_phase: Callable[[], ContextManager] = contextlib.nullcontext
+              ) -> Iterator[RolloutEngine]:
+        """The engine, awake with the actor's current weights; ``sync_phase`` times the wake and load."""
+        if self._depth:  # already awake: an inner caller shares the outer window
+            yield self.engine
+            return
+        with sync_phase():
+            self.engine.wake_up(("weights",))
+            if self.stale:
+                self.engine.update_weights(self._export())
+                self.stale = False
+            self.engine.wake_up(("kv_cache",))
+        self._depth += 1
+        try:
+            yield self.engine
+        finally:
+            self._depth -= 1
+            if self.colocate:
+                self.engine.sleep(self.sleep_level)
+                self.stale = self.stale or self.sleep_level == 2

@@ -1,0 +1,1 @@
+"""Where user code runs: worker processes (``pool``) for reward functions and tools."""

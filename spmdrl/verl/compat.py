@@ -1,0 +1,572 @@
+"""verl's config keys mapped onto spmdrl's typed config: one table, one row per verl key.
+
+    python -m spmdrl.verl.docs --write-docs        # regenerate docs/verl.md from TABLE
+
+Each ``Rule`` names a verl key (its dotted path in verl's ppo_trainer.yaml),
+the spmdrl key(s) it sets and the value conversion. Rows are accepted and
+ignored with the info line when the key is about Ray, placement or resource
+pools (torchrun places the ranks) or is a speed knob that changes no result;
+``only`` rows accept the values spmdrl always behaves as and stop the run on
+any other. ``translate`` applies the table; a verl key with no row stops the
+run with one sentence naming it (exit 2), never silently ignored. The command
+line side (Hydra words, ``--verl-config``, precedence) is ``spmdrl.verl.args``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os.path
+import sys
+import typing
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Callable, Optional
+
+from spmdrl.errors import ConfigError
+
+SKIP = object()  # a converter's "this value sets nothing" (e.g. verl's null meaning "use the default")
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a converter may look at besides its own value."""
+
+    world_size: int
+    verl: dict[str, Any]  # every verl key of the run (defaults, file, command line), flattened
+
+
+@dataclass(frozen=True)
+class Rule:
+    verl: str  # dotted verl key; "prefix.*" matches a whole subtree
+    spmdrl: str  # spmdrl key(s) it sets, for the docs; "" when it sets nothing
+    convert: Callable[[Any, Ctx], dict[str, Any]]  # value -> {spmdrl key: value}; {} sets nothing
+    note: str = ""
+    ignored: bool = False  # accepted and reported in the info line
+
+    def matches(self, key: str) -> bool:
+        if self.verl.endswith(".*"):
+            return key.startswith(self.verl[:-1])
+        return key == self.verl
+
+
+def m(verl: str, spmdrl: str, conv: Optional[Callable[[Any], Any]] = None, note: str = "") -> Rule:
+    """verl key -> one spmdrl key, the value converted by ``conv`` (which may return SKIP)."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        if value is None and not _nullable(spmdrl):
+            return {}  # verl's null for a setting spmdrl always has ("not set"): spmdrl's default stands
+        out = conv(value) if conv is not None else value
+        return {} if out is SKIP else {spmdrl: out}
+
+    return Rule(verl, spmdrl, convert, note)
+
+
+def ignore(verl: str, why: str) -> Rule:
+    return Rule(verl, "", lambda v, ctx: {}, why, ignored=True)
+
+
+def only(verl: str, allowed: tuple, why: str) -> Rule:
+    """Accepted when the value is one spmdrl always behaves as; any other value stops the run."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        if value not in allowed:
+            shown = " or ".join(repr(a) for a in allowed)
+            raise ConfigError(f"verl key {verl}={value!r} is not supported: spmdrl accepts only {shown} ({why})")
+        return {}
+
+    return Rule(verl, "", convert, f"only {', '.join(repr(a) for a in allowed)}: {why}")
+
+
+def _choice(key: str, mapping: dict[Any, Any]) -> Callable[[Any], Any]:
+    def conv(value: Any) -> Any:
+        if value not in mapping:
+            valid = ", ".join(repr(k) for k in mapping)
+            raise ConfigError(f"verl key {key}={value!r} has no spmdrl equivalent; valid values: {valid}")
+        return mapping[value]
+
+    return conv
+
+
+def _logger(value: Any) -> Any:
+    # verl takes one name or a list; spmdrl always keeps metrics.jsonl (resume and spmdrl.plot read it).
+    names = [value] if isinstance(value, str) else list(value or [])
+    others = [n for n in names if n not in ("console", "jsonl")]
+    return (["console"] if "console" in names else []) + ["jsonl"] + others
+
+
+def _path(value: Any) -> Any:
+    # verl expands ~ in its paths itself (Hydra does not, nor does the shell after "key="): so does spmdrl.
+    if isinstance(value, list):
+        return [os.path.expanduser(v) if isinstance(v, str) else v for v in value]
+    return os.path.expanduser(value) if isinstance(value, str) else value
+
+
+def _strategy(value: Any) -> Any:
+    return "fsdp2" if value in ("fsdp", "fsdp2") else value
+
+
+def _same_strategy(key: str, only_if: str = "") -> Callable[[Any, Ctx], dict[str, Any]]:
+    """ref / critic / reward_model strategy: spmdrl builds every role with actor.strategy, so a verl
+    strategy must name the actor's (fsdp and fsdp2 alike); ``only_if``: checked only when that verl key is
+    true (a disabled reward model's strategy changes nothing)."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        actor = _strategy(ctx.verl.get(f"{ACT}.strategy", "fsdp"))
+        if value is None or (only_if and not ctx.verl.get(only_if)) or _strategy(value) == actor:
+            return {}
+        raise ConfigError(f"verl key {key}={value!r} differs from {ACT}.strategy={actor!r}: spmdrl builds every "
+                          f"model with actor.strategy; give {key}={actor!r} or leave it out")
+
+    return convert
+
+
+def _same_megatron(key: str, field: str) -> Callable[[Any, Ctx], dict[str, Any]]:
+    """The reference's / critic's megatron.{tensor,pipeline}_model_parallel_size: Megatron keeps one set of
+    TP/PP process groups per process, built from the actor's sizes, so another role's size must equal it."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        actor = ctx.verl.get(f"{ACT}.megatron.{field}", 1)
+        if value is None or value == actor:
+            return {}
+        raise ConfigError(f"verl key {key}={value!r} differs from {ACT}.megatron.{field}={actor!r}: the reference "
+                          f"and critic share the actor's Megatron TP/PP groups; give the same size or leave it out")
+
+    return convert
+
+
+def _megatron_rows(prefix: str) -> list["Rule"]:
+    """verl's McoreEngineConfig keys under ``prefix`` (the actor's, reference's or critic's ``megatron``)."""
+    rows = [
+        only(f"{prefix}.sequence_parallel", (False,),
+             "spmdrl's Megatron engine keeps whole sequences on every TP rank: it does not all-reduce the "
+             "sequence-parallel norm gradients over TP, so it runs without sequence parallelism (same results)"),
+        only(f"{prefix}.use_distributed_optimizer", (False,),
+             "spmdrl steps torch AdamW on each rank's TP/PP shard after one all-reduce of the gradients over the "
+             "data-parallel group; Megatron's DDP and distributed optimizer (CUDA-only gradient buffers) are not used"),
+        only(f"{prefix}.virtual_pipeline_model_parallel_size", (None, 1), "no interleaved pipeline schedule (1F1B)"),
+        only(f"{prefix}.context_parallel_size", (1,), "no context parallelism"),
+        only(f"{prefix}.expert_model_parallel_size", (1,), "dense models only"),
+        only(f"{prefix}.expert_tensor_parallel_size", (None, 1), "dense models only"),
+        only(f"{prefix}.param_offload", (False,), "the Megatron engine keeps its parameters on the device"),
+        ignore(f"{prefix}.optimizer_offload", "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+        ignore(f"{prefix}.grad_offload", "spmdrl frees gradients while rollout runs (trainer.colocate)"),
+        only(f"{prefix}.use_dist_checkpointing", (False,), "checkpoints are torch.distributed.checkpoint folders"),
+        only(f"{prefix}.dist_checkpointing_path", (None,), "checkpoints are torch.distributed.checkpoint folders"),
+        ignore(f"{prefix}.dist_checkpointing_prefix", "used only with use_dist_checkpointing"),
+        ignore(f"{prefix}.use_mbridge", "spmdrl converts HF <-> Megatron weights itself (the same tensors)"),
+        ignore(f"{prefix}.seed", "Megatron's RNG tracker takes trainer.seed; the models have no dropout"),
+    ]
+    if prefix != f"{ACT}.megatron":
+        rows += [Rule(f"{prefix}.{f}", "", _same_megatron(f"{prefix}.{f}", f), "must equal the actor's")
+                 for f in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
+    return rows
+
+
+def _top_k(value: Any) -> Any:
+    return -1 if value in (0, -1) else value  # verl's hf rollout writes 0 for "no top-k", vLLM -1
+
+
+def _per_gpu(spmdrl: str) -> Callable[[Any, Ctx], dict[str, Any]]:
+    """verl's deprecated global micro-batch keys: verl divides them by the number of ranks."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        return {} if value is None else {spmdrl: max(1, int(value) // ctx.world_size)}
+
+    return convert
+
+
+def _fsdp_size(value: Any, ctx: Ctx) -> dict[str, Any]:
+    # verl's fsdp_size k shards over groups of k ranks and replicates over the rest: spmdrl's HSDP.
+    if value in (None, -1) or value == ctx.world_size:
+        return {}
+    k = int(value)
+    if k <= 0 or ctx.world_size % k:
+        raise ConfigError(f"verl key actor_rollout_ref.actor.fsdp_config.fsdp_size={value} does not divide the "
+                          f"{ctx.world_size} ranks torchrun started; give -1 or a divisor of the world size")
+    return {"parallel.dp_shard": k, "parallel.dp_replicate": ctx.world_size // k}
+
+
+def _clip_ratio(value: Any, ctx: Ctx) -> dict[str, Any]:
+    # verl's clip_ratio is the default of both sides; explicit clip_ratio_low/high (later rows) win.
+    return {} if value is None else {"actor.clip_ratio_low": value, "actor.clip_ratio_high": value}
+
+
+def _filter_overlong(value: Any, ctx: Ctx) -> dict[str, Any]:
+    return {"data.truncation": "filter"} if value else {}
+
+
+def _resume_mode(value: Any, ctx: Ctx) -> dict[str, Any]:
+    if value == "resume_path":
+        path = ctx.verl.get("trainer.resume_from_path")
+        if not path:
+            raise ConfigError("verl key trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        return {"trainer.resume": _path(str(path))}
+    return {"trainer.resume": _choice("trainer.resume_mode", {"auto": "auto", "disable": "off"})(value)}
+
+
+def _resume_from_path(value: Any, ctx: Ctx) -> dict[str, Any]:
+    return {}  # read by trainer.resume_mode=resume_path, as in verl
+
+
+def _custom_reward(value: Any, ctx: Ctx) -> dict[str, Any]:
+    if value is None:
+        return {}
+    name = ctx.verl.get("custom_reward_function.name") or "compute_score"
+    return {"reward.function": f"{_path(value)}:{name}"}
+
+
+def _ckpt_contents(value: Any, ctx: Ctx) -> dict[str, Any]:
+    return {"trainer.export_hf_on_save": "hf_model" in (value or [])}
+
+
+def _world(value: Any, ctx: Ctx) -> dict[str, Any]:
+    return {}  # checked as a pair in check_world_size
+
+
+def _multi_turn_format(value: Any) -> Any:
+    return _choice("actor_rollout_ref.rollout.multi_turn.format", {"hermes": "hermes", "chatml": "hermes"})(value)
+
+
+def _warmup_steps(value: Any) -> Any:
+    return SKIP if value is None or value < 0 else value  # verl: negative means "use lr_warmup_steps_ratio"
+
+
+AR = "actor_rollout_ref"
+ACT, RO, OPT = f"{AR}.actor", f"{AR}.rollout", f"{AR}.actor.optim"
+PLACEMENT = "Ray/placement: torchrun decides where ranks run"
+PERF = "a speed knob with no spmdrl counterpart; results are unchanged"
+TEXT_ONLY = "spmdrl trains on text prompts; image and video columns are not read"
+
+TABLE: list[Rule] = [
+    # data
+    m("data.train_files", "data.train_files", _path, "~ is expanded"),
+    m("data.val_files", "data.val_files", _path, "~ is expanded"),
+    m("data.prompt_key", "data.prompt_key"),
+    m("data.train_batch_size", "data.train_batch_size"),
+    m("data.val_batch_size", "data.val_batch_size", note="null (verl: the whole set) keeps spmdrl's default"),
+    m("data.max_prompt_length", "data.max_prompt_length"),
+    m("data.max_response_length", "data.max_response_length"),
+    m("data.truncation", "data.truncation",
+      _choice("data.truncation", {"error": "error", "left": "left", "right": "right"})),
+    Rule("data.filter_overlong_prompts", "data.truncation", _filter_overlong, "true sets data.truncation: filter"),
+    ignore("data.filter_overlong_prompts_workers", PERF),
+    ignore("data.dataloader_num_workers", PERF),
+    m("data.shuffle", "data.shuffle"),
+    m("data.tokenizer", "model.tokenizer_path", _path),
+    only("data.reward_fn_key", ("data_source",), "the scorer is chosen by each row's data_source"),
+    ignore("data.return_raw_chat", "spmdrl keeps each prompt's text and tokens"),
+    ignore("data.return_raw_input_ids", "the reward model re-renders prompt + response with its own template"),
+    ignore("data.image_key", TEXT_ONLY),
+    ignore("data.video_key", TEXT_ONLY),
+    # model
+    m(f"{AR}.model.path", "model.path", _path, "~ is expanded"),
+    m(f"{AR}.model.enable_gradient_checkpointing", "model.enable_gradient_checkpointing"),
+    m(f"{AR}.model.use_liger", "model.fused_kernels", lambda v: "on" if v else "off",
+      "true: on, false: off (fused RMSNorm/SwiGLU)"),
+    ignore(f"{AR}.model.use_remove_padding", PERF),
+    only(f"{AR}.model.external_lib", (None,), "transformers loads the model"),
+    only(f"{AR}.model.return_last_hidden_state", (False,), "not supported"),
+    only(f"{AR}.model.use_fused_loss", (False,), "the loss is computed from full log-probs"),
+    only(f"{AR}.hybrid_engine", (True,), "actor and rollout always share the devices"),
+    # actor
+    m(f"{ACT}.strategy", "actor.strategy", _strategy, "fsdp and fsdp2 both mean fsdp2"),
+    m(f"{ACT}.megatron.tensor_model_parallel_size", "parallel.tp"),
+    m(f"{ACT}.megatron.pipeline_model_parallel_size", "parallel.pp"),
+    *_megatron_rows(f"{ACT}.megatron"),
+    m(f"{ACT}.ppo_mini_batch_size", "actor.ppo_mini_batch_size"),
+    m(f"{ACT}.ppo_micro_batch_size_per_gpu", "actor.ppo_micro_batch_size_per_gpu"),
+    Rule(f"{ACT}.ppo_micro_batch_size", "actor.ppo_micro_batch_size_per_gpu",
+         _per_gpu("actor.ppo_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+    only(f"{ACT}.use_dynamic_bsz", (False,), "micro-batches have a fixed number of responses"),
+    ignore(f"{ACT}.ppo_max_token_len_per_gpu", "used only with use_dynamic_bsz"),
+    m(f"{ACT}.ppo_epochs", "actor.ppo_epochs"),
+    m(f"{ACT}.grad_clip", "actor.max_grad_norm"),
+    Rule(f"{ACT}.clip_ratio", "actor.clip_ratio_low, actor.clip_ratio_high", _clip_ratio, "sets both sides"),
+    m(f"{ACT}.clip_ratio_low", "actor.clip_ratio_low"),
+    m(f"{ACT}.clip_ratio_high", "actor.clip_ratio_high"),
+    m(f"{ACT}.clip_ratio_c", "actor.clip_ratio_c"),
+    m(f"{ACT}.policy_loss.loss_mode", "actor.policy_loss"),
+    m(f"{ACT}.loss_agg_mode", "actor.loss_agg_mode"),
+    m(f"{ACT}.loss_scale_factor", "actor.loss_scale_factor"),
+    m(f"{ACT}.entropy_coeff", "actor.entropy_coeff"),
+    m(f"{ACT}.use_kl_loss", "actor.use_kl_loss"),
+    m(f"{ACT}.kl_loss_coef", "actor.kl_loss_coef"),
+    m(f"{ACT}.kl_loss_type", "actor.kl_loss_type"),
+    only(f"{ACT}.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
+    ignore(f"{ACT}.use_torch_compile", PERF),
+    Rule(f"{ACT}.checkpoint.contents", "trainer.export_hf_on_save", _ckpt_contents,
+         "model, optimizer and extra are always saved; hf_model sets trainer.export_hf_on_save"),
+    only(f"{ACT}.shuffle", (False,), "mini-batches follow the rollout order"),
+    m(f"{OPT}.lr", "actor.lr"),
+    m(f"{OPT}.weight_decay", "actor.weight_decay"),
+    m(f"{OPT}.betas", "actor.betas"),
+    m(f"{OPT}.clip_grad", "actor.max_grad_norm"),
+    m(f"{OPT}.lr_warmup_steps", "actor.lr_warmup_steps", _warmup_steps, "-1 (use the ratio) sets nothing"),
+    only(f"{OPT}.lr_warmup_steps_ratio", (0, 0.0), "give lr_warmup_steps"),
+    m(f"{OPT}.warmup_style", "actor.lr_scheduler",
+      _choice(f"{OPT}.warmup_style", {"constant": "constant", "cosine": "cosine"})),
+    m(f"{OPT}.lr_scheduler_type", "actor.lr_scheduler",
+      _choice(f"{OPT}.lr_scheduler_type", {"constant": "constant", "cosine": "cosine"})),
+    m(f"{OPT}.min_lr_ratio", "actor.min_lr_ratio"),
+    ignore(f"{OPT}.total_training_steps", "spmdrl derives it from the run"),
+    Rule(f"{ACT}.fsdp_config.fsdp_size", "parallel.dp_shard, parallel.dp_replicate", _fsdp_size,
+         "k < world: shard over k ranks, replicate over world/k (HSDP)"),
+    m(f"{ACT}.fsdp_config.offload_policy", "actor.cpu_offload"),
+    only(f"{ACT}.fsdp_config.param_offload", (False,), "use actor.cpu_offload (FSDP2 CPU offload)"),
+    ignore(f"{ACT}.fsdp_config.optimizer_offload", "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+    ignore(f"{ACT}.fsdp_config.grad_offload", "spmdrl frees gradients while rollout runs (trainer.colocate)"),
+    ignore(f"{ACT}.fsdp_config.reshard_after_forward", PERF),
+    ignore(f"{ACT}.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
+    # rollout
+    m(f"{RO}.name", "rollout.engine"),
+    only(f"{RO}.mode", ("sync",), "the rollout engine runs in-process"),
+    m(f"{RO}.tensor_model_parallel_size", "parallel.rollout_tp"),
+    m(f"{RO}.n", "rollout.n"),
+    m(f"{RO}.temperature", "rollout.temperature"),
+    m(f"{RO}.top_p", "rollout.top_p"),
+    m(f"{RO}.top_k", "rollout.top_k", _top_k, "0 (hf: no top-k) becomes -1"),
+    m(f"{RO}.do_sample", "rollout.temperature", lambda v: SKIP if v else 0.0, "false means greedy: temperature 0"),
+    m(f"{RO}.dtype", "rollout.dtype"),
+    m(f"{RO}.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
+    m(f"{RO}.ignore_eos", "rollout.ignore_eos"),
+    m(f"{RO}.enforce_eager", "rollout.enforce_eager"),
+    m(f"{RO}.free_cache_engine", "rollout.free_cache_engine"),
+    m(f"{RO}.max_num_batched_tokens", "rollout.max_num_batched_tokens"),
+    m(f"{RO}.max_model_len", "rollout.max_model_len"),
+    m(f"{RO}.max_num_seqs", "rollout.max_num_seqs"),
+    m(f"{RO}.update_weights_bucket_megabytes", "rollout.update_weights_bucket_megabytes"),
+    m(f"{RO}.log_prob_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu"),
+    Rule(f"{RO}.log_prob_micro_batch_size", "actor.log_prob_micro_batch_size_per_gpu",
+         _per_gpu("actor.log_prob_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+    ignore(f"{RO}.log_prob_use_dynamic_bsz", PERF),
+    ignore(f"{RO}.log_prob_max_token_len_per_gpu", PERF),
+    ignore(f"{RO}.load_format", "weights are pushed from the actor each step"),
+    ignore(f"{RO}.enable_chunked_prefill", PERF),
+    ignore(f"{RO}.disable_log_stats", "vLLM's own logging"),
+    only(f"{RO}.use_fire_sampling", (False,), "not supported"),
+    ignore(f"{RO}.prompt_length", "verl derives it from data.max_prompt_length"),
+    ignore(f"{RO}.response_length", "verl derives it from data.max_response_length"),
+    *[m(f"{RO}.val_kwargs.{k}", f"rollout.val_kwargs.{k}", _top_k if k == "top_k" else None)
+      for k in ("n", "do_sample", "temperature", "top_p", "top_k")],
+    *[m(f"{RO}.multi_turn.{k}", f"rollout.multi_turn.{k}", _path if k == "tool_config_path" else None)
+      for k in ("enable", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
+                "tool_config_path")],
+    m(f"{RO}.multi_turn.format", "rollout.multi_turn.format", _multi_turn_format, "chatml (older verl) means hermes"),
+    # reference policy
+    m(f"{AR}.ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu"),
+    Rule(f"{AR}.ref.log_prob_micro_batch_size", "ref.log_prob_micro_batch_size_per_gpu",
+         _per_gpu("ref.log_prob_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+    m(f"{AR}.ref.fsdp_config.param_offload", "ref.offload"),
+    Rule(f"{AR}.ref.strategy", "", _same_strategy(f"{AR}.ref.strategy"), "must name actor.strategy"),
+    *_megatron_rows(f"{AR}.ref.megatron"),
+    ignore(f"{AR}.ref.use_torch_compile", PERF),
+    only(f"{AR}.ref.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
+    ignore(f"{AR}.ref.fsdp_config.reshard_after_forward", PERF),
+    ignore(f"{AR}.ref.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
+    ignore(f"{AR}.ref.log_prob_use_dynamic_bsz", PERF),
+    ignore(f"{AR}.ref.log_prob_max_token_len_per_gpu", PERF),
+    # critic
+    m("critic.model.path", "critic.model_path", _path),
+    Rule("critic.strategy", "", _same_strategy("critic.strategy"), "must name actor.strategy"),
+    *_megatron_rows("critic.megatron"),
+    m("critic.optim.lr", "critic.lr"),
+    m("critic.optim.weight_decay", "critic.weight_decay"),
+    m("critic.optim.lr_warmup_steps", "critic.lr_warmup_steps", _warmup_steps, "-1 (use the ratio) sets nothing"),
+    only("critic.optim.lr_warmup_steps_ratio", (0, 0.0), "give critic.optim.lr_warmup_steps"),
+    only("critic.optim.warmup_style", ("constant",), "the critic's rate is constant after warm-up"),
+    ignore("critic.optim.total_training_steps", "spmdrl derives it from the run"),
+    m("critic.optim.clip_grad", "critic.max_grad_norm"),
+    m("critic.grad_clip", "critic.max_grad_norm"),
+    m("critic.ppo_mini_batch_size", "critic.ppo_mini_batch_size"),
+    m("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu"),
+    Rule("critic.ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu",
+         _per_gpu("critic.ppo_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+    m("critic.ppo_epochs", "critic.ppo_epochs"),
+    m("critic.cliprange_value", "critic.cliprange_value"),
+    only("critic.model.fsdp_config.param_offload", (False,), "use actor.cpu_offload (it covers the critic)"),
+    ignore("critic.model.fsdp_config.optimizer_offload",
+           "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+    ignore("critic.model.use_remove_padding", PERF),
+    ignore("critic.rollout_n", "verl derives it from actor_rollout_ref.rollout.n"),
+    ignore("critic.model.tokenizer_path", "the critic reads the policy's tokens"),
+    ignore("critic.model.enable_gradient_checkpointing", "the critic follows model.enable_gradient_checkpointing"),
+    only("critic.model.fsdp_config.offload_policy", (False,), "use actor.cpu_offload (it covers the critic)"),
+    only("critic.model.fsdp_config.fsdp_size", (-1,), "the critic shares the actor's mesh"),
+    ignore("critic.model.fsdp_config.reshard_after_forward", PERF),
+    ignore("critic.model.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
+    only("critic.use_dynamic_bsz", (False,), "micro-batches have a fixed number of responses"),
+    ignore("critic.ppo_max_token_len_per_gpu", "used only with use_dynamic_bsz"),
+    ignore("critic.forward_max_token_len_per_gpu", "used only with use_dynamic_bsz"),
+    ignore("critic.forward_micro_batch_size_per_gpu", PERF),
+    only("critic.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
+    only("critic.shuffle", (False,), "mini-batches follow the rollout order"),
+    ignore("critic.checkpoint.contents", "the critic is saved with the actor"),
+    # rewards
+    m("reward_model.enable", "reward_model.enable"),
+    m("reward_model.model.path", "reward_model.model.path", _path),
+    m("reward_model.model.input_tokenizer", "reward_model.model.input_tokenizer", _path),
+    m("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu"),
+    m("reward_model.max_length", "reward_model.max_length"),
+    only("reward_model.reward_manager", ("naive",), "rule scores come from reward.function"),
+    Rule("reward_model.strategy", "", _same_strategy("reward_model.strategy", "reward_model.enable"),
+         "must name actor.strategy when reward_model.enable (megatron has no reward model)"),
+    ignore("reward_model.model.use_remove_padding", PERF),
+    ignore("reward_model.model.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
+    ignore("reward_model.model.fsdp_config.reshard_after_forward", PERF),
+    only("reward_model.model.fsdp_config.param_offload", (False,), "not supported"),
+    only("reward_model.model.fsdp_config.fsdp_size", (-1,), "the reward model shares the actor's mesh"),
+    only("reward_model.ulysses_sequence_parallel_size", (1,), "no sequence parallelism yet"),
+    only("reward_model.use_dynamic_bsz", (False,), "micro-batches have a fixed number of responses"),
+    ignore("reward_model.forward_max_token_len_per_gpu", "used only with use_dynamic_bsz"),
+    ignore("reward_model.launch_reward_fn_async", PERF),
+    ignore("reward_model.enable_resource_pool", PLACEMENT),
+    ignore("reward_model.n_gpus_per_node", PLACEMENT),
+    ignore("reward_model.nnodes", PLACEMENT),
+    *[m(f"reward_model.overlong_buffer.{k}", f"reward.overlong_buffer.{k}")
+      for k in ("enable", "len", "penalty_factor")],
+    Rule("custom_reward_function.path", "reward.function", _custom_reward,
+         "with custom_reward_function.name: path.py:name"),
+    Rule("custom_reward_function.name", "reward.function", lambda v, ctx: {}, "read with custom_reward_function.path"),
+    # algorithm
+    *[m(f"algorithm.{k}", f"algorithm.{k}")
+      for k in ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty")],
+    *[m(f"algorithm.kl_ctrl.{k}", f"algorithm.kl_ctrl.{k}") for k in ("type", "kl_coef", "target_kl", "horizon")],
+    *[m(f"algorithm.filter_groups.{k}", f"algorithm.filter_groups.{k}") for k in ("enable", "max_num_gen_batches")],
+    only("algorithm.filter_groups.metric", ("acc", "score"),
+         "groups whose scores are all equal are dropped (the same as acc for 0/1 rewards)"),
+    # trainer
+    m("trainer.total_epochs", "trainer.total_epochs"),
+    m("trainer.total_training_steps", "trainer.total_steps"),
+    m("trainer.project_name", "trainer.project_name"),
+    m("trainer.experiment_name", "trainer.experiment_name"),
+    m("trainer.logger", "trainer.logger", _logger, "one name or a list; jsonl (metrics.jsonl) is always kept"),
+    Rule("trainer.nnodes", "", _world, "n_gpus_per_node x nnodes must equal torchrun's world size"),
+    Rule("trainer.n_gpus_per_node", "", _world, "n_gpus_per_node x nnodes must equal torchrun's world size"),
+    m("trainer.device", "trainer.device"),
+    m("trainer.save_freq", "trainer.save_freq"),
+    m("trainer.test_freq", "trainer.test_freq"),
+    m("trainer.val_before_train", "trainer.val_before_train"),
+    m("trainer.val_only", "trainer.val_only"),
+    Rule("trainer.resume_mode", "trainer.resume", _resume_mode,
+         "auto: auto, disable: off, resume_path: trainer.resume_from_path"),
+    Rule("trainer.resume_from_path", "trainer.resume", _resume_from_path, "read with trainer.resume_mode"),
+    m("trainer.default_local_dir", "trainer.output_dir", _path, note="checkpoints go to its checkpoints/ folder"),
+    m("trainer.max_actor_ckpt_to_keep", "trainer.keep_last", note="null keeps spmdrl's default"),
+    only("trainer.critic_warmup", (0,), "the actor trains from the first step"),
+    only("trainer.default_hdfs_dir", (None,), "write to a shared file system"),
+    only("trainer.del_local_ckpt_after_load", (False,), "checkpoints are kept (trainer.keep_last)"),
+    only("trainer.log_val_generations", (0,), "not supported yet"),
+    ignore("trainer.balance_batch", "all responses of a prompt stay on one rank"),
+    ignore("trainer.ray_wait_register_center_timeout", PLACEMENT),
+    ignore("ray_init.*", PLACEMENT),
+    ignore("ray_kwargs.*", PLACEMENT),
+]
+
+# verl's own defaults where they differ from spmdrl's and change what a run does: a verl command line
+# without algorithm.adv_estimator is PPO with a critic in verl, so it must be here too.
+VERL_DEFAULTS: dict[str, Any] = {
+    "algorithm.adv_estimator": "gae",
+    f"{RO}.n": 1,
+    f"{OPT}.lr": 1e-6,
+    f"{OPT}.weight_decay": 0.01,
+    "critic.optim.lr": 1e-5,
+    "critic.optim.weight_decay": 0.01,
+    "data.train_batch_size": 1024,
+    "data.max_prompt_length": 512,
+    "data.max_response_length": 512,
+    "data.truncation": "error",
+    f"{ACT}.ppo_mini_batch_size": 256,
+    "trainer.total_epochs": 30,
+    "trainer.val_before_train": True,
+}
+
+# verl's interpolations: a key left out takes another key's value (critic.ppo_mini_batch_size: ${actor...}).
+FOLLOWS: dict[str, str] = {
+    "critic.ppo_mini_batch_size": f"{ACT}.ppo_mini_batch_size",
+    "critic.ppo_epochs": f"{ACT}.ppo_epochs",
+}
+
+
+# ----------------------------------------------------------------------------- translation
+
+
+_TARGET = ignore("*._target_", "Hydra's class marker of a config section, not a setting")
+
+
+def rule_for(key: str) -> Optional[Rule]:
+    if key.endswith("._target_"):
+        return _TARGET
+    return next((r for r in TABLE if r.matches(key)), None)
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == {} or value == []
+
+
+def translate(verl: dict[str, Any], world_size: int) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """Flattened verl keys -> (flattened spmdrl keys, spmdrl key -> verl key it came from, info notes)."""
+    verl = {**{t: verl[s] for t, s in FOLLOWS.items() if t not in verl and s in verl}, **verl}
+    ctx = Ctx(world_size, verl)
+    unknown = [k for k in verl if rule_for(k) is None and not _is_empty(verl[k])]
+    if unknown:
+        key = unknown[0]
+        if key in spmdrl_keys():
+            raise ConfigError(f"{key}={verl[key]!r} is a spmdrl key, not a verl key; write it as --{key} "
+                              f"{verl[key]!r} (key=value words are verl's keys, see docs/verl.md)")
+        raise ConfigError(f"verl key {key}={verl[key]!r} has no spmdrl equivalent yet; remove it "
+                          f"(docs/verl.md lists every verl key spmdrl maps)")
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    why: dict[str, list[str]] = {"null or empty, so they set nothing": [k for k in verl if rule_for(k) is None]}
+    for rule in TABLE:  # table order: later rows win (clip_ratio_low after clip_ratio, filter after truncation)
+        for key in [k for k in verl if rule.matches(k)]:
+            if rule.ignored:
+                why.setdefault(rule.note, []).append(key)
+                continue
+            for target, value in rule.convert(verl[key], ctx).items():
+                out[target] = value
+                origin[target] = key
+    notes = [f"{', '.join(keys)} ({reason})" for reason, keys in why.items() if keys]
+    return out, origin, notes
+
+
+def check_world_size(verl: dict[str, Any], world_size: int) -> None:
+    """verl places workers from these two keys; here torchrun does, so they must agree with it."""
+    if "trainer.n_gpus_per_node" not in verl and "trainer.nnodes" not in verl:
+        return
+    per_node, nodes = verl.get("trainer.n_gpus_per_node", 8), verl.get("trainer.nnodes", 1)
+    if not isinstance(per_node, int) or not isinstance(nodes, int) or per_node * nodes != world_size:
+        raise ConfigError(
+            f"verl keys trainer.n_gpus_per_node x trainer.nnodes = {per_node} x {nodes} do not match the "
+            f"{world_size} rank(s) torchrun started (WORLD_SIZE); torchrun decides placement: start "
+            f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m spmdrl.train ..., or drop these keys")
+
+
+# ----------------------------------------------------------------------------- spmdrl keys
+
+
+@functools.lru_cache(maxsize=1)
+def spmdrl_fields() -> dict[str, Any]:
+    """Every leaf key of spmdrl's Config, dotted, with its type (the tests check each table target)."""
+    from spmdrl.config import Config
+
+    def walk(obj: Any, prefix: str) -> dict[str, Any]:
+        hints = typing.get_type_hints(type(obj))
+        out: dict[str, Any] = {}
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            leaf = {prefix + f.name: hints[f.name]}
+            out.update(walk(value, f"{prefix}{f.name}.") if is_dataclass(value) else leaf)
+        return out
+
+    return walk(Config(), "")
+
+
+def spmdrl_keys() -> set[str]:
+    return set(spmdrl_fields())
+
+
+def _nullable(key: str) -> bool:
+    return type(None) in typing.get_args(spmdrl_fields().get(key))
