@@ -1,6 +1,6 @@
 """Prompt data: verl-layout parquet in, this rank's share of each step's prompts out.
 
-    files = resolve_data_files(cfg.data.train_files, "train")      # builtin:arith -> cached parquet
+    files = data_files(cfg.data.train_files)      # builtin: already resolved (spmdrl.builtin.resolve_builtins)
     ds = PromptDataset(files, tokenizer, max_prompt_length=64, truncation="filter")
     loader = PromptLoader(ds, batch_size=16, rank=rank, world_size=world, seed=cfg.trainer.seed)
     prompts = next(loader)        # list[PromptItem]: this rank's contiguous block of the global batch
@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
-from spmdrl.builtin.tasks import resolve_builtin_data
+
+from spmdrl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from spmdrl.config import DataConfig
+    from spmdrl.config import Config, DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,12 @@ class PromptItem:
     chat: list = field(default_factory=list)  # the prompt as chat messages (a plain string: one user turn)
 
 
-def resolve_data_files(files: Union[str, Sequence[str], None], split: str, seed: int = 0) -> list[str]:
-    """A list of parquet paths from a config value; ``builtin:<task>`` entries are built/cached first."""
+def data_files(files: Union[str, Sequence[str], None]) -> list[str]:
+    """A list of parquet paths from a config value (``builtin:`` ones resolved already:
+    ``spmdrl.builtin.resolve_builtins``)."""
     if files is None:
         return []
-    if isinstance(files, str):
-        files = [files]
-    return [resolve_builtin_data(f, split, seed) for f in files]
+    return [files] if isinstance(files, str) else list(files)
 
 
 def _read_rows(path: str, prompt_key: str) -> dict[str, list]:
@@ -339,11 +339,11 @@ def _dataset(cfg: "DataConfig", files: list[str], tokenizer: Any, tools: Optiona
 
 def build_train_loader(
     cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, seed: int, num_epochs: Optional[int] = None,
-    data_seed: int = 0, tools: Optional[list[dict]] = None,
+    tools: Optional[list[dict]] = None,
 ) -> PromptLoader:
-    """The training loader of ``cfg``; ``seed`` orders the prompts, ``data_seed`` generates builtin tasks;
-    ``tools`` (function schemas) go to the chat template."""
-    files = resolve_data_files(cfg.train_files, "train", data_seed)
+    """The training loader of ``cfg``; ``seed`` orders the prompts; ``tools`` (function schemas) go to the
+    chat template."""
+    files = data_files(cfg.train_files)
     return PromptLoader(
         _dataset(cfg, files, tokenizer, tools), batch_size=cfg.train_batch_size, rank=rank, world_size=world_size,
         shuffle=cfg.shuffle, seed=seed, num_epochs=num_epochs,
@@ -351,12 +351,29 @@ def build_train_loader(
 
 
 def build_val_loader(
-    cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, data_seed: int = 0,
-    tools: Optional[list[dict]] = None,
+    cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, tools: Optional[list[dict]] = None,
 ) -> Optional[ValidationLoader]:
     """The validation loader of ``cfg``, or None when ``data.val_files`` is null/empty."""
-    files = resolve_data_files(cfg.val_files, "val", data_seed)
+    files = data_files(cfg.val_files)
     if not files:
         return None
     return ValidationLoader(_dataset(cfg, files, tokenizer, tools), batch_size=cfg.val_batch_size, rank=rank,
                             world_size=world_size)
+
+
+def build_loaders(cfg: "Config", tokenizer: Any, *, rank: int, world_size: int
+                  ) -> tuple[PromptLoader, Optional[ValidationLoader]]:
+    """The run's training and validation loaders for rollout-DP rank ``rank`` of ``world_size`` (whole prompts
+    per rank), with the tools' schemas in the chat template when multi-turn is on. A bad file or column is
+    a ConfigError."""
+    from spmdrl.agent.tools import load_tool_config
+
+    mt = cfg.rollout.multi_turn
+    tools = [s.tool_schema for s in load_tool_config(mt.tool_config_path)] if mt.enable else None
+    try:
+        train = build_train_loader(cfg.data, tokenizer, rank=rank, world_size=world_size, seed=cfg.trainer.seed,
+                                   tools=tools)
+        val = build_val_loader(cfg.data, tokenizer, rank=rank, world_size=world_size, tools=tools)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from err
+    return train, val

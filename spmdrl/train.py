@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from spmdrl.config.parse import exit_with, parse_config, validate
+from spmdrl.config.checks import validate_config
+from spmdrl.config.parse import exit_with, parse_config
 from spmdrl.errors import ConfigError
 
 
@@ -27,7 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         cfg, debug = parse_config(argv)
-        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as err:
         exit_with(err, debug)
 

@@ -1,6 +1,6 @@
 """Validation metrics as verl reports them: mean@k, best@k, worst@k, maj@k and pass@k per data source.
 
-    metrics = validate(run)   # inside the loop, every rank; the dict is the same on every rank
+    metrics = validation_metrics(experience, val_loader)   # every rank; the same dict on every rank
 
 Every validation prompt gets ``rollout.val_kwargs.n`` responses. Each response
 carries a few numbers: ``reward`` (the sequence score) and every number a
@@ -36,8 +36,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
+from spmdrl.experience import sampling_params
+
 if TYPE_CHECKING:
-    from spmdrl.loop import Run
+    from spmdrl.data import ValidationLoader
+    from spmdrl.experience import Experience
 
 BOOTSTRAP_SAMPLES = 1000
 BOOTSTRAP_SEED = 42  # verl's; the same for every prompt so a prompt's numbers do not depend on its rank
@@ -191,26 +194,26 @@ def all_reduce_sums(sums: dict[Key, list[float]], group: Optional[dist.ProcessGr
     return dict(total)
 
 
-def validate(r: "Run") -> dict[str, float]:
-    """``rollout.val_kwargs`` responses to every validation prompt, scored; verl's val-core / val-aux metrics."""
-    from spmdrl.loop import generate, sampling_params, score
-
-    if r.val_loader is None:
+def validation_metrics(exp: "Experience", loader: Optional["ValidationLoader"]) -> dict[str, float]:
+    """``rollout.val_kwargs`` responses to every validation prompt, scored; verl's val-core / val-aux metrics.
+    Collective: every rank calls it; the dict is the same on every rank."""
+    if loader is None:
         return {}
+    sampling = sampling_params(exp.cfg, validation=True)
     sources: list[str] = []
     uids: list[int] = []
     infos: dict[str, list[Any]] = defaultdict(list)
-    with r.rollout.awake():  # one wake for every validation batch
-        for prompts in r.val_loader:
+    with exp.session.awake():  # one wake for every validation batch
+        for prompts in loader:
             if not prompts:
-                if r.rm is not None:
-                    r.rm.model_scores([], [])  # the reward model's forward is collective: take part with 0 rows
+                if exp.rewards.collective:
+                    exp.rewards.join_collectives()  # e.g. a reward model's forward: take part with 0 rows
                 continue
-            batch = generate(r, prompts, sampling_params(r.cfg, validation=True))
-            if not len(batch) and r.rm is None:  # a TP share of a last, short batch can be empty; a reward
-                continue  # model's forward is collective, so with one every rank scores every batch
+            batch = exp.generate(prompts, sampling)
+            if not len(batch) and not exp.rewards.collective:  # a TP share of a last, short batch can be
+                continue  # empty; a collective source (a reward model) must still score it on every rank
             extras: dict[str, list] = {}
-            score(r, batch, extras)
+            exp.score(batch, extras)
             before = len(sources)
             sources += [str(s) for s in batch["data_source"]]
             uids += batch["index"].tolist()
@@ -220,4 +223,4 @@ def validate(r: "Run") -> dict[str, float]:
                 column += [None] * (before - len(column)) + list(values)  # a key new in this batch: None before
     for column in infos.values():
         column += [None] * (len(sources) - len(column))
-    return name_metrics(all_reduce_sums(local_sums(sources, uids, infos), r.group))
+    return name_metrics(all_reduce_sums(local_sums(sources, uids, infos), exp.group))

@@ -1,2 +1,41 @@
 """The built-in models (``models``) and tasks (``tasks``, ``gsm8k``): built locally on first use, nothing
-downloaded."""
+downloaded. ``resolve_builtins`` turns every ``builtin:`` path of a config into the cached folder or file,
+once per run, before anything reads it.
+
+    cfg = resolve_builtins(cfg)     # collective: rank 0 builds what is missing, the others wait
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional, Union
+
+from spmdrl.builtin.models import resolve_builtin_model
+from spmdrl.builtin.tasks import resolve_builtin_data
+
+if TYPE_CHECKING:
+    from spmdrl.config import Config
+
+
+def _model(path: Optional[str]) -> Optional[str]:
+    return None if path is None else resolve_builtin_model(path)
+
+
+def _files(files: Union[str, list[str], None], split: str) -> Union[list[str], None]:
+    if files is None:
+        return None
+    return [resolve_builtin_data(f, split) for f in ([files] if isinstance(files, str) else files)]
+
+
+def resolve_builtins(cfg: "Config") -> "Config":
+    """A copy of ``cfg`` whose model folders (policy, tokenizer, critic, reward model) and data files name real
+    paths; ``builtin:`` ones are built into the cache on first use. Call on every rank (it holds barriers)."""
+    rm = cfg.reward_model
+    return dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=_model(cfg.model.path), tokenizer_path=_model(cfg.model.tokenizer_path)),
+        critic=dataclasses.replace(cfg.critic, model_path=_model(cfg.critic.model_path)),
+        reward_model=dataclasses.replace(rm, model=dataclasses.replace(rm.model, path=_model(rm.model.path))),
+        data=dataclasses.replace(cfg.data, train_files=_files(cfg.data.train_files, "train"),
+                                 val_files=_files(cfg.data.val_files, "val")),
+    )

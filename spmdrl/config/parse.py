@@ -1,30 +1,24 @@
-"""Command line: parse the config (jsonargparse), check it, and report bad input.
+"""Command line: parse the config (jsonargparse) and report bad input.
 
-Every mistake a user can make in a config ends here as one sentence naming the
-key, the value and what is allowed, with exit code 2 and no traceback (unless
-``--debug``), before any process group, model or data is touched.
+Every mistake a user can make in a config ends as one sentence naming the key,
+the value and what is allowed, with exit code 2 and no traceback (unless
+``--debug``), before any process group, model or data is touched: parsing
+errors here, range and consistency errors in ``spmdrl.config.checks``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Optional, Sequence
 
 import jsonargparse
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-from spmdrl.config import Config, output_dir
+from spmdrl.config.sections import Config
 from spmdrl.errors import ConfigError
-
-# Estimators whose baseline is the group of n responses to one prompt.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "opo")
-LOGGERS = ("console", "jsonl", "wandb", "tensorboard")
-
 
 def build_parser() -> ArgumentParser:
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -63,216 +57,6 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, bool]:
     ns.pop("config", None)
     ns = parser.instantiate(ns)
     return Config(**{k: ns[k] for k in asdict(Config()).keys()}), debug
-
-
-def _files(spec) -> list[str]:
-    if spec is None:
-        return []
-    return [spec] if isinstance(spec, str) else list(spec)
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
-
-
-def validate(cfg: Config, world_size: int) -> None:
-    """Range and consistency checks that need no process group; raises ConfigError."""
-    import spmdrl.algos  # noqa: F401  (fills the registries)
-    from spmdrl.algos.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
-    from spmdrl.engines import ENGINES, engine_class
-    from spmdrl.parallel import ParallelDims
-    from spmdrl.rollout import ROLLOUT_ENGINES, rollout_engine_class
-
-    d, r, a, c, alg, t = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm, cfg.trainer
-    # Ranges.
-    for key, value in (("actor.lr", a.lr), ("critic.lr", c.lr)):
-        _check(value > 0, f"{key} is {value}; the learning rate must be > 0")
-    for key in ("clip_ratio_low", "clip_ratio_high"):
-        value = getattr(a, key)
-        _check(value > 0, f"actor.{key} is {value}; clip ratios must be > 0")
-    _check(a.clip_ratio_c > 1, f"actor.clip_ratio_c is {a.clip_ratio_c}; the dual-clip bound must be > 1")
-    _check(c.cliprange_value > 0, f"critic.cliprange_value is {c.cliprange_value}; it must be > 0")
-    _check(r.temperature >= 0, f"rollout.temperature is {r.temperature}; it must be >= 0 (0 means greedy)")
-    _check(r.val_kwargs.temperature >= 0,
-           f"rollout.val_kwargs.temperature is {r.val_kwargs.temperature}; it must be >= 0")
-    _check(0 < r.val_kwargs.top_p <= 1, f"rollout.val_kwargs.top_p is {r.val_kwargs.top_p}; it must be in (0, 1]")
-    _check(r.val_kwargs.top_k == -1 or r.val_kwargs.top_k > 0,
-           f"rollout.val_kwargs.top_k is {r.val_kwargs.top_k}; it must be -1 (all tokens) or > 0")
-    _check(0 < r.top_p <= 1, f"rollout.top_p is {r.top_p}; it must be in (0, 1]")
-    _check(r.top_k == -1 or r.top_k > 0, f"rollout.top_k is {r.top_k}; it must be -1 (all tokens) or > 0")
-    for key, value in (
-        ("rollout.n", r.n),
-        ("rollout.val_kwargs.n", r.val_kwargs.n),
-        ("rollout.max_num_seqs", r.max_num_seqs),
-        ("data.train_batch_size", d.train_batch_size),
-        ("data.val_batch_size", d.val_batch_size),
-        ("data.max_prompt_length", d.max_prompt_length),
-        ("data.max_response_length", d.max_response_length),
-        ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
-        ("actor.ppo_micro_batch_size_per_gpu", a.ppo_micro_batch_size_per_gpu),
-        ("actor.log_prob_micro_batch_size_per_gpu", a.log_prob_micro_batch_size_per_gpu),
-        ("actor.ppo_epochs", a.ppo_epochs),
-        ("critic.ppo_epochs", c.ppo_epochs),
-        ("critic.ppo_mini_batch_size", c.ppo_mini_batch_size),
-        ("critic.ppo_micro_batch_size_per_gpu", c.ppo_micro_batch_size_per_gpu),
-        ("trainer.total_epochs", t.total_epochs),
-        ("trainer.keep_last", t.keep_last),
-    ):
-        _check(value >= 1, f"{key} is {value}; it must be an integer >= 1")
-    _check(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps is {t.total_steps}; it must be >= 1 or null")
-    for key in ("save_freq", "test_freq", "plot_freq"):
-        value = getattr(t, key)
-        _check(value == -1 or value >= 1, f"trainer.{key} is {value}; it must be -1 (never) or >= 1")
-    _check(a.entropy_coeff >= 0, f"actor.entropy_coeff is {a.entropy_coeff}; it must be >= 0")
-    _check(a.kl_loss_coef >= 0, f"actor.kl_loss_coef is {a.kl_loss_coef}; it must be >= 0")
-    _check(0 <= alg.gamma <= 1, f"algorithm.gamma is {alg.gamma}; it must be in [0, 1]")
-    _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
-    _check(0 < r.gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
-
-    # Names that select components.
-    for key, value, valid in (
-        ("algorithm.adv_estimator", alg.adv_estimator, ADVANTAGES.names()),
-        ("actor.policy_loss", a.policy_loss, POLICY_LOSSES.names()),
-        ("actor.loss_agg_mode", a.loss_agg_mode, LOSS_AGG_MODES.names()),
-        ("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS.names()),
-        ("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS.names()),
-        ("rollout.engine", r.engine, sorted(ROLLOUT_ENGINES)),
-        ("actor.strategy", a.strategy, sorted(ENGINES)),
-    ):
-        _check(value in valid, f"{key} is {value!r}; valid values: {', '.join(valid)}")
-    for name in t.logger:
-        _check(name in LOGGERS, f"trainer.logger has {name!r}; valid loggers: {', '.join(LOGGERS)}")
-        # Checked here: rank 0 opens the loggers only after every rank has loaded its models.
-        _check(name not in ("wandb", "tensorboard") or importlib.util.find_spec(name) is not None,
-               f"trainer.logger has {name!r} but the {name} package is not installed; pip install {name}")
-    _check(
-        not (alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2),
-        f"rollout.n is {r.n} but algorithm.adv_estimator {alg.adv_estimator!r} compares the responses of a "
-        f"prompt; it needs rollout.n >= 2",
-    )
-
-    # Features whose keys need each other.
-    if cfg.reward_model.enable:
-        _check_reward_model(cfg)
-    _check(t.plot_freq == -1 or "jsonl" in t.logger,
-           f"trainer.plot_freq is {t.plot_freq} but trainer.logger {t.logger} has no jsonl; the figures are drawn "
-           f"from metrics.jsonl")
-    _check(not t.val_only or bool(_files(d.val_files)),
-           "trainer.val_only is true but data.val_files is null; validation-only needs validation files")
-
-    # Sizes against each other and the world.
-    try:
-        dims = ParallelDims(world_size, **asdict(cfg.parallel))
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    _check(
-        a.ppo_mini_batch_size <= d.train_batch_size,
-        f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) is larger than data.train_batch_size "
-        f"({d.train_batch_size}); a mini-batch is a part of the batch",
-    )
-    _check(
-        d.train_batch_size % a.ppo_mini_batch_size == 0,
-        f"data.train_batch_size ({d.train_batch_size}) is not a multiple of actor.ppo_mini_batch_size "
-        f"({a.ppo_mini_batch_size})",
-    )
-    _check(
-        d.train_batch_size % dims.rollout_dp == 0,
-        f"data.train_batch_size x rollout.n = {d.train_batch_size} x {r.n} responses cannot be split over "
-        f"{dims.rollout_dp} data-parallel ranks with all n responses of a prompt on one rank; make "
-        f"data.train_batch_size a multiple of {dims.rollout_dp}",
-    )
-    _check(
-        d.train_batch_size % world_size == 0,
-        f"data.train_batch_size is {d.train_batch_size}: each of the {dims.rollout_dp} rollout TP groups of "
-        f"{dims.rollout_tp} ranks generates {d.train_batch_size // dims.rollout_dp} prompts and each rank keeps "
-        f"1/{dims.rollout_tp} of them as whole groups; make data.train_batch_size a multiple of {world_size}",
-    ) if dims.rollout_tp > 1 else None
-    _check(
-        (a.ppo_mini_batch_size * r.n) % world_size == 0 and a.ppo_mini_batch_size % dims.rollout_dp == 0,
-        f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size} x {r.n} does not split evenly over "
-        f"{world_size} ranks; make actor.ppo_mini_batch_size a multiple of {dims.rollout_dp}",
-    )
-
-    # Things on disk: model folders first (config, weights, tokenizer), cheaply, before the backends' checks.
-    from spmdrl.config.model_folder import validate_model_folder, validate_tokenizer_folder
-
-    try:
-        for key, path, tokenizer in (("model.path", cfg.model.path, cfg.model.tokenizer_path is None),
-                                     ("critic.model_path", c.model_path, False)):
-            if path is not None and not path.startswith("builtin:"):
-                validate_model_folder(path, key, need_tokenizer=tokenizer)
-        tok = cfg.model.tokenizer_path
-        if tok is not None and not tok.startswith("builtin:"):
-            validate_tokenizer_folder(tok, "model.tokenizer_path")
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-
-    # Each backend checks its own keys (and that it can run here).
-    try:
-        rollout_engine_class(r.engine).check_config(cfg)
-        engine_class(a.strategy).check_config(cfg)
-    except (ValueError, ImportError) as err:
-        raise ConfigError(str(err)) from err
-    for key in ("train_files", "val_files"):
-        for f in _files(getattr(d, key)):
-            if f.startswith("builtin:"):
-                continue
-            _check(Path(f).is_file(), f"data.{key} names {f!r}, which does not exist; give parquet files or builtin:<task>")
-    if cfg.reward.function != "builtin":
-        path, _, fn = cfg.reward.function.rpartition(":")
-        _check(
-            bool(path) and bool(fn) and path.endswith(".py"),
-            f"reward.function is {cfg.reward.function!r}; it must be 'builtin' or 'path/to/file.py:function'",
-        )
-        _check(Path(path).is_file(), f"reward.function names the file {path!r}, which does not exist")
-    if r.multi_turn.enable:
-        from spmdrl.agent.rollout import check_multi_turn_config
-
-        try:
-            check_multi_turn_config(cfg, dims)  # imports every tool class: a bad tool config stops here
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
-    if t.resume not in ("auto", "off"):
-        from spmdrl.checkpoint.manager import resolve_resume
-
-        # A missing, incomplete (*.tmp, no manifest) or unreadable checkpoint fails here, before any work.
-        resolve_resume(t.resume, output_dir(cfg))
-
-
-def _check_reward_model(cfg: Config) -> None:
-    """reward_model.*: a model folder, sizes, weights, and no train TP (the reward engine runs without it)."""
-    from spmdrl.config.model_folder import validate_model_folder
-    from spmdrl.reward.model import check_weights
-
-    rm = cfg.reward_model
-    _check(rm.model.path is not None, "reward_model.enable is true but reward_model.model.path is null; give a "
-                                      "Hugging Face sequence-classification model folder")
-    _check(rm.micro_batch_size_per_gpu >= 1,
-           f"reward_model.micro_batch_size_per_gpu is {rm.micro_batch_size_per_gpu}; it must be an integer >= 1")
-    _check(rm.max_length is None or rm.max_length >= 1,
-           f"reward_model.max_length is {rm.max_length}; it must be >= 1 or null")
-    _check(cfg.parallel.tp == 1, f"reward_model.enable with parallel.tp={cfg.parallel.tp}: the reward model runs "
-                                 f"without tensor parallelism; set parallel.tp: 1")
-    try:
-        check_weights(rm.rm_weight, rm.rule_weight)
-        if not rm.model.path.startswith("builtin:"):
-            validate_model_folder(rm.model.path, "reward_model.model.path", need_tokenizer=True)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    if not rm.model.path.startswith("builtin:"):
-        from transformers import AutoTokenizer
-
-        from spmdrl.config.model_folder import read_config
-
-        # A causal LM folder would load with a fresh, random score head (a warning only): refuse it here.
-        arch = read_config(rm.model.path, "reward_model.model.path").get("architectures") or []
-        _check(any(a.endswith("ForSequenceClassification") for a in arch),
-               f"reward_model.model.path {rm.model.path!r} holds {', '.join(arch) or 'no architectures entry'}; "
-               f"the reward model must be a *ForSequenceClassification model with one label")
-        _check(bool(getattr(AutoTokenizer.from_pretrained(rm.model.path), "chat_template", None)),
-               f"reward_model.model.path {rm.model.path!r} has a tokenizer without a chat template; the reward "
-               f"model scores prompt + response rendered with its own chat template")
 
 
 def exit_with(err: BaseException, debug: bool) -> None:

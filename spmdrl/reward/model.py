@@ -1,7 +1,7 @@
 """Model-based reward (``reward_model.enable``): a sequence-classification model scores prompt + response.
 
     rm = RewardModelScorer.from_config(cfg, dims, device)       # collective: every rank builds its shard
-    scores, metrics = rm.score(chats, responses, rule_scores)   # [N] for this rank's rows
+    scores = rm.model_scores(chats, responses)                  # [N] for this rank's rows
 
 The reward model is a Hugging Face ``*ForSequenceClassification`` folder with
 one label (``reward_model.model.path``; the tiny-model kit builds one as
@@ -17,7 +17,7 @@ chat template (verl's ``_switch_chat_template``), then tokenised with the
 reward model's tokenizer, cut on the right at ``reward_model.max_length`` and
 right-padded; the score is the head's output at the last token.
 
-Combination with the rule-based reward (``reward.function``):
+It is one of the run's weighted reward sources (``spmdrl.reward.sources``):
 ``score = reward_model.rm_weight * rm + reward_model.rule_weight * rule``. The
 defaults (1, 0) are verl's behaviour: with a reward model, its score replaces the
 rule score and the rule function is not called. With ``rule_weight`` != 0 both
@@ -38,15 +38,6 @@ if TYPE_CHECKING:
     from spmdrl.config import Config
     from spmdrl.engines.base import TrainEngine
     from spmdrl.parallel import ParallelDims
-
-
-def combine_scores(rm: torch.Tensor, rule: Optional[torch.Tensor], *, rm_weight: float,
-                   rule_weight: float) -> torch.Tensor:
-    """``rm_weight * rm + rule_weight * rule`` ([N] each); without a rule score (not computed) the weighted RM."""
-    out = rm_weight * rm.float()
-    if rule is not None and rule_weight != 0:
-        out = out + rule_weight * rule.float()
-    return out
 
 
 def render(tokenizer: Any, chats: Sequence[Sequence[dict]], responses: Sequence[str]) -> list[str]:
@@ -76,39 +67,31 @@ def encode(tokenizer: Any, texts: Sequence[str], max_length: Optional[int], pad_
 
 
 class RewardModelScorer:
-    """This rank's reward-model engine and tokenizer, and how its score combines with the rule score."""
+    """This rank's reward-model engine and tokenizer, and how prompt + response are rendered for it."""
 
     def __init__(self, engine: "TrainEngine", tokenizer: Any, *, group: dist.ProcessGroup, micro_batch_size: int,
-                 max_length: Optional[int], rm_weight: float = 1.0, rule_weight: float = 0.0) -> None:
+                 max_length: Optional[int]) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("reward_model.model.path has a tokenizer without a chat template; the reward model "
                              "scores prompt + response rendered with its own chat template")
         self.engine, self.tokenizer, self.group = engine, tokenizer, group
         self.micro_batch_size, self.max_length = micro_batch_size, max_length
-        self.rm_weight, self.rule_weight = rm_weight, rule_weight
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = int(pad if pad is not None else 0)
 
     @classmethod
     def from_config(cls, cfg: "Config", dims: "ParallelDims", device: torch.device) -> "RewardModelScorer":
-        """Build the reward engine on every rank (collective), from ``reward_model.*``."""
+        """Build the reward engine on every rank (collective), from ``reward_model.*`` (``builtin:`` paths
+        already resolved)."""
         from transformers import AutoTokenizer
 
         from spmdrl.engines import build_engine
-        from spmdrl.builtin.models import resolve_builtin_model
 
         rm = cfg.reward_model
-        assert rm.model.path is not None  # cli.validate refuses reward_model.enable without a path
-        path = resolve_builtin_model(rm.model.path)
-        engine = build_engine(cfg, path, role="reward", dims=dims, device=device)
-        return cls(engine, AutoTokenizer.from_pretrained(path), group=dims.batch_group,
-                   micro_batch_size=rm.micro_batch_size_per_gpu, max_length=rm.max_length, rm_weight=rm.rm_weight,
-                   rule_weight=rm.rule_weight)
-
-    @property
-    def needs_rule(self) -> bool:
-        """Whether the rule-based reward must run too (verl skips it when a reward model scores)."""
-        return self.rule_weight != 0
+        assert rm.model.path is not None  # the config checks refuse reward_model.enable without a path
+        engine = build_engine(cfg, rm.model.path, role="reward", dims=dims, device=device)
+        return cls(engine, AutoTokenizer.from_pretrained(rm.model.path), group=dims.batch_group,
+                   micro_batch_size=rm.micro_batch_size_per_gpu, max_length=rm.max_length)
 
     def model_scores(self, chats: Sequence[Sequence[dict]], responses: Sequence[str]) -> torch.Tensor:
         """The reward model's score of each (prompt chat, response) of this rank: [N] float32.
@@ -128,17 +111,6 @@ class RewardModelScorer:
         texts += [""] * (int(most) - n)  # fillers: one pad token each (encode)
         batch = encode(self.tokenizer, texts, self.max_length, self.pad_token_id)
         return self.engine.forward_no_grad(batch, self.micro_batch_size)["rm_scores"][:n].float()  # [N]
-
-    def score(self, chats: Sequence[Sequence[dict]], responses: Sequence[str],
-              rule: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Combined sequence scores [N] and metrics (means of this rank's rows; the loop averages ranks)."""
-        rm = self.model_scores(chats, responses)
-        metrics: dict[str, float] = {}
-        if len(rm):
-            metrics["reward/rm_score/mean"] = float(rm.mean())
-            if rule is not None:
-                metrics["reward/rule_score/mean"] = float(rule.float().mean())
-        return combine_scores(rm, rule, rm_weight=self.rm_weight, rule_weight=self.rule_weight), metrics
 
 
 def check_weights(rm_weight: float, rule_weight: float) -> None:

@@ -156,8 +156,11 @@ def test_validation_covers_everything_without_drop(tmp_path: Path, tok, world: i
 
 
 def test_build_loaders_from_config_with_builtin(tmp_path: Path, monkeypatch, tok) -> None:
+    from spmdrl.builtin import resolve_builtins
+    from spmdrl.config import Config
+
     monkeypatch.setenv("SPMDRL_CACHE", str(tmp_path))
-    cfg = DataConfig(train_batch_size=16, val_batch_size=64)
+    cfg = resolve_builtins(Config(data=DataConfig(train_batch_size=16, val_batch_size=64))).data
     train = build_train_loader(cfg, tok, rank=1, world_size=2, seed=1)
     batch = next(train)
     assert len(batch) == 8 and all(i.data_source == "spmdrl/arith" for i in batch)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spmdrl.reward.model import check_weights, combine_scores, render
+from spmdrl.reward.model import check_weights, render
+from spmdrl.reward.sources import combine
 
 
 def test_combine_scores_weights_and_verl_default() -> None:
     rm, rule = torch.tensor([0.5, -1.0]), torch.tensor([1.0, 0.0])
-    assert combine_scores(rm, rule, rm_weight=1.0, rule_weight=0.5).tolist() == [1.0, -1.0]
-    assert combine_scores(rm, rule, rm_weight=2.0, rule_weight=0.0).tolist() == [1.0, -2.0]  # rule ignored
-    assert combine_scores(rm, None, rm_weight=1.0, rule_weight=0.0).tolist() == [0.5, -1.0]  # verl: rm replaces
-    assert combine_scores(rm, rule, rm_weight=0.0, rule_weight=1.0).tolist() == [1.0, 0.0]
+    # The sources in build_rewards' order: rule (weight reward_model.rule_weight), then the reward model.
+    assert combine([(0.5, rule), (1.0, rm)]).tolist() == [1.0, -1.0]
+    assert combine([(0.0, rule), (2.0, rm)]).tolist() == [1.0, -2.0]  # rule ignored
+    assert combine([(1.0, rm)]).tolist() == [0.5, -1.0]  # verl: rm replaces (the rule source is left out)
+    assert combine([(1.0, rule), (0.0, rm)]).tolist() == [1.0, 0.0]
 
 
 def test_check_weights_one_sentence() -> None:
@@ -36,7 +38,8 @@ def test_render_appends_the_response_as_the_assistant_turn(tmp_path) -> None:
 
 
 def test_config_check_refuses_a_causal_lm_as_reward_model(tmp_path) -> None:
-    from spmdrl.config.parse import parse_config, validate
+    from spmdrl.config.checks import validate_config
+    from spmdrl.config.parse import parse_config
     from spmdrl.errors import ConfigError
     from spmdrl.builtin.models import build_model
 
@@ -45,6 +48,6 @@ def test_config_check_refuses_a_causal_lm_as_reward_model(tmp_path) -> None:
     cfg, _ = parse_config(["--reward_model.enable", "true", "--reward_model.model.path", str(policy)])
     with pytest.raises(ConfigError, match="holds Qwen2ForCausalLM; the reward model must be a "
                                           r"\*ForSequenceClassification model"):
-        validate(cfg, 1)
+        validate_config(cfg, 1)
     cfg, _ = parse_config(["--reward_model.enable", "true", "--reward_model.model.path", str(rm)])
-    validate(cfg, 1)
+    validate_config(cfg, 1)

@@ -5,7 +5,7 @@ import math
 import torch
 
 from spmdrl.batch import Batch
-from spmdrl.loop import _rollout_actor_gap
+from spmdrl.experience import rollout_actor_gap as _rollout_actor_gap
 from spmdrl.rollout.base import SamplingParams
 
 

@@ -1,0 +1,208 @@
+"""Experience: prompts in, a scored batch out, below the loop and shared by training and validation.
+
+    exp = Experience.from_config(cfg, dims, device, tokenizer, rewards, timer, export_weights=actor_export)
+    batch, metrics = exp.produce(prompts, more_prompts=train_loader)   # wake, generate, score, sleep
+    batch = exp.generate(prompts, sampling_params(cfg, validation=True))  # inside session.awake()
+    metrics = exp.score(batch, extras)
+
+One training step's experience (``produce``): the rollout engine wakes with the
+actor's current weights (``RolloutSession``), generates ``rollout.n`` responses
+per prompt (single-turn, or multi-turn with tools through ``ToolAgent``), the
+reward sources score them (``spmdrl.reward.sources``), DAPO's dynamic sampling
+(``algorithm.filter_groups``) generates more prompts until every rank has its
+share of informative groups, ReMax's greedy responses give each prompt its
+baseline (``batch["baseline"]``), and the engine sleeps. Also here: the
+rollout-vs-actor log-prob gap and the batch's reward and length metrics.
+
+Everything is this rank's share of the batch; the only collectives are DAPO's
+agreement on how many groups every rank keeps and a reward model's forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from spmdrl.agent.rollout import ToolAgent, annotate, multi_turn_metrics
+from spmdrl.algos.dapo import filter_groups
+from spmdrl.algos.registry import ADVANTAGES
+from spmdrl.batch import Batch, from_generation, place_scores
+from spmdrl.parallel import rollout_tp_rank
+from spmdrl.rollout import rollout_engine_class
+from spmdrl.rollout.base import SamplingParams, eos_ids_from_folder
+from spmdrl.rollout.session import RolloutSession
+
+if TYPE_CHECKING:
+    from spmdrl.config import Config
+    from spmdrl.data import PromptItem
+    from spmdrl.metrics import PhaseTimer
+    from spmdrl.parallel import ParallelDims
+    from spmdrl.reward.sources import Rewards
+
+
+def sampling_params(cfg: "Config", *, validation: bool = False) -> SamplingParams:
+    """Training sampling (``rollout.*``), or validation sampling (``rollout.val_kwargs``)."""
+    r = cfg.rollout
+    if validation:
+        v = r.val_kwargs  # verl: do_sample false is greedy whatever the temperature
+        return SamplingParams(n=v.n, max_tokens=cfg.data.max_response_length,
+                              temperature=v.temperature if v.do_sample else 0.0, top_p=v.top_p, top_k=v.top_k)
+    return SamplingParams(n=r.n, max_tokens=cfg.data.max_response_length, temperature=r.temperature,
+                          top_p=r.top_p, top_k=r.top_k, ignore_eos=r.ignore_eos)
+
+
+class Experience:
+    """Turns this rank's prompts into scored batches with its rollout session, agent and reward sources."""
+
+    def __init__(self, cfg: "Config", session: RolloutSession, rewards: "Rewards", *, timer: "PhaseTimer",
+                 group: dist.ProcessGroup, agent: Optional[ToolAgent] = None, needs_baseline: bool = False) -> None:
+        self.cfg, self.session, self.rewards, self.timer = cfg, session, rewards, timer
+        self.group, self.agent, self.needs_baseline = group, agent, needs_baseline
+
+    @classmethod
+    def from_config(cls, cfg: "Config", dims: "ParallelDims", device: torch.device, tokenizer: Any,
+                    rewards: "Rewards", timer: "PhaseTimer", *,
+                    export_weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> "Experience":
+        """This rank's rollout engine (``rollout.engine``, on the rollout mesh) behind its session, the
+        multi-turn agent when tools are on, and ``rewards``; ``export_weights`` streams the actor's weights
+        into the engine when they are stale."""
+        eos_ids = eos_ids_from_folder(cfg.model.path, tokenizer.eos_token_id)
+        engine = rollout_engine_class(cfg.rollout.engine).from_config(
+            cfg, cfg.model.path, mesh=dims.rollout_mesh, device=device, pad_token_id=tokenizer.pad_token_id or 0,
+            eos_token_ids=eos_ids,
+        )
+        agent = ToolAgent.from_config(cfg, tokenizer, eos_ids) if cfg.rollout.multi_turn.enable else None
+        # Colocated, the engine sleeps after each awake window unless rollout.free_cache_engine keeps it awake.
+        session = RolloutSession(engine, export_weights, sleep_level=cfg.rollout.sleep_level,
+                                 colocate=cfg.trainer.colocate and cfg.rollout.free_cache_engine,
+                                 tp_rank=rollout_tp_rank(dims.rollout_mesh), tp=dims.rollout_tp)
+        needs_baseline = bool(ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_baseline"))
+        return cls(cfg, session, rewards, timer=timer, group=dims.batch_group, agent=agent,
+                   needs_baseline=needs_baseline)
+
+    def generate(self, prompts: list["PromptItem"], sampling: SamplingParams) -> Batch:
+        """Rollout of this rank's rollout-DP prompts; call inside ``session.awake()``. Under rollout TP the
+        rank keeps its share of the TP group's responses (``RolloutSession.generate``)."""
+        ids = [p.prompt_ids for p in prompts]
+        if self.agent is not None:  # turns of the same engine calls, with tool output between them
+            gen, trajectories = self.agent.generate(self.session.generate, ids, sampling,
+                                                    [p.extra_info for p in prompts],
+                                                    tool_phase=lambda: self.timer.phase("tools"))
+        else:
+            gen, trajectories = self.session.generate(ids, sampling), None
+        batch = from_generation(gen, torch.tensor([p.index for p in prompts], dtype=torch.long))
+        batch["rollout_logp"] = gen.logprobs  # [N, R] under the sampling distribution (rollout/sampling.py)
+        per_row = gen.prompt_index.tolist()
+        batch["data_source"] = [prompts[i].data_source for i in per_row]
+        batch["ground_truth"] = [prompts[i].ground_truth for i in per_row]
+        batch["extra_info"] = [prompts[i].extra_info for i in per_row]
+        batch["chat"] = [prompts[i].chat for i in per_row]  # a reward model renders prompt + response itself
+        batch["finish_reason"] = gen.finish_reasons
+        if trajectories is not None:
+            annotate(batch, trajectories)  # conversation and tool calls into extra_info; per-row tool counts
+        return batch
+
+    def score(self, batch: Batch, extras: Optional[dict[str, list]] = None) -> dict[str, float]:
+        """The weighted sum of the reward sources into ``scores`` [N] and ``token_rewards`` [N, R]; a scorer's
+        per-response extra values (``acc``, ``pred``, ...) into ``extras`` when given (validation votes)."""
+        result = self.rewards(batch)
+        batch["scores"] = result.scores
+        batch["token_rewards"] = place_scores(result.scores, batch["response_mask"])
+        if extras is not None:
+            extras.update(result.extra)
+        return result.metrics
+
+    def produce(self, prompts: list["PromptItem"], more_prompts: Iterator[list["PromptItem"]]
+                ) -> tuple[Batch, dict[str, float]]:
+        """One step's scored batch: the engine awake for every generation the step needs (DAPO's rounds
+        draw from ``more_prompts``; ReMax's greedy baseline), then asleep."""
+        with self.session.awake(lambda: self.timer.phase("weight_sync")):
+            batch, metrics = self._collect(prompts, more_prompts)
+            if self.needs_baseline:
+                batch["baseline"] = self._greedy_baseline(prompts, batch)  # [N]
+        return batch, metrics
+
+    def _collect(self, prompts: list["PromptItem"], more_prompts: Iterator[list["PromptItem"]]
+                 ) -> tuple[Batch, dict[str, float]]:
+        """Rollout + reward; with DAPO dynamic sampling, more prompts until every rank has its share of groups."""
+        sampling = sampling_params(self.cfg)
+        fg = self.cfg.algorithm.filter_groups
+        want = len(prompts)  # groups this rank trains on
+        kept: list[Batch] = []
+        metrics: dict[str, float] = {}
+        rounds = 0
+        while True:
+            rounds += 1
+            with self.timer.phase("rollout"):
+                batch = self.generate(prompts, sampling)
+            with self.timer.phase("reward"):
+                metrics.update(self.score(batch))
+            if not fg.enable:
+                return batch, metrics
+            keep, counts = filter_groups(batch["scores"], batch["index"])
+            kept.append(batch.select(keep.nonzero().squeeze(-1)))
+            for k, v in counts.items():
+                metrics[f"dapo/{k}"] = metrics.get(f"dapo/{k}", 0.0) + v
+            have = torch.tensor([sum(len(b) for b in kept) // self.cfg.rollout.n], dtype=torch.long)
+            dist.all_reduce(have, op=dist.ReduceOp.MIN, group=self.group)
+            if have.item() >= want or (fg.max_num_gen_batches and rounds >= fg.max_num_gen_batches):
+                break
+            prompts = next(more_prompts)
+        metrics["dapo/num_gen_batches"] = float(rounds)
+        # Every rank keeps the same number of whole groups so the update's collectives line up.
+        groups = min(int(have.item()), want)
+        if groups == 0:
+            raise RuntimeError(
+                f"dynamic sampling kept no group on some rank after {rounds} generation batches; raise "
+                f"algorithm.filter_groups.max_num_gen_batches or make the task less all-or-nothing"
+            )
+        return Batch.cat(kept).select(slice(0, groups * self.cfg.rollout.n)), metrics
+
+    def _greedy_baseline(self, prompts: list["PromptItem"], batch: Batch) -> torch.Tensor:
+        """ReMax: the reward of a greedy response to each prompt, as the baseline of its samples [N] (timed
+        with the rollout and reward phases)."""
+        with self.timer.phase("rollout"):
+            greedy = self.generate(prompts, SamplingParams(n=1, max_tokens=self.cfg.data.max_response_length,
+                                                           temperature=0.0))
+        with self.timer.phase("reward"):
+            self.score(greedy)
+        by_prompt = dict(zip(greedy["index"].tolist(), greedy["scores"].tolist()))
+        return torch.tensor([by_prompt[i] for i in batch["index"].tolist()], dtype=torch.float32)  # [N]
+
+
+def rollout_actor_gap(batch: Batch, sampling: SamplingParams) -> dict[str, float]:
+    """How far the rollout engine's log-probs are from the actor's recomputation of the same tokens (verl's
+    training/rollout_probs_diff_*): a weight-sync or numerics check. Only comparable when the sampling
+    distribution is the actor's full one (no top-k / top-p truncation; see rollout/sampling.py)."""
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        return {}
+    mask = batch["response_mask"].bool()  # [N, R]
+    if not mask.any():
+        return {}
+    rollout, actor = batch["rollout_logp"][mask], batch["old_logp"][mask]  # [tokens]
+    probs_diff = (rollout.exp() - actor.exp()).abs()
+    return {
+        "training/rollout_probs_diff/mean": float(probs_diff.mean()),
+        "training/rollout_probs_diff/max": float(probs_diff.max()),
+        "training/rollout_logp_diff/max": float((rollout - actor).abs().max()),
+    }
+
+
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    """Reward and length statistics of this rank's rows (means are averaged over ranks, max/min reduced)."""
+    scores = batch["scores"]
+    lengths = batch["response_mask"].sum(-1)
+    clipped = torch.tensor([f == "length" for f in batch["finish_reason"]], dtype=torch.float32)
+    return {
+        "reward/mean": float(scores.mean()),
+        "reward/max": float(scores.max()),
+        "reward/min": float(scores.min()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(clipped.mean()),
+        "batch/responses": float(len(batch)),
+        **multi_turn_metrics(batch),
+    }
+

@@ -1,0 +1,205 @@
+"""Every reward source as one entry of a weighted list, combined in one place (as TRL's ``reward_funcs`` and
+``reward_weights``).
+
+    rewards = build_rewards(cfg, dims, device, tokenizer)     # collective: a reward model is built on every rank
+    result = rewards(batch)                                  # scores [N], metrics, per-response extras
+    rewards.close()
+
+A source scores this rank's rows of a batch (the decoded responses are shared)
+and has a weight; the sequence score is ``sum(weight * source_score)`` in list
+order. The sources:
+
+- ``rule``: ``reward.function`` (a built-in scorer per ``data_source``, or the
+  user's ``file.py:function``) through ``RewardManager``; its per-response
+  extras (``acc``, ``pred``, ...) ride along. Weight 1, or
+  ``reward_model.rule_weight`` next to a reward model; left out when that is 0
+  (verl: the model's score replaces the rule score).
+- ``rm``: the reward model (``reward_model.enable``), weight
+  ``reward_model.rm_weight``. Collective: every rank scores every batch.
+- ``tool``: the tools' ``calc_reward`` summed per trajectory (multi-turn).
+- ``overlong``: DAPO's soft length penalty (``reward.overlong_buffer``).
+
+A new source is one more entry in ``build_rewards``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+
+import torch
+
+from spmdrl.algos.dapo import overlong_penalty
+from spmdrl.batch import Batch
+from spmdrl.errors import ConfigError
+from spmdrl.reward.rule import RewardManager, decode_responses
+
+if TYPE_CHECKING:
+    from spmdrl.config import Config
+    from spmdrl.parallel import ParallelDims
+    from spmdrl.reward.model import RewardModelScorer
+
+
+@dataclass
+class SourceScores:
+    """What one source says about this rank's rows."""
+
+    scores: torch.Tensor  # [N] float32
+    metrics: dict[str, float] = field(default_factory=dict)  # local values; the loop reduces them over ranks
+    extra: dict[str, list] = field(default_factory=dict)  # per-response values (acc, pred, ...) for validation
+
+
+class RewardSource(Protocol):
+    name: str
+    weight: float
+    collective: bool  # True: every rank must call it for every batch, even with no rows
+
+    def __call__(self, batch: Batch, texts: Sequence[str]) -> SourceScores: ...
+
+
+@dataclass
+class RewardResult:
+    scores: torch.Tensor  # [N] float32, the weighted sum
+    metrics: dict[str, float]
+    extra: dict[str, list]
+
+
+def combine(terms: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
+    """``sum(weight * scores)`` over ``terms`` in order ([N] each, float32)."""
+    total: Optional[torch.Tensor] = None
+    for weight, scores in terms:
+        term = weight * scores.float()
+        total = term if total is None else total + term
+    if total is None:
+        raise ValueError("no reward source is enabled; the reward would be undefined")
+    return total
+
+
+class Rewards:
+    """The run's reward sources and their combination."""
+
+    def __init__(self, sources: Sequence[RewardSource], tokenizer: Any) -> None:
+        if not sources:
+            raise ValueError("no reward source is enabled; the reward would be undefined")
+        self.sources = list(sources)
+        self.tokenizer = tokenizer
+
+    @property
+    def collective(self) -> bool:
+        """Whether some source needs every rank for every batch (so an empty share still calls it)."""
+        return any(s.collective for s in self.sources)
+
+    def __call__(self, batch: Batch) -> RewardResult:
+        R = batch["response_mask"].shape[1]
+        # The whole response, tool output included (as verl decodes it); the generated tokens single-turn.
+        texts = decode_responses(self.tokenizer, batch["input_ids"][:, -R:], batch["attention_mask"][:, -R:])
+        terms, metrics, extra = [], {}, {}
+        for source in self.sources:
+            out = source(batch, texts)
+            terms.append((source.weight, out.scores))
+            metrics.update(out.metrics)
+            extra.update(out.extra)
+        for key, values in extra.items():  # e.g. a scorer's "acc", next to its "score"
+            numbers = [float(v) for v in values if isinstance(v, (int, float, bool))]
+            if numbers:
+                metrics[f"reward/{key}"] = sum(numbers) / len(numbers)
+        return RewardResult(combine(terms), metrics, extra)
+
+    def join_collectives(self) -> None:
+        """Take part, with no rows, in the collectives of the sources that need every rank (a rank whose
+        validation share is empty)."""
+        empty = Batch({"response_mask": torch.zeros(0, 1)}, {"chat": []})
+        for source in self.sources:
+            if source.collective:
+                source(empty, [])
+
+    def close(self) -> None:
+        for source in self.sources:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+
+class RuleReward:
+    """``reward.function`` on each response; ``report_mean`` adds ``reward/rule_score/mean`` (next to a reward
+    model, where the two scores are mixed)."""
+
+    name, collective = "rule", False
+
+    def __init__(self, manager: RewardManager, weight: float = 1.0, report_mean: bool = False) -> None:
+        self.manager, self.weight, self.report_mean = manager, weight, report_mean
+
+    def __call__(self, batch: Batch, texts: Sequence[str]) -> SourceScores:
+        out = self.manager(batch["data_source"], texts, batch["ground_truth"], batch["extra_info"])
+        metrics = out.metrics()
+        if self.report_mean and len(out.scores):
+            metrics["reward/rule_score/mean"] = float(out.scores.float().mean())
+        return SourceScores(out.scores, metrics, out.extra)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+class ModelReward:
+    """The reward model's score of prompt + response (collective: its forward runs on every rank)."""
+
+    name, collective = "rm", True
+
+    def __init__(self, scorer: "RewardModelScorer", weight: float) -> None:
+        self.scorer, self.weight = scorer, weight
+
+    def __call__(self, batch: Batch, texts: Sequence[str]) -> SourceScores:
+        scores = self.scorer.model_scores(batch["chat"], texts)  # [N]
+        metrics = {"reward/rm_score/mean": float(scores.mean())} if len(scores) else {}
+        return SourceScores(scores, metrics)
+
+
+class ToolReward:
+    """What the tools of a multi-turn trajectory add to its score (their ``calc_reward``)."""
+
+    name, collective, weight = "tool", False, 1.0
+
+    def __call__(self, batch: Batch, texts: Sequence[str]) -> SourceScores:
+        return SourceScores(batch["tool_reward"])  # [N]
+
+
+class OverlongPenalty:
+    """DAPO's soft penalty for responses that run into ``data.max_response_length``."""
+
+    name, collective, weight = "overlong", False, 1.0
+
+    def __init__(self, *, max_response_length: int, buffer_len: int, penalty_factor: float) -> None:
+        self.max_response_length, self.buffer_len, self.penalty_factor = max_response_length, buffer_len, penalty_factor
+
+    def __call__(self, batch: Batch, texts: Sequence[str]) -> SourceScores:
+        lengths = batch["response_mask"].sum(-1)  # [N]
+        return SourceScores(overlong_penalty(lengths, max_response_length=self.max_response_length,
+                                             buffer_len=self.buffer_len, penalty_factor=self.penalty_factor))
+
+
+def build_rewards(cfg: "Config", dims: "ParallelDims", device: torch.device, tokenizer: Any) -> Rewards:
+    """The sources the config enables, in the order they are summed (collective: every rank calls it). A
+    reward file that does not import, or names no such function, is a ConfigError."""
+    try:
+        return Rewards(_sources(cfg, dims, device), tokenizer)
+    except (ValueError, FileNotFoundError, ImportError, AttributeError) as err:
+        raise ConfigError(str(err)) from err
+
+
+def _sources(cfg: "Config", dims: "ParallelDims", device: torch.device) -> list[RewardSource]:
+    sources: list[RewardSource] = []
+    rm = cfg.reward_model
+    rule_weight = rm.rule_weight if rm.enable else 1.0
+    if rule_weight != 0:
+        sources.append(RuleReward(RewardManager.from_config(cfg.reward), rule_weight, report_mean=rm.enable))
+    if rm.enable:
+        from spmdrl.reward.model import RewardModelScorer
+
+        sources.append(ModelReward(RewardModelScorer.from_config(cfg, dims, device), rm.rm_weight))
+    if cfg.rollout.multi_turn.enable:
+        sources.append(ToolReward())
+    ob = cfg.reward.overlong_buffer
+    if ob.enable:
+        sources.append(OverlongPenalty(max_response_length=cfg.data.max_response_length, buffer_len=ob.len,
+                                       penalty_factor=ob.penalty_factor))
+    return sources
