@@ -158,8 +158,6 @@ class ParallelDims:
             (self.pp, self.dp_replicate, self.dp_shard, self.tp),
             mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
         )
-        # One flattened DP dim for batch-wide all-reduces over the training data-parallel group.
-        self._meshes["train"]["dp_replicate", "dp_shard"]._flatten("dp")
         self._meshes["rollout"] = init_device_mesh(
             self.device_type, (self.rollout_dp, self.rollout_tp), mesh_dim_names=("dp", "tp")
         )
@@ -179,11 +177,6 @@ class ParallelDims:
         """Mesh FSDP2 shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP."""
         mesh = self.train_mesh
         return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """Flattened training data-parallel mesh (for batch-wide statistics)."""
-        return self.train_mesh["dp"]
 
     @property
     def tp_mesh(self) -> Optional[DeviceMesh]:

@@ -40,7 +40,7 @@ PHASES = ("weight_sync", "rollout", "reward", "old_logp", "ref", "values", "adv"
 LINESTYLES = ("-", "--", ":", "-.")
 
 
-class Run:
+class RunMetrics:
     """One run's metrics: a name and, per metric key, (steps, values) in step order."""
 
     def __init__(self, name: str, rows: list[dict]) -> None:
@@ -58,8 +58,8 @@ class Run:
         return {k for row in self.rows for k in row}
 
 
-def read_run(run_dir: Path, name: Optional[str] = None) -> Run:
-    """``run_dir/metrics.jsonl`` (a trainer.output_dir) as a ``Run``; lines that do not parse are skipped."""
+def read_run(run_dir: Path, name: Optional[str] = None) -> RunMetrics:
+    """``run_dir/metrics.jsonl`` (a trainer.output_dir) as a ``RunMetrics``; lines that do not parse are skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl; give a trainer.output_dir of a run whose "
@@ -73,7 +73,7 @@ def read_run(run_dir: Path, name: Optional[str] = None) -> Run:
                 continue
             if isinstance(row, dict) and "step" in row:
                 rows.append(row)
-    return Run(name or Path(run_dir).resolve().name, rows)
+    return RunMetrics(name or Path(run_dir).resolve().name, rows)
 
 
 def _names(run_dirs: Sequence[Path]) -> list[str]:
@@ -94,7 +94,7 @@ def _new_figure(title: str, panels: int = 2):
     return fig, list(axes[0])
 
 
-def _line(ax, run: Run, key: str, label: str, style: str = "-", color=None, marker: Optional[str] = None) -> bool:
+def _line(ax, run: RunMetrics, key: str, label: str, style: str = "-", color=None, marker: Optional[str] = None) -> bool:
     steps, values = run.series(key)
     if not steps:
         return False
@@ -126,11 +126,11 @@ def _finish(fig, axes, path: Path, drawn: bool) -> Optional[Path]:
         plt.close(fig)
 
 
-def _label(runs: Sequence[Run], run: Run, what: str) -> str:
+def _label(runs: Sequence[RunMetrics], run: RunMetrics, what: str) -> str:
     return what if len(runs) == 1 else f"{run.name}: {what}"
 
 
-def plot_reward(runs: Sequence[Run], path: Path) -> Optional[Path]:
+def plot_reward(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
     fig, (train, val) = _new_figure("reward")
     drawn = False
     for i, run in enumerate(runs):
@@ -149,7 +149,7 @@ def plot_reward(runs: Sequence[Run], path: Path) -> Optional[Path]:
     return _finish(fig, (train, val), path, drawn)
 
 
-def plot_kl_entropy(runs: Sequence[Run], path: Path) -> Optional[Path]:
+def plot_kl_entropy(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
     fig, (kl, ent) = _new_figure("KL and entropy")
     drawn = False
     for i, run in enumerate(runs):
@@ -161,7 +161,7 @@ def plot_kl_entropy(runs: Sequence[Run], path: Path) -> Optional[Path]:
     return _finish(fig, (kl, ent), path, drawn)
 
 
-def plot_length(runs: Sequence[Run], path: Path) -> Optional[Path]:
+def plot_length(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
     fig, (length, clip) = _new_figure("response length")
     drawn = False
     for i, run in enumerate(runs):
@@ -173,14 +173,14 @@ def plot_length(runs: Sequence[Run], path: Path) -> Optional[Path]:
     return _finish(fig, (length, clip), path, drawn)
 
 
-def _phases(run: Run, prefix: str, suffix: str) -> list[str]:
+def _phases(run: RunMetrics, prefix: str, suffix: str) -> list[str]:
     """Phase names present in a run, the loop's order first, then any others alphabetically."""
     found = {k[len(prefix):-len(suffix) or None] for k in run.keys() if k.startswith(prefix) and k.endswith(suffix)}
     found = {f for f in found if f not in ("step", "overall") and not f.startswith("rank")}  # not phases
     return [p for p in PHASES if p in found] + sorted(found - set(PHASES))
 
 
-def plot_timing(runs: Sequence[Run], path: Path) -> Optional[Path]:
+def plot_timing(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
     fig, axes = _new_figure("seconds per phase (stacked)", panels=len(runs))
     drawn = False
     for ax, run in zip(axes, runs):
@@ -198,7 +198,7 @@ def plot_timing(runs: Sequence[Run], path: Path) -> Optional[Path]:
     return _finish(fig, axes, path, drawn)
 
 
-def plot_memory(runs: Sequence[Run], path: Path) -> Optional[Path]:
+def plot_memory(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
     fig, (mem, overall) = _new_figure("peak memory per phase")
     drawn = False
     for i, run in enumerate(runs):
@@ -212,7 +212,7 @@ def plot_memory(runs: Sequence[Run], path: Path) -> Optional[Path]:
     return _finish(fig, (mem, overall), path, drawn)
 
 
-def plot_throughput(runs: Sequence[Run], path: Path) -> Optional[Path]:
+def plot_throughput(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
     fig, (tps, step) = _new_figure("throughput")
     drawn = False
     for i, run in enumerate(runs):

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import yaml
 
-from spmdrl.sandbox.pool import import_file
+from spmdrl.sandbox.userfile import import_file
 
 
 class Tool(abc.ABC):

@@ -318,9 +318,6 @@ class RewardModelModelConfig:
     path: Optional[str] = None
     """Hugging Face sequence-classification model folder (num_labels 1) that scores prompt + response, or
     ``builtin:tiny-rm`` (built offline, for tests)."""
-    input_tokenizer: Optional[str] = None
-    """verl's key, accepted for verl configs: spmdrl always decodes responses with the policy's tokenizer and
-    re-renders prompt + response with the reward model's chat template (what verl does when it is set)."""
 
 
 @dataclass

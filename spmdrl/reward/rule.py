@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from spmdrl.reward import scorers
-from spmdrl.sandbox.pool import WorkerPool, import_file
+from spmdrl.sandbox.pool import WorkerPool
+from spmdrl.sandbox.userfile import import_file
 
 # torch is imported inside functions: worker processes import this module, and
 # a light import keeps their start-up (which happens again after every kill) fast.

@@ -1,1 +1,2 @@
-"""Where user code runs: worker processes (``pool``) for reward functions and tools."""
+"""Where user code runs: worker processes (``pool``) for reward functions and tools, and the importer of a
+user's file (``userfile``)."""

@@ -1,4 +1,4 @@
-"""Worker processes that run user code one item at a time, each item on its own clock, and a user-file importer.
+"""Worker processes that run user code one item at a time, each item on its own clock.
 
     pool = WorkerPool(setup, (arg,), num_workers=2, timeout_s=10.0, name="reward")
     outcomes = pool.run(items)   # aligned with items: .value, .error, .timed_out, .seconds
@@ -23,41 +23,15 @@ Used by ``spmdrl.reward.rule`` (scoring) and ``spmdrl.agent.runner`` (tool calls
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing as mp
 import multiprocessing.connection
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
 # A handler's error message is cut to this many characters: it travels over the pipe and into logs and prompts.
 _MAX_ERROR_CHARS = 500
-
-
-def import_file(file: Path, kind: str, where: str) -> ModuleType:
-    """Import the user's Python ``file`` under a private module name; ``kind`` and ``where`` name it in errors.
-
-    Raises FileNotFoundError for a missing file and ImportError for one that does not import.
-    """
-    if not file.is_file():
-        raise FileNotFoundError(f"{kind} file {str(file)!r} ({where}) does not exist")
-    module_name = f"spmdrl_user_{kind}_{abs(hash(str(file.resolve())))}"
-    mod_spec = importlib.util.spec_from_file_location(module_name, file)
-    if mod_spec is None or mod_spec.loader is None:
-        raise ImportError(f"{kind} file {str(file)!r} ({where}) cannot be imported as Python")
-    module = importlib.util.module_from_spec(mod_spec)
-    # Registered before running it, as importlib documents: dataclasses and pickle look modules up there.
-    sys.modules[module_name] = module
-    try:
-        mod_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise ImportError(f"importing {kind} file {str(file)!r} ({where}) failed: {e!r}") from e
-    return module
 
 
 @dataclass

@@ -406,7 +406,8 @@ TABLE: list[Rule] = [
     # rewards
     m("reward_model.enable", "reward_model.enable"),
     m("reward_model.model.path", "reward_model.model.path", _path),
-    m("reward_model.model.input_tokenizer", "reward_model.model.input_tokenizer", _path),
+    ignore("reward_model.model.input_tokenizer", "spmdrl always decodes responses with the policy's tokenizer "
+           "and re-renders prompt + response with the reward model's chat template (what verl does when it is set)"),
     m("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu"),
     m("reward_model.max_length", "reward_model.max_length"),
     only("reward_model.reward_manager", ("naive",), "rule scores come from reward.function"),

@@ -18,7 +18,7 @@ def _meshes(rank, world_size, layouts):
             train_shape=tuple(tm.shape),
             names=tm.mesh_dim_names,
             dp=dims.dp,
-            dp_group=sorted(dist.get_process_group_ranks(dims.dp_mesh.get_group())),
+            dp_group=sorted(dist.get_process_group_ranks(tm.get_group("dp_shard"))),
             fsdp_ndim=dims.fsdp_mesh.ndim,
             tp_group=sorted(dist.get_process_group_ranks(tm.get_group("tp"))),
             rollout_tp_group=sorted(dist.get_process_group_ranks(rm.get_group("tp"))),
