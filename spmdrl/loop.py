@@ -395,12 +395,17 @@ def _batch_metrics(batch: Batch, cfg: Config) -> dict[str, float]:
 
 
 def run(cfg: Config, dims: ParallelDims) -> None:
-    from spmdrl.checkpoint.manager import Checkpointer, RunState
+    from spmdrl.checkpoint.manager import CheckpointManager
+    from spmdrl.checkpoint.preemption import Preemption
+    from spmdrl.checkpoint.rng import RNGState
 
     r = build(cfg, dims)
-    engines = {role: e for role, e in (("actor", r.actor), ("critic", r.critic)) if e is not None}
-    ckpt = Checkpointer(RunState(cfg, r.out_dir, engines, r.rollout.engine, r.train_loader, r.kl_ctrl, r.tokenizer, r.device,
-                                 r.total_steps))
+    preemption = Preemption()  # SIGTERM/SIGUSR1 handlers: checkpoint and stop at the next step boundary
+    # What a checkpoint holds; each part declares how it is stored (spmdrl/checkpoint/manager.py).
+    parts = {"actor": r.actor, "critic": r.critic, "data": r.train_loader, "kl_ctrl": r.kl_ctrl,
+             "rng": RNGState(r.rollout.engine, r.device, cfg.trainer.seed)}
+    ckpt = CheckpointManager(r.out_dir, {k: v for k, v in parts.items() if v is not None}, cfg=cfg,
+                             total_steps=r.total_steps, tokenizer=r.tokenizer)
     # trainer.resume: auto | off | PATH; restores engines, data, RNG and KL controller; returns the step.
     if ckpt.resume() is not None:
         r.step = ckpt.resumed_step
@@ -419,7 +424,7 @@ def run(cfg: Config, dims: ParallelDims) -> None:
                 metrics.update(validate(r))
             sink.log(r.step, metrics)
             # A preemption signal (SIGTERM/SIGUSR1) turns into a checkpoint at this step boundary, then exit.
-            stop = ckpt.stop_requested(r.step)
+            stop = preemption.stop_requested(r.step)
             if ckpt.due(r.step) or stop:
                 ckpt.save(r.step)
             f = cfg.trainer.plot_freq
