@@ -20,7 +20,7 @@ pytestmark = pytest.mark.dist
 
 pytest.importorskip("megatron.core")
 
-from test_megatron import LR, N, make_batch  # noqa: E402  (after the skip: test_megatron needs megatron too)
+from test_megatron import LR, N, make_batch  # after the skip: test_megatron needs megatron-core too
 
 LAYOUTS = {"tp2": dict(tp=2, pp=1), "pp2": dict(tp=1, pp=2)}
 
