@@ -3,14 +3,16 @@
     python -m spmdrl.export --checkpoint outputs/spmdrl/grpo_tiny/checkpoints/global_step_100 --out hf_model
     python -m spmdrl.export --checkpoint outputs/spmdrl/grpo_tiny --out hf_model   # its newest checkpoint
 
-Runs in one plain process (no torchrun): torch.distributed.checkpoint loads the
-sharded actor, whatever world size saved it, into a Hugging Face model built
-from the checkpoint's ``model_files/config.json``. The weights are written as
-safetensors, split into ``model-0000i-of-0000n.safetensors`` with a
-``model.safetensors.index.json`` when larger than ``--max-shard-size``; a tied
-``lm_head.weight`` is left out, as ``save_pretrained`` does. Nothing here
-writes or reads pickle. ``trainer.export_hf_on_save`` writes the same folder
-from the live engine (``write_hf_folder``) at each save.
+Runs in one plain process (no torchrun, no process group). The engine that
+saved the actor reads its own folder back as full tensors under HF names,
+whatever world size and layout saved it: the manifest names that engine
+(``strategies``: fsdp2, megatron) and ``spmdrl.engines.checkpoint_reader``
+gives its reader. The weights are written as safetensors, split into
+``model-0000i-of-0000n.safetensors`` with a ``model.safetensors.index.json``
+when larger than ``--max-shard-size``; a tied ``lm_head.weight`` is left out,
+as ``save_pretrained`` does. Nothing here writes or reads pickle.
+``trainer.export_hf_on_save`` writes the same folder from the live engine
+(``write_hf_folder``) at each save.
 """
 
 from __future__ import annotations
@@ -20,37 +22,37 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
-from spmdrl.checkpoint.manager import load_state, read_manifest, resolve_resume, verify_checkpoint
-from spmdrl.errors import ConfigError
 from spmdrl.checkpoint.hf_folder import DEFAULT_SHARD, parse_size, write_hf_folder
+from spmdrl.checkpoint.layout import read_manifest, resolve_resume, verify_checkpoint
+from spmdrl.engines import checkpoint_reader
+from spmdrl.errors import ConfigError
 from spmdrl.precision import DTYPES
-def read_model_state(checkpoint: Path, role: str = "actor") -> dict[str, torch.Tensor]:
-    """Full tensors of a checkpoint's model under HF names, loaded in this process (no process group)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
+
+def read_weights(checkpoint: Path, role: str = "actor") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` of a checkpoint's model, read in this process by the reader of the engine
+    that saved it (a tied ``lm_head.weight`` left out). The checks run now, the loading as it is iterated."""
     manifest = verify_checkpoint(checkpoint)
     if role != "actor" or "actor" not in manifest["roles"]:
         raise ConfigError(f"checkpoint {str(checkpoint)!r} has no {role} that exports as a causal LM; "
                           f"use actor")
-    saved_cfg = checkpoint / "config.yaml"
-    if saved_cfg.is_file() and "strategy: megatron" in saved_cfg.read_text():
-        raise ConfigError(f"checkpoint {str(checkpoint)!r} holds Megatron shards (actor.strategy megatron), which "
-                          f"this export does not convert; train with trainer.export_hf_on_save true, which writes "
-                          f"a Hugging Face folder global_step_N/hf/ at each save")
-    config = AutoConfig.from_pretrained(checkpoint / manifest["model_files"])
-    # Real (not meta) tensors: DCP copies the saved shards into them in place.
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[manifest["dtype"]])
-    state = {k: v for k, v in model.state_dict().items()}
-    if sorted(state) != sorted(manifest["model_shapes"][role]):
-        missing = sorted(set(state) ^ set(manifest["model_shapes"][role]))
-        raise ConfigError(f"checkpoint {str(checkpoint)!r} does not match its config.json "
-                          f"(weights {missing[:3]})")
-    load_state({"model": state}, checkpoint / role)
-    return state
+    # Manifests from before "strategies" do not name their engine: read them as fsdp2, the only format
+    # export read then (it refused Megatron ones).
+    strategy = manifest.get("strategies", {}).get(role, "fsdp2")
+    try:
+        reader = checkpoint_reader(strategy)
+    except ValueError as err:
+        raise ConfigError(f"checkpoint {str(checkpoint)!r} cannot be exported: {err}") from None
+    return reader(checkpoint / role, checkpoint / manifest["model_files"], manifest, role)
+
+
+def read_model_state(checkpoint: Path, role: str = "actor") -> dict[str, torch.Tensor]:
+    """``read_weights`` as one dict of full tensors."""
+    return dict(read_weights(checkpoint, role))
 
 
 def export_checkpoint(
@@ -62,15 +64,19 @@ def export_checkpoint(
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not valid; valid: {', '.join(DTYPES)}")
     path = resolve_resume(str(checkpoint), Path("."))
-    state = read_model_state(path)
+    weights = read_weights(path)
     files = path / read_manifest(path)["model_files"]
-    if out.exists():
-        out.rmdir()
     # Into a temporary sibling first, so an interrupted export never looks like a finished folder.
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    write_hf_folder(state.items(), tmp, files, max_shard_size, DTYPES[dtype] if dtype else None)
+    try:
+        write_hf_folder(weights, tmp, files, max_shard_size, DTYPES[dtype] if dtype else None)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
     os.rename(tmp, out)
     return out
 

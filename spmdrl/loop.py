@@ -26,6 +26,9 @@ import torch.distributed as dist
 from spmdrl.algos.kl import apply_kl_penalty, build_kl_controller
 from spmdrl.algos.registry import ADVANTAGES, get_advantage
 from spmdrl.builtin import resolve_builtins
+from spmdrl.checkpoint.manager import CheckpointManager
+from spmdrl.checkpoint.preemption import Preemption
+from spmdrl.checkpoint.rng import RNGState
 from spmdrl.config import Config, dump_config, output_dir
 from spmdrl.data import PromptLoader, ValidationLoader, build_loaders
 from spmdrl.engines import build_engine
@@ -227,12 +230,13 @@ def _gather_float(value: float) -> list[float]:
 
 
 def run(cfg: Config, dims: ParallelDims) -> None:
-    from spmdrl.checkpoint.manager import Checkpointer, RunState
-
     r = build(cfg, dims)
-    engines = {role: e for role, e in (("actor", r.actor), ("critic", r.critic)) if e is not None}
-    ckpt = Checkpointer(RunState(r.cfg, r.out_dir, engines, r.experience.session.engine, r.train_loader, r.kl_ctrl, r.tokenizer,
-                                 r.device, r.total_steps))
+    preemption = Preemption()  # SIGTERM/SIGUSR1 handlers: checkpoint and stop at the next step boundary
+    # What a checkpoint holds; each part declares how it is stored (spmdrl/checkpoint/manager.py).
+    parts = {"actor": r.actor, "critic": r.critic, "data": r.train_loader, "kl_ctrl": r.kl_ctrl,
+             "rng": RNGState(r.experience.session.engine, r.device, cfg.trainer.seed)}
+    ckpt = CheckpointManager(r.out_dir, {k: v for k, v in parts.items() if v is not None}, cfg=r.cfg,
+                             total_steps=r.total_steps, tokenizer=r.tokenizer, config_text=r.config_text)
     # trainer.resume: auto | off | PATH; restores engines, data, RNG and KL controller; returns the step.
     if ckpt.resume() is not None:
         r.step = ckpt.resumed_step
@@ -251,7 +255,7 @@ def run(cfg: Config, dims: ParallelDims) -> None:
                 metrics.update(validation_metrics(r.experience, r.val_loader))
             sink.log(r.step, metrics)
             # A preemption signal (SIGTERM/SIGUSR1) turns into a checkpoint at this step boundary, then exit.
-            stop = ckpt.stop_requested(r.step)
+            stop = preemption.stop_requested(r.step)
             if ckpt.due(r.step) or stop:
                 ckpt.save(r.step)
             f = cfg.trainer.plot_freq

@@ -24,6 +24,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from spmdrl.checkpoint.layout import replace_atomically
+
 GB = 1024**3
 
 
@@ -148,8 +150,26 @@ def _wandb_mode() -> str:
         return "offline"
 
 
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Drop metric rows after ``last_step`` (they will be logged again) and a half-written last line."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if int(json.loads(line)["step"]) <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    replace_atomically(path, "".join(f"{line}\n" for line in kept))
+
+
 class MetricsSink:
-    """Rank 0 writes metrics: a console line, metrics.jsonl, tqdm, and wandb/tensorboard when chosen."""
+    """Rank 0 writes metrics: a console line, metrics.jsonl, tqdm, and wandb/tensorboard when chosen.
+
+    ``initial_step`` is the step the run starts after (a resumed checkpoint's; 0 on a fresh start): rows of
+    metrics.jsonl after it are dropped first, all of them on a fresh start.
+    """
 
     CONSOLE_KEYS = (
         ("reward/mean", "reward", "{:.3f}"),
@@ -184,6 +204,8 @@ class MetricsSink:
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
+        # No checkpoint is ever taken at step 0, so 0 means a fresh start: its step-0 validation row goes too.
+        trim_metrics(out_dir / "metrics.jsonl", initial_step if initial_step > 0 else -1)
         if "jsonl" in loggers:
             self._jsonl = open(out_dir / "metrics.jsonl", "a")
         if progress_bar:

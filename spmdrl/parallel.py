@@ -18,7 +18,7 @@ Rollout mesh (generation), row-major:
 The data-parallel size of the loop is the rollout DP size: each rollout DP
 coordinate owns a disjoint share of the prompts, and after generation the
 ranks of a TP group each keep 1/tp of the group's outputs, so the batch is
-sharded over the whole world in rank order (see DESIGN.md, Meshes).
+sharded over the whole world in rank order (see docs/design.md, "Meshes").
 """
 
 from __future__ import annotations

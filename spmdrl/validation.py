@@ -22,7 +22,7 @@ Each is averaged over the source's prompts. Names are verl's:
 scorer returns it, else ``reward``) and mean/maj/best (and pass) at k = n,
 ``val-aux/...`` for everything else.
 
-All n responses of a prompt sit on one rank (DESIGN.md), so the per-prompt
+All n responses of a prompt sit on one rank (docs/design.md), so the per-prompt
 numbers are rank-local and seeded per prompt; only the per-source sums and
 counts cross ranks, so one rank and k ranks agree up to float rounding.
 """

@@ -1,5 +1,9 @@
 """Every RNG stream a rank draws from, as checkpointable state: torch (CPU, CUDA), python, numpy and the
-rollout engine's sampling generator."""
+rollout engine's sampling generator.
+
+``RNGState`` is the checkpoint part (``per_rank``: one ``rng_rank{r}.pt`` per rank, loaded weights-only);
+on another world size its streams are reseeded instead of loaded.
+"""
 
 from __future__ import annotations
 
@@ -52,3 +56,24 @@ def reseed_rng(seed: int, step: int, rank: int, rollout: Any) -> None:
     gen = _rollout_generator(rollout)
     if gen is not None:
         gen.manual_seed(s)
+
+
+class RNGState:
+    """This rank's RNG streams as a checkpoint part: per rank, since each rank draws its own samples."""
+
+    checkpoint_layout = "per_rank"
+
+    def __init__(self, rollout: Any, device: torch.device, seed: int) -> None:
+        self.rollout = rollout  # its sampling generator is one of the streams
+        self.device = device
+        self.seed = seed
+
+    def state_dict(self) -> dict:
+        return rng_state(self.rollout, self.device)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state, self.rollout, self.device)
+
+    def reseed(self, step: int, rank: int) -> None:
+        """Resumed on another world size: the saved per-rank streams do not map onto the new ranks."""
+        reseed_rng(self.seed, step, rank, self.rollout)

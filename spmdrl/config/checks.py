@@ -226,7 +226,7 @@ def _check_inputs(cfg: Config, dims: "ParallelDims") -> None:
         except ValueError as err:
             raise ConfigError(str(err)) from err
     if t.resume not in ("auto", "off"):
-        from spmdrl.checkpoint.manager import resolve_resume
+        from spmdrl.checkpoint.layout import resolve_resume
 
         # A missing, incomplete (*.tmp, no manifest) or unreadable checkpoint fails here, before any work.
         resolve_resume(t.resume, output_dir(cfg))

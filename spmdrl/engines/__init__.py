@@ -7,11 +7,18 @@
 or ``megatron`` (``spmdrl.engines.megatron.engine.MegatronEngine``: megatron-core GPTModel with
 ``parallel.tp`` / ``parallel.pp``; actor, reference and critic, no reward model); both run on CPU and GPU.
 Each engine class checks its own config keys (``check_config``) before any process group exists.
+
+Each engine also owns reading its checkpoint folder back as Hugging Face tensors in one plain process
+(``fsdp2/checkpoint.py``, ``megatron/checkpoint.py``); ``spmdrl.export`` looks the reader up by the
+strategy the checkpoint's manifest records:
+
+    weights = checkpoint_reader("megatron")(step_dir / "actor", step_dir / "model_files", manifest, "actor")
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Literal
 
 import torch
 
@@ -46,6 +53,34 @@ def _megatron() -> type[TrainEngine]:
 ENGINES: dict[str, Callable[[], type[TrainEngine]]] = {"fsdp2": _fsdp2, "megatron": _megatron}
 
 
+# (engine folder global_step_N/{role}, model_files folder, manifest, role) -> (hf_name, full tensor) pairs
+CheckpointReader = Callable[[Path, Path, dict, str], Iterator[tuple[str, torch.Tensor]]]
+
+
+def _fsdp2_reader() -> CheckpointReader:
+    from spmdrl.engines.fsdp2.checkpoint import read_checkpoint
+
+    return read_checkpoint
+
+
+def _megatron_reader() -> CheckpointReader:
+    from spmdrl.engines.megatron.checkpoint import read_checkpoint  # needs no megatron.core
+
+    return read_checkpoint
+
+
+# strategy name (a manifest's "strategies") -> factory returning its checkpoint reader, imported on demand.
+READERS: dict[str, Callable[[], CheckpointReader]] = {"fsdp2": _fsdp2_reader, "megatron": _megatron_reader}
+
+
+def checkpoint_reader(strategy: str) -> CheckpointReader:
+    """The function that reads a checkpoint folder written by the ``strategy`` engine."""
+    if strategy not in READERS:
+        raise ValueError(f"engine format {strategy!r} has no checkpoint reader; valid: "
+                         f"{', '.join(sorted(READERS))}")
+    return READERS[strategy]()
+
+
 def engine_class(strategy: str) -> type[TrainEngine]:
     """The engine class of ``strategy`` (``actor.strategy`` in the config), imported on demand."""
     if strategy not in ENGINES:
@@ -73,4 +108,5 @@ def build_engine(
     )
 
 
-__all__ = ["ENGINES", "LossFn", "LossScale", "TrainEngine", "build_engine", "engine_class"]
+__all__ = ["ENGINES", "READERS", "CheckpointReader", "LossFn", "LossScale", "TrainEngine", "build_engine",
+           "checkpoint_reader", "engine_class"]

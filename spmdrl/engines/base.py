@@ -53,6 +53,8 @@ LossFn = Callable[[dict[str, torch.Tensor], Batch, LossScale], tuple[torch.Tenso
 class TrainEngine(abc.ABC):
     optimizer: Optional[torch.optim.Optimizer]  # None for a frozen engine (reference, reward model)
     device: torch.device
+    strategy: str  # the backend's name (actor.strategy); checkpoints record it so export picks the reader
+    checkpoint_layout = "sharded"  # a torch.distributed.checkpoint folder per engine (checkpoint/manager.py)
 
     @classmethod
     def check_config(cls, cfg: "Config") -> None:

@@ -1,7 +1,7 @@
 """The rollout-engine interface and what it returns.
 
 An engine lives in-process on every rank. Its calls come in this order
-(DESIGN.md, "Weight sync order"), owned by ``RolloutSession`` alone:
+(docs/design.md, "Weight sync order"), owned by ``RolloutSession`` alone:
 
     engine.wake_up(("weights",))
     engine.update_weights(actor.export_weights())   # (hf_name, full tensor) stream, when stale

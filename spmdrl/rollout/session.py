@@ -1,4 +1,4 @@
-"""The one owner of the rollout engine's wake / load / generate / sleep order (DESIGN.md, "Weight sync order").
+"""The one owner of the rollout engine's wake / load / generate / sleep order (docs/design.md, "Weight sync order").
 
     session = RolloutSession(engine, lambda: actor.export_weights(dtype), sleep_level=1, colocate=True)
     with session.awake():
@@ -45,7 +45,7 @@ class RolloutSession:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         """This rank's share of the responses to ``prompts`` (inside ``awake``). Every rank of a rollout TP
         group passes the group's prompts; each keeps ``tp_share`` of them, so the batch ends up sharded over
-        the world in rollout order (DESIGN.md, "Meshes"). With tp == 1 that is every row."""
+        the world in rollout order (docs/design.md, "Meshes"). With tp == 1 that is every row."""
         if not self._depth:
             raise RuntimeError("RolloutSession.generate called outside `with session.awake():`")
         out = self.engine.generate(prompts, sampling)

@@ -1,4 +1,4 @@
-"""Checkpointer on gloo: 2-rank save -> 1-rank resume, keep_last, atomicity, bad checkpoints, export.
+"""CheckpointManager on gloo: 2-rank save -> 1-rank resume, keep_last, atomicity, bad checkpoints, export.
 
 Two spawns serve every test: a 2-rank run that trains the tiny actor and saves
 steps 1..3 (keep_last 2), and a 1-rank run that resumes it (another world
@@ -39,13 +39,15 @@ class Position:
 
 
 def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
-    """The Checkpointer's ``RunState`` around a real FSDP2 actor (``actor``, ``train_loader``: shortcuts)."""
+    """A ``CheckpointManager`` (``ckpt``) over a real FSDP2 actor, a data position, a KL controller and the
+    RNG streams (``actor``, ``train_loader``, ``kl_ctrl``, ``rollout``: the parts, as the loop names them)."""
     from transformers import AutoTokenizer
 
     import torch.distributed as dist
 
     from spmdrl.algos.kl import build_kl_controller
-    from spmdrl.checkpoint.manager import RunState
+    from spmdrl.checkpoint.manager import CheckpointManager
+    from spmdrl.checkpoint.rng import RNGState
     from spmdrl.config import Config
     from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
@@ -56,14 +58,13 @@ def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
         setattr(cfg.trainer, key, value)
     dims = ParallelDims(dist.get_world_size()).build()
     actor = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", lr=1e-3, seed=0)
-    state = RunState(
-        cfg=cfg, out_dir=Path(out), engines={"actor": actor}, device=torch.device("cpu"),
-        tokenizer=AutoTokenizer.from_pretrained(model_dir), loader=Position(),
-        rollout=SimpleNamespace(generator=torch.Generator().manual_seed(100 + seed + dist.get_rank())),
-        kl_ctrl=build_kl_controller("adaptive", 0.1, 0.05, 100), total_steps=10,
-    )
-    state.actor, state.train_loader = actor, state.loader
-    return state
+    rollout = SimpleNamespace(generator=torch.Generator().manual_seed(100 + seed + dist.get_rank()))
+    parts = {"actor": actor, "data": Position(), "kl_ctrl": build_kl_controller("adaptive", 0.1, 0.05, 100),
+             "rng": RNGState(rollout, torch.device("cpu"), cfg.trainer.seed)}
+    ckpt = CheckpointManager(Path(out), parts, cfg=cfg, total_steps=10,
+                             tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    return SimpleNamespace(cfg=cfg, ckpt=ckpt, actor=actor, train_loader=parts["data"], kl_ctrl=parts["kl_ctrl"],
+                           rollout=rollout)
 
 
 def digest(t: torch.Tensor) -> str:
@@ -85,10 +86,8 @@ def _optim(engine) -> dict[str, str]:
 
 
 def _save_steps(rank: int, world: int, model_dir: str, out: str) -> dict:
-    from spmdrl.checkpoint.manager import Checkpointer
-
     r = _run(model_dir, out)
-    ckpt = Checkpointer(r, install_signal_handlers=False)
+    ckpt = r.ckpt
     fresh = ckpt.resume()
     batch = make_batch(2048)
     mine = batch.select(slice(rank * N // world, (rank + 1) * N // world))
@@ -109,11 +108,10 @@ def _save_steps(rank: int, world: int, model_dir: str, out: str) -> dict:
 
 def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, other_model: str,
                            bad: dict) -> dict:
-    from spmdrl.checkpoint.manager import Checkpointer
     from spmdrl.errors import ConfigError
 
     r = _run(model_dir, out, seed=7)
-    ckpt = Checkpointer(r, install_signal_handlers=False)
+    ckpt = r.ckpt
     path = ckpt.resume()  # auto: newest complete, on a world size other than the one that saved
     result = {
         "path": str(path), "step": ckpt.resumed_step, "position": r.train_loader.position, "kl": r.kl_ctrl.value,
@@ -127,7 +125,7 @@ def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, othe
         target = other if name == "incompatible" else _run(model_dir, out)
         target.cfg.trainer.resume = spec
         try:
-            Checkpointer(target, install_signal_handlers=False).resume()
+            target.ckpt.resume()
             result["errors"][name] = None
         except ConfigError as err:
             result["errors"][name] = str(err)
@@ -137,7 +135,7 @@ def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, othe
     root = copy / "checkpoints"
     shutil.copytree(root / "global_step_3", root / "global_step_5", copy_function=os.link)
     older = _run(model_dir, str(copy), resume=str(root / "global_step_2"))
-    ckpt = Checkpointer(older, install_signal_handlers=False)
+    ckpt = older.ckpt
     ckpt.resume()
     ckpt.save(3)
     result["after_older_resume"] = {

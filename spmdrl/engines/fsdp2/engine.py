@@ -156,6 +156,8 @@ class FSDP2Engine(TrainEngine):
         seed: initialises the critic's value head (the same on every rank).
     """
 
+    strategy = "fsdp2"
+
     def __init__(
         self,
         model_path: str,

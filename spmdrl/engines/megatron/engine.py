@@ -93,6 +93,8 @@ class MegatronEngine(TrainEngine):
         seed: Megatron's RNG tracker seed, and the critic's value-head init (``value_head_weight``).
     """
 
+    strategy = "megatron"
+
     def __init__(
         self,
         model_path: str,
