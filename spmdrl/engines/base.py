@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional
 import torch
 import torch.distributed as dist
 
-from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
 from spmdrl.batch import Batch
 from spmdrl.engines.optim import move_optimizer_state
 
@@ -150,18 +149,3 @@ def gather_rows(batch: Batch, group: dist.ProcessGroup, comm_device: torch.devic
         dist.all_gather(parts, v, group=group)
         out[key] = torch.cat(parts).to(batch["input_ids"].device)
     return Batch(out)
-
-
-def token_outputs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = False
-) -> dict[str, torch.Tensor]:
-    """{"logp", optional "entropy"} [n, R] float32 from the logits [n, R, V] that predict ``labels`` [n, R].
-
-    The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus); otherwise it is a
-    metric computed in the same chunked pass as the log-probs.
-    """
-    if with_entropy and entropy_grad:
-        logits = logits.float() / temperature
-        return {"logp": logprobs_from_logits(logits, labels), "entropy": entropy_from_logits(logits)}
-    logp, entropy = token_logprobs(logits, labels, temperature, with_entropy)
-    return {"logp": logp} if entropy is None else {"logp": logp, "entropy": entropy}

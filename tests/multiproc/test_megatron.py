@@ -1,4 +1,4 @@
-"""Megatron engine on gloo (CPU, megatron-core's CUDA calls redirected by megatron_cpu).
+"""Megatron engine on gloo (CPU, megatron-core's CUDA calls redirected by spmdrl.engines.megatron.cpu).
 
 One 2-rank spawn builds each layout in turn (tp=1 with dp=2, tp=2, pp=2) and
 records: fp32 log-probs and entropies against transformers, one GRPO update

@@ -45,9 +45,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows, token_outputs
+from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.fsdp2.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
+from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.optim import (
     build_optimizer,
     build_scheduler,
@@ -151,7 +152,7 @@ class FSDP2Engine(TrainEngine):
         temperature: logits are divided by it before log-probs and entropy, so the
             actor scores responses with the distribution the rollout sampled from.
         lr, weight_decay, betas, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps:
-            AdamW and ``weights.WarmupSchedule``.
+            AdamW and ``optim.WarmupSchedule``.
         max_grad_norm: clip threshold (0: no clipping; the norm is reported either way).
         seed: initialises the critic's value head (the same on every rank).
     """

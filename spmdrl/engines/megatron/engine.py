@@ -1,10 +1,10 @@
 """Megatron training engine: megatron-core GPTModel with tensor and pipeline parallelism.
 
 ``actor.strategy: megatron`` builds the actor, the frozen reference and the
-critic as megatron-core ``GPTModel``s from the HF folder (``megatron_weights.py``:
+critic as megatron-core ``GPTModel``s from the HF folder (``convert.py``:
 config and the HF <-> Megatron conversion), cut ``parallel.tp`` x ``parallel.pp``
 ways; the remaining ranks are data parallel. The critic's last stage has a
-scalar value head where the LM head was (``megatron_weights.ValueHead``), so it
+scalar value head where the LM head was (``convert.ValueHead``), so it
 runs through the same schedule, optimizer, checkpoints and export. Every rank
 runs it under torchrun like the rest of spmdrl:
 
@@ -36,7 +36,7 @@ whole model. Megatron's DDP and distributed optimizer are not used: their
 contiguous gradient buffers and streams are CUDA-only, and the plain optimizer
 keeps CPU tests exact against FSDP2.
 
-On CPU every call into Megatron runs under ``megatron_cpu.cpu_compat()``.
+On CPU every call into Megatron runs under ``cpu.cpu_compat()``.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows, token_outputs
+from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows
 from spmdrl.engines.megatron.cpu import compat_context
 from spmdrl.engines.megatron.setup import init_model_parallel, model_arch, quiet_megatron
 from spmdrl.engines.megatron.convert import (
@@ -64,6 +64,7 @@ from spmdrl.engines.megatron.convert import (
     to_hf,
     transformer_config,
 )
+from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.optim import build_optimizer, build_scheduler, value_head_weight
 from spmdrl.precision import resolve_dtype
 
@@ -80,7 +81,7 @@ class MegatronEngine(TrainEngine):
     Args:
         model_path: Hugging Face model folder (Llama / Qwen2 / Qwen3 architecture).
         role: "actor" (trained), "ref" (frozen, no optimizer) or "critic" (trained; the LM head is
-            replaced by a scalar value head, ``megatron_weights.ValueHead``, initialised as FSDP2's).
+            replaced by a scalar value head, ``convert.ValueHead``, initialised as FSDP2's).
         dims: the run's parallel degrees with meshes built; uses tp, pp and the DP mesh.
         device: cpu (gloo, under ``cpu_compat``) or this rank's cuda device.
         param_dtype: compute dtype; bfloat16 runs the forward (and so the backward) under
@@ -88,7 +89,7 @@ class MegatronEngine(TrainEngine):
             AdamW state, bf16 matmuls, as FSDP2's mixed-precision policy computes.
         temperature: logits are divided by it before log-probs and entropy.
         lr, weight_decay, betas, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps:
-            AdamW and ``weights.WarmupSchedule``, as the FSDP2 engine.
+            AdamW and ``optim.WarmupSchedule``, as the FSDP2 engine.
         max_grad_norm: clip threshold (0: no clipping; the norm is reported either way).
         seed: Megatron's RNG tracker seed, and the critic's value-head init (``value_head_weight``).
     """
