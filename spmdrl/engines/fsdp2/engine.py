@@ -47,16 +47,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
+from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
 from spmdrl.engines.fsdp2.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
 from spmdrl.engines.logprobs import token_outputs
-from spmdrl.engines.optim import (
-    build_optimizer,
-    build_scheduler,
-    clip_grad_norm_,
-    iter_full_state,
-    iter_unsharded_state,
-    value_head_weight,
-)
+from spmdrl.engines.fsdp2.weights import clip_grad_norm_, iter_full_state, iter_unsharded_state
+from spmdrl.engines.optim import build_optimizer, build_scheduler
 from spmdrl.precision import resolve_dtype, to_dtype
 
 if TYPE_CHECKING:
@@ -77,57 +72,6 @@ def resolve_attn_implementation(name: str, device_type: str, max_len: int) -> st
     if name != "auto":
         return name
     return "eager" if device_type == "cpu" and max_len <= 2048 else "sdpa"
-
-
-class ValueModel(nn.Module):
-    """HF backbone + scalar value head, named like HF's ``*ForTokenClassification`` (``model``, ``score``)."""
-
-    def __init__(self, backbone: nn.Module, seed: int):
-        super().__init__()
-        self.config = backbone.config
-        self.model = backbone
-        hidden = self.config.hidden_size
-        self.score = nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
-        with torch.no_grad():
-            self.score.weight.copy_(value_head_weight(hidden, seed))
-            self.score.bias.zero_()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        values_to_keep: int,
-    ) -> torch.Tensor:
-        hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # [n, P+R, H]
-        # A fresh tensor, not a squeeze view: FSDP2 warns on a root output that is a view (its
-        # pre-backward hook would be skipped by an in-place op on it). [n, values_to_keep], tiny.
-        return self.score(hidden[:, -values_to_keep:]).squeeze(-1).clone()
-
-
-class RewardModel(nn.Module):
-    """A Hugging Face ``*ForSequenceClassification`` (one label) whose score is read at each row's last
-    attended token, whatever the padding side (as verl's reward worker: argmax of position_ids x mask).
-
-    The wrapper is the FSDP root, so its forward unshards the root's parameters (embeddings, final norm,
-    head) before the backbone and head run; the submodules keep HF's names (``model``, ``score``).
-    """
-
-    def __init__(self, hf_model: nn.Module):
-        super().__init__()
-        self.config = hf_model.config
-        self.model = getattr(hf_model, hf_model.base_model_prefix)
-        self.score = hf_model.score
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-                ) -> torch.Tensor:
-        hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # [n, L, H]
-        last = torch.argmax(position_ids * attention_mask, dim=-1)  # [n]
-        return self.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)  # [n]
 
 
 class FSDP2Engine(TrainEngine):
