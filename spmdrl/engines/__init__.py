@@ -3,19 +3,24 @@
     from spmdrl.engines import build_engine
     actor = build_engine(cfg, model_path, role="actor", dims=dims, device=device, total_steps=100)
 
-``cfg.actor.strategy`` picks the backend: ``fsdp2`` (``spmdrl.engines.fsdp2.engine.FSDP2Engine``)
-or ``megatron`` (``spmdrl.engines.megatron.engine.MegatronEngine``: megatron-core GPTModel with
-``parallel.tp`` / ``parallel.pp``; actor, reference and critic, no reward model); both run on CPU and GPU.
-Each engine class checks its own config keys (``check_config``) before any process group exists.
+``cfg.actor.strategy`` picks the backend: ``fsdp2`` (``spmdrl.engines.fsdp2.engine.FSDP2Engine``:
+actor, reference, critic and reward model on a Hugging Face model) or ``megatron``
+(``spmdrl.engines.megatron.engine.MegatronEngine``: megatron-core GPTModel with ``parallel.tp`` /
+``parallel.pp``; actor, reference and critic, no reward model); both run on CPU and GPU. Each
+engine class checks its own config keys (``check_config``) before any process group exists.
+
+Both are ``TrainEngine``s (``base.py``): the interface the loop calls and the optimizer step,
+written once there, with small hooks each backend fills. ``logprobs.py`` holds the log-prob /
+entropy kernel that ends every actor forward; ``optim.py`` the AdamW and LR schedule both build.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine
+from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -57,13 +62,13 @@ def build_engine(
     cfg: "Config",
     model_path: str,
     *,
-    role: Literal["actor", "ref", "critic", "reward"],
+    role: Role,
     dims: "ParallelDims",
     device: torch.device,
     total_steps: int | None = None,
 ) -> TrainEngine:
     """The ``role`` engine on this rank's share of the training mesh (collective: call on every rank)."""
-    return engine_class(cfg.actor.strategy).from_config(  # type: ignore[attr-defined]
+    return engine_class(cfg.actor.strategy).from_config(
         cfg,
         role,
         model_path=model_path,
@@ -73,4 +78,4 @@ def build_engine(
     )
 
 
-__all__ = ["ENGINES", "LossFn", "LossScale", "TrainEngine", "build_engine", "engine_class"]
+__all__ = ["ENGINES", "LossFn", "LossScale", "Role", "TrainEngine", "build_engine", "engine_class"]

@@ -30,7 +30,6 @@ no-grad forwards, then keeps this rank's rows of the result).
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Iterator, Literal
 
 import torch
@@ -45,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows
+from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
 from spmdrl.engines.fsdp2.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
@@ -58,7 +57,6 @@ if TYPE_CHECKING:
     from spmdrl.config import Config
     from spmdrl.parallel import ParallelDims
 
-Role = Literal["actor", "ref", "critic", "reward"]
 FROZEN = ("ref", "reward")  # roles without optimizer or gradients
 
 
@@ -140,7 +138,6 @@ class FSDP2Engine(TrainEngine):
         self.device = torch.device(device)
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
-        self.dp_size = dp_mesh.size()
         self.global_step = 0
         dtype = to_dtype(dtype)
         # A policy dtype equal to the master dtype is no cast at all: pass None so FSDP skips the copies.
@@ -268,44 +265,26 @@ class FSDP2Engine(TrainEngine):
         """Parameters of the full (unsharded) model; tied weights counted once."""
         return sum(p.numel() for p in self.model.parameters())
 
-    # ------------------------------------------------------------------ collectives
+    # ------------------------------------------------------------------ data parallelism
 
-    def _dp_all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        """All-reduce over the whole DP group (both dims of an HSDP mesh), in place."""
-        if self.dp_size > 1:
-            for dim in range(self.dp_mesh.ndim):
-                dist.all_reduce(t, op=op, group=self.dp_mesh.get_group(dim))
-        return t
+    @property
+    def dp_size(self) -> int:
+        return self.dp_mesh.size()
 
-    def _comm_device(self) -> torch.device:
-        return torch.device("cpu") if self.dp_mesh.device_type == "cpu" else self.device
+    @property
+    def dp_rank(self) -> int:
+        rank = 0
+        for dim in range(self.dp_mesh.ndim):  # HSDP: (replicate, shard) coordinates, row-major
+            rank = rank * self.dp_mesh.size(dim) + self.dp_mesh.get_local_rank(dim)
+        return rank
 
-    def _check_rows(self, n: int) -> None:
-        """Every rank must run the same number of forwards, or FSDP's collectives hang: fail loudly."""
-        t = torch.tensor([n, -n], dtype=torch.int64, device=self._comm_device())
-        self._dp_all_reduce(t, op=dist.ReduceOp.MAX)
-        if self.tp_mesh is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_mesh.get_group())
-        if int(t[0]) != -int(t[1]):
-            raise ValueError(
-                f"{self.role} engine: ranks hold different numbers of rows (this rank {n}, "
-                f"min {-int(t[1])}, max {int(t[0])}); shard the batch evenly over the world"
-            )
+    @property
+    def dp_groups(self) -> list[dist.ProcessGroup]:
+        return [self.dp_mesh.get_group(dim) for dim in range(self.dp_mesh.ndim)]
 
-    def _gather_tp(self, batch: Batch) -> Batch:
-        """Rows of the whole TP group, in TP-rank order (``gather_rows``)."""
-        if self.tp_mesh is None:
-            return batch
-        return gather_rows(batch, self.tp_mesh.get_group(), self._comm_device())
-
-    def _loss_scale(self, mini: Batch) -> LossScale:
-        counts = torch.tensor(
-            [float(mini["response_mask"].sum()), float(len(mini))],
-            dtype=torch.float64,
-            device=self._comm_device(),
-        )
-        self._dp_all_reduce(counts)
-        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
+    @property
+    def _replica_group(self) -> dist.ProcessGroup | None:
+        return None if self.tp_mesh is None else self.tp_mesh.get_group()
 
     # ------------------------------------------------------------------ forward
 
@@ -338,7 +317,7 @@ class FSDP2Engine(TrainEngine):
         (reward); float32 on the batch's device, for this rank's rows.
         """
         self._check_rows(len(batch))
-        full = self._gather_tp(batch)
+        full = self._gather(batch)
         self.model.eval()
         parts: list[dict[str, torch.Tensor]] = []
         with torch.no_grad():
@@ -346,76 +325,24 @@ class FSDP2Engine(TrainEngine):
                 parts.append(self._forward(micro.to(self.device), with_entropy))
         # Without a backward the root keeps its unsharded parameters after forward; free them now.
         self.model.reshard()
-        out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        if self.tp_mesh is not None:
-            start = self.tp_mesh.get_local_rank() * len(batch)
-            resp = batch["response_mask"].shape[1]
-            out = {k: v[start : start + len(batch), :resp] for k, v in out.items()}
-        return {k: v.to(batch["input_ids"].device) for k, v in out.items()}
+        return self._own_rows({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, batch)
 
     # ------------------------------------------------------------------ training
 
-    def train_step(
-        self,
-        batch: Batch,
-        loss_fn: LossFn,
-        mini_batch_size: int,
-        micro_batch_size: int,
-        epochs: int = 1,
-        with_entropy: bool = True,
-        entropy_grad: bool = True,
-    ) -> dict[str, float]:
-        """``epochs`` passes over ``batch``, one optimizer step per mini-batch of ``mini_batch_size`` rows.
+    def _forward_backward(self, micros: list[Batch], loss_fn: LossFn, scale: LossScale, with_entropy: bool,
+                          entropy_grad: bool) -> list[dict[str, float]]:
+        """One forward and backward per micro-batch; FSDP reduce-scatters the gradients in the backward."""
+        metrics = []
+        for micro in micros:
+            outputs = self._forward(micro, with_entropy, entropy_grad)
+            loss, m = loss_fn(outputs, micro, scale)
+            # FSDP averages gradients over DP; loss_fn already divided by global counts.
+            (loss * self.dp_size).backward()
+            metrics.append(m)
+        return metrics
 
-        Sizes are per rank. With TP, a mini-batch is the TP group's union
-        (``mini_batch_size * tp`` rows) cut into micro-batches of ``micro_batch_size``.
-        ``with_entropy=False`` skips the entropy; ``entropy_grad=False`` computes it as a
-        metric without a gradient (in the log-prob pass, far cheaper) when the loss has no entropy bonus.
-        Returns the loss metrics averaged over micro-batches and DP ranks, plus
-        ``{role}/lr`` (of the last step) and ``{role}/grad_norm`` (mean over steps, before clipping).
-        ``loss_fn`` must return the same metric keys on every rank.
-        """
-        if self.optimizer is None:
-            raise ValueError(
-                f"the {self.role} engine is frozen and has no optimizer; train_step needs actor or critic"
-            )
-        self._check_rows(len(batch))
-        self.model.train()
-        sums: dict[str, float] = {}
-        n_micro = 0
-        norms: list[float] = []
-        lr = self.optimizer.param_groups[0]["lr"]
-        for _ in range(epochs):
-            for mini in batch.split(mini_batch_size):
-                mini = self._gather_tp(mini)
-                scale = self._loss_scale(mini)
-                for micro in mini.split(micro_batch_size):
-                    micro = micro.to(self.device)
-                    outputs = self._forward(micro, with_entropy, entropy_grad)
-                    loss, metrics = loss_fn(outputs, micro, scale)
-                    # FSDP averages gradients over DP; loss_fn already divided by global counts.
-                    (loss * self.dp_size).backward()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                    n_micro += 1
-                norms.append(clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-                lr = self.optimizer.param_groups[0]["lr"]
-                # A non-finite norm would poison the weights and Adam's moments: skip this update.
-                if math.isfinite(norms[-1]):
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
-                self.global_step += 1
-        keys = sorted(sums)
-        t = torch.tensor(
-            [sums[k] for k in keys] + [float(n_micro)], dtype=torch.float64, device=self._comm_device()
-        )
-        self._dp_all_reduce(t)
-        out = {k: float(t[i] / t[-1]) for i, k in enumerate(keys)}
-        prefix = "critic" if self.role == "critic" else "actor"
-        out[f"{prefix}/lr"] = float(lr)
-        out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
-        return out
+    def _clip_grads(self) -> float:
+        return clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
 
     # ------------------------------------------------------------------ weights, memory, checkpoints
 

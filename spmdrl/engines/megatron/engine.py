@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows
+from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 from spmdrl.engines.megatron.cpu import compat_context
 from spmdrl.engines.megatron.setup import init_model_parallel, model_arch, quiet_megatron
 from spmdrl.engines.megatron.convert import (
@@ -71,8 +71,6 @@ from spmdrl.precision import resolve_dtype
 if TYPE_CHECKING:
     from spmdrl.config import Config
     from spmdrl.parallel import ParallelDims
-
-Role = Literal["actor", "ref", "critic"]
 
 
 class MegatronEngine(TrainEngine):
@@ -128,7 +126,7 @@ class MegatronEngine(TrainEngine):
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.global_step = 0
-        self.tp, self.pp, self.dp_size = dims.tp, dims.pp, dims.dp
+        self.tp, self.pp, self._dp_size = dims.tp, dims.pp, dims.dp
         init_model_parallel(dims, self.device, seed)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -235,34 +233,26 @@ class MegatronEngine(TrainEngine):
         """Parameters of the full model (from the HF weights; tied weights counted once)."""
         return sum(math.prod(self._hf_shapes[h]) for _, _, names in self._export_plan() for h in names)
 
-    # ------------------------------------------------------------------ collectives
+    # ------------------------------------------------------------------ data parallelism
 
-    def _comm_device(self) -> torch.device:
-        return torch.device("cpu") if self.device.type == "cpu" else self.device
+    @property
+    def dp_size(self) -> int:
+        return self._dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    @property
+    def dp_groups(self) -> list[dist.ProcessGroup]:
+        return [self.dp_group]
+
+    @property
+    def _replica_group(self) -> dist.ProcessGroup | None:
+        return None if self.tp * self.pp == 1 else self.mp_group
 
     def _is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
-
-    def _check_rows(self, n: int) -> None:
-        """Every rank must run the same number of micro-batches, or the collectives hang: fail loudly."""
-        t = torch.tensor([n, -n], dtype=torch.int64, device=self._comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if int(t[0]) != -int(t[1]):
-            raise ValueError(f"{self.role} engine: ranks hold different numbers of rows (this rank {n}, "
-                             f"min {-int(t[1])}, max {int(t[0])}); shard the batch evenly over the world")
-
-    def _gather(self, batch: Batch) -> Batch:
-        """The rows of this model replica (TP x PP group), the same on each of its ranks."""
-        if self.tp * self.pp == 1:
-            return batch
-        return gather_rows(batch, self.mp_group, self._comm_device())
-
-    def _own_rows(self, out: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
-        if self.tp * self.pp > 1:
-            start = dist.get_rank(self.mp_group) * len(batch)
-            out = {k: v[start : start + len(batch)] for k, v in out.items()}
-        resp = batch["response_mask"].shape[1]
-        return {k: v[:, :resp].to(batch["input_ids"].device) for k, v in out.items()}
 
     # ------------------------------------------------------------------ forward
 
@@ -355,14 +345,13 @@ class MegatronEngine(TrainEngine):
 
     # ------------------------------------------------------------------ training
 
-    def _loss_scale(self, mini: Batch) -> LossScale:
-        counts = torch.tensor([float(mini["response_mask"].sum()), float(len(mini))], dtype=torch.float64,
-                              device=self._comm_device())
-        if self.dp_size > 1:
-            dist.all_reduce(counts, group=self.dp_group)
-        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
+    def _forward_backward(self, micros: list[Batch], loss_fn: LossFn, scale: LossScale, with_entropy: bool,
+                          entropy_grad: bool) -> list[dict[str, float]]:
+        """The micro-batches through Megatron's schedule (1F1B under PP); the last stage's metrics."""
+        return self._run_schedule(micros, False, loss_fn=loss_fn, scale=scale, with_entropy=with_entropy,
+                                  entropy_grad=entropy_grad)
 
-    def _reduce_grads(self) -> None:
+    def _finish_grads(self) -> None:
         """Sum gradients over data-parallel replicas, and the tied embedding's first and last stage copies."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
@@ -399,54 +388,7 @@ class MegatronEngine(TrainEngine):
             torch._foreach_mul_(grads, self.max_grad_norm / (total + 1e-6))
         return total
 
-    def train_step(
-        self,
-        batch: Batch,
-        loss_fn: LossFn,
-        mini_batch_size: int,
-        micro_batch_size: int,
-        epochs: int = 1,
-        with_entropy: bool = True,
-        entropy_grad: bool = True,
-    ) -> dict[str, float]:
-        """``epochs`` passes over ``batch``, one optimizer step per mini-batch of ``mini_batch_size`` rows
-        per rank; the same contract as ``FSDP2Engine.train_step`` (with TP x PP, a mini-batch is the
-        model replica's union of ``mini_batch_size * tp * pp`` rows, cut into micro-batches)."""
-        if self.optimizer is None:
-            raise ValueError(f"the {self.role} engine is frozen and has no optimizer; train_step needs actor "
-                             f"or critic")
-        self._check_rows(len(batch))
-        self.model.train()
-        sums: dict[str, float] = {}
-        n_micro = 0
-        norms: list[float] = []
-        lr = self.optimizer.param_groups[0]["lr"]
-        for _ in range(epochs):
-            for mini in batch.split(mini_batch_size):
-                mini = self._gather(mini)
-                scale = self._loss_scale(mini)
-                micros = [m.to(self.device) for m in mini.split(micro_batch_size)]
-                store = self._run_schedule(micros, False, loss_fn=loss_fn, scale=scale, with_entropy=with_entropy,
-                                           entropy_grad=entropy_grad)
-                for metrics in store:  # last stage only
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                    n_micro += 1
-                self._reduce_grads()
-                norms.append(self._clip_grads())
-                lr = self.optimizer.param_groups[0]["lr"]
-                if math.isfinite(norms[-1]):  # a non-finite norm would poison weights and moments
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
-                self.global_step += 1
-        out = self._reduce_metrics(sums, n_micro)
-        prefix = "critic" if self.role == "critic" else "actor"
-        out[f"{prefix}/lr"] = float(lr)
-        out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
-        return out
-
-    def _reduce_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
+    def _reduce_loss_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
         """Loss metrics averaged over micro-batches and replicas: only the last stage has them, and its
         TP ranks hold copies, so TP rank 0 of each last stage contributes."""
         keys = [sorted(sums)]
