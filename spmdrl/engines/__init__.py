@@ -36,12 +36,13 @@ def _megatron() -> type[TrainEngine]:
     import warnings
 
     try:
-        with warnings.catch_warnings():  # its notices that Apex / Transformer Engine are absent: we use neither
+        # Its notices that Apex / Transformer Engine are absent: we use neither.
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import megatron.core  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"actor.strategy 'megatron' needs megatron-core, which is not importable here ({err}); "
-                          f"pip install -c constraints.txt 'megatron-core==0.16.1'") from err
+        raise ImportError(f"actor.strategy 'megatron' needs megatron-core, which is not importable here "
+                          f"({err}); pip install -c constraints.txt 'megatron-core==0.16.1'") from err
     from spmdrl.engines.megatron.engine import MegatronEngine
 
     return MegatronEngine

@@ -191,8 +191,8 @@ class TrainEngine(abc.ABC):
         whole model gathered at once."""
 
     def offload(self) -> None:
-        """Optimizer moments to the CPU and gradients dropped while the rollout engine has the device (a frozen
-        engine has no optimizer: nothing to do)."""
+        """Optimizer moments to the CPU and gradients dropped while the rollout engine has the device
+        (a frozen engine has no optimizer: nothing to do)."""
         if self.optimizer is None:
             return
         self.optimizer.zero_grad(set_to_none=True)
@@ -244,7 +244,8 @@ class TrainEngine(abc.ABC):
         """Where count and metric tensors go for a collective: the CPU for gloo, else the device."""
         return torch.device("cpu") if self.device.type == "cpu" else self.device
 
-    def _dp_all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    def _dp_all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+                       ) -> torch.Tensor:
         """All-reduce over the whole data-parallel group (every group of ``dp_groups``), in place."""
         if self.dp_size > 1:
             for group in self.dp_groups:

@@ -1,6 +1,6 @@
 """Per-token log-probs and entropy from logits: the kernel every engine's forward ends with.
 
-    out = token_outputs(logits, labels, temperature, with_entropy=True)   # {"logp": [n, R], "entropy": [n, R]}
+    out = token_outputs(logits, labels, temperature, with_entropy=True)  # {"logp", "entropy"}: [n, R] each
 
 ``token_logprobs`` is a row-chunked autograd function (``_TokenLogProbs``) with a hand-written
 backward, so neither the float32 log-softmax of the whole [N, V] block nor autograd's dense
@@ -120,7 +120,11 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_outputs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = False
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool = False,
 ) -> dict[str, torch.Tensor]:
     """{"logp", optional "entropy"} [n, R] float32 from the logits [n, R, V] that predict ``labels`` [n, R].
 

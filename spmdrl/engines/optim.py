@@ -90,7 +90,9 @@ def build_scheduler(
     )
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, where: Callable[[nn.Parameter], torch.device]) -> None:
+def move_optimizer_state(
+    optimizer: torch.optim.Optimizer, where: Callable[[nn.Parameter], torch.device]
+) -> None:
     """Move every optimizer state tensor of parameter ``p`` to ``where(p)`` (offload / onload)."""
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -1,9 +1,11 @@
-"""FSDP2 training engine: actor, frozen reference and critic on a Hugging Face model.
+"""FSDP2 training engine: actor, frozen reference, critic and frozen reward model on a Hugging Face model.
 
 One ``FSDP2Engine`` per role, built identically on every rank of the training
-mesh (SPMD). The model is loaded from an HF folder, then parallelised by the
-functions of ``parallelize.py`` in their fixed order (TP, activation
-checkpointing, compile, FSDP), and trained with AdamW.
+mesh (SPMD). The model is loaded from an HF folder (the critic and reward model
+wrapped by ``models.py``), then parallelised by the functions of
+``parallelize.py`` in their fixed order (TP, activation checkpointing, compile,
+FSDP), and trained with AdamW by ``TrainEngine.train_step``, whose hooks this
+file fills: a forward and backward per micro-batch, and ``weights.clip_grad_norm_``.
 
     actor = FSDP2Engine(path, role="actor", dp_mesh=mesh["dp_shard"], tp_mesh=None,
                         device=torch.device("cpu"), lr=1e-5)
@@ -47,9 +49,14 @@ from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
-from spmdrl.engines.fsdp2.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
-from spmdrl.engines.logprobs import token_outputs
+from spmdrl.engines.fsdp2.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    apply_tp,
+)
 from spmdrl.engines.fsdp2.weights import clip_grad_norm_, iter_full_state, iter_unsharded_state
+from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.optim import build_optimizer, build_scheduler
 from spmdrl.precision import resolve_dtype, to_dtype
 
@@ -70,6 +77,21 @@ def resolve_attn_implementation(name: str, device_type: str, max_len: int) -> st
     if name != "auto":
         return name
     return "eager" if device_type == "cpu" and max_len <= 2048 else "sdpa"
+
+
+def _mixed_precision(role: Role, dtype: torch.dtype, param_dtype: torch.dtype | str | None,
+                     reduce_dtype: torch.dtype | str | None
+                     ) -> tuple[torch.dtype, torch.dtype | None, torch.dtype | None]:
+    """(weight dtype, FSDP ``param_dtype``, FSDP ``reduce_dtype``) of a ``role`` model whose master weights
+    are ``dtype``; a policy dtype of None is no cast."""
+    # A policy dtype equal to the master dtype is no cast at all: pass None so FSDP skips the copies.
+    mp_param = None if param_dtype is None or to_dtype(param_dtype) == dtype else to_dtype(param_dtype)
+    mp_reduce = None if reduce_dtype is None or to_dtype(reduce_dtype) == dtype else to_dtype(reduce_dtype)
+    if role in FROZEN and mp_param is not None:
+        # A frozen model needs no float32 master copy: keep it in the compute dtype, which is
+        # what the policy's per-forward cast would produce, at half the memory and no cast.
+        return mp_param, None, mp_reduce
+    return dtype, mp_param, mp_reduce
 
 
 class FSDP2Engine(TrainEngine):
@@ -139,20 +161,9 @@ class FSDP2Engine(TrainEngine):
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.global_step = 0
-        dtype = to_dtype(dtype)
-        # A policy dtype equal to the master dtype is no cast at all: pass None so FSDP skips the copies.
-        mp_param = None if param_dtype is None or to_dtype(param_dtype) == dtype else to_dtype(param_dtype)
-        mp_reduce = (
-            None if reduce_dtype is None or to_dtype(reduce_dtype) == dtype else to_dtype(reduce_dtype)
-        )
-
+        dtype, mp_param, mp_reduce = _mixed_precision(role, to_dtype(dtype), param_dtype, reduce_dtype)
         # The dtype of the unsharded parameters in forward (what an all-gather produces).
         self.param_dtype = mp_param or dtype
-        if role in FROZEN and mp_param is not None:
-            # A frozen model needs no float32 master copy: keep it in the compute dtype, which is
-            # what the policy's per-forward cast would produce, at half the memory and no cast.
-            dtype, mp_param = mp_param, None
-            self.param_dtype = dtype
         self.model = self._load(model_path, role, dtype, seed, attn_implementation)
         if role in FROZEN:
             self.model.requires_grad_(False)
@@ -183,7 +194,8 @@ class FSDP2Engine(TrainEngine):
             return RewardModel(AutoModelForSequenceClassification.from_pretrained(
                 model_path, num_labels=1, dtype=dtype, attn_implementation=attn))
         if role == "critic":
-            return ValueModel(AutoModel.from_pretrained(model_path, dtype=dtype, attn_implementation=attn), seed)
+            backbone = AutoModel.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
+            return ValueModel(backbone, seed)
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
 
     @classmethod
@@ -288,7 +300,8 @@ class FSDP2Engine(TrainEngine):
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, micro: Batch, with_entropy: bool, entropy_grad: bool = False) -> dict[str, torch.Tensor]:
+    def _forward(self, micro: Batch, with_entropy: bool, entropy_grad: bool = False
+                 ) -> dict[str, torch.Tensor]:
         """Per-response-token outputs of one micro-batch (on ``self.device``).
 
         The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus);

@@ -15,11 +15,13 @@ runs it under torchrun like the rest of spmdrl:
     values = critic.forward_no_grad(batch, micro_batch_size=8)["values"]      # [N, R]
 
 Data: the batch is sharded over the world; the ranks of one model replica (its
-TP x PP group) gather their rows (``gather_rows``) so they run the same
-micro-batches, and keep their own rows of the outputs. Micro-batches go through
-Megatron's ``get_forward_backward_func()``: the no-pipelining schedule at pp=1,
-1F1B (``forward_backward_pipelining_without_interleaving``) at pp>1, so stages
-exchange activations with isend/irecv and only the last stage computes losses.
+TP x PP group, the engine's ``_replica_group``) gather their rows (``gather_rows``)
+so they run the same micro-batches, and keep their own rows of the outputs. The
+optimizer step is ``TrainEngine.train_step``, whose hooks this file fills; its
+micro-batches go through Megatron's ``get_forward_backward_func()``: the
+no-pipelining schedule at pp=1, 1F1B (``forward_backward_pipelining_without_interleaving``)
+at pp>1, so stages exchange activations with isend/irecv and only the last stage
+computes losses.
 
 Rows are left-aligned before the forward: Megatron's RoPE numbers positions by
 their index in the sequence (it ignores ``position_ids``), so a left-padded
@@ -28,9 +30,11 @@ index = position; the causal mask keeps the right padding out of every valid
 token's attention, so no padding mask is needed.
 
 Optimizer: torch AdamW over this rank's shards, with gradients summed over the
-data-parallel group by one all-reduce, the tied embedding's two pipeline copies
-summed over Megatron's embedding group, and the global norm taken once per
-parameter (TP-replicated norms counted on TP rank 0, the tied copy once).
+data-parallel group by one all-reduce and the tied embedding's two pipeline copies
+summed over Megatron's embedding group (``_finish_grads``), and the global norm taken
+once per parameter (``_clip_grads``: TP-replicated norms counted on TP rank 0, the
+tied copy once). Loss metrics come from TP rank 0 of each last stage
+(``_reduce_loss_metrics``).
 AdamW is elementwise, so this is exactly the update of one rank holding the
 whole model. Megatron's DDP and distributed optimizer are not used: their
 contiguous gradient buffers and streams are CUDA-only, and the plain optimizer
@@ -111,21 +115,36 @@ class MegatronEngine(TrainEngine):
         max_grad_norm: float = 1.0,
         seed: int = 0,
     ):
-        with quiet_megatron():
-            from megatron.core import parallel_state as ps
-
         if role not in ("actor", "ref", "critic"):
             raise ValueError(f"megatron engine role {role!r} is not supported; valid: actor, ref, critic")
         if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts score at temperature 1)")
+            raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts score at "
+                             f"temperature 1)")
         if param_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"megatron engine param_dtype {param_dtype} is not supported; valid: float32, bfloat16")
+            raise ValueError(f"megatron engine param_dtype {param_dtype} is not supported; valid: float32, "
+                             f"bfloat16")
         self.role = role
         self.device = torch.device(device)
         self.param_dtype = param_dtype
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.global_step = 0
+        self._join_groups(dims, seed)
+        self._load(model_path, seed)
+        if role == "ref":
+            self.model.requires_grad_(False)
+        self.optimizer: torch.optim.AdamW | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if role != "ref":
+            self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
+            self.scheduler = build_scheduler(self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio,
+                                             total_steps)
+
+    def _join_groups(self, dims: "ParallelDims", seed: int) -> None:
+        """Megatron's parallel state over the train mesh of ``dims``, and this rank's place in it."""
+        with quiet_megatron():
+            from megatron.core import parallel_state as ps
+
         self.tp, self.pp, self._dp_size = dims.tp, dims.pp, dims.dp
         init_model_parallel(dims, self.device, seed)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -135,16 +154,21 @@ class MegatronEngine(TrainEngine):
         self.dp_group = ps.get_data_parallel_group()
         self.mp_group = ps.get_model_parallel_group()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)  # global rank of each stage
-        self.embedding_group = ps.get_embedding_group() if self.pp > 1 and ps.is_rank_in_embedding_group() else None
+        in_embedding = self.pp > 1 and ps.is_rank_in_embedding_group()
+        self.embedding_group = ps.get_embedding_group() if in_embedding else None
 
+    def _load(self, model_path: str, seed: int) -> None:
+        """This rank's GPTModel stage, TP-sliced, with the HF weights of ``model_path`` (a critic's value
+        head from ``value_head_weight``), on ``device``."""
         self.arch = HFArch.from_folder(model_path)
         self.arch.check_parallel(self.tp, self.pp)
         extra = {}
-        if role == "critic":  # HF's *ForTokenClassification: backbone + score, no LM head to tie
+        if self.role == "critic":  # HF's *ForTokenClassification: backbone + score, no LM head to tie
             self.arch = dataclasses.replace(self.arch, value_head=True, tie_word_embeddings=False)
-            extra = {"score.weight": value_head_weight(self.arch.hidden_size, seed), "score.bias": torch.zeros(1)}
+            extra = {"score.weight": value_head_weight(self.arch.hidden_size, seed),
+                     "score.bias": torch.zeros(1)}
         with quiet_megatron():
-            self.config = transformer_config(self.arch, self.tp, self.pp, param_dtype)
+            self.config = transformer_config(self.arch, self.tp, self.pp, self.param_dtype)
         with self._compat(), quiet_megatron():
             self.model = build_gpt_model(self.arch, self.config, pre_process=self.pp_rank == 0,
                                          post_process=self.pp_rank == self.pp - 1)
@@ -157,13 +181,6 @@ class MegatronEngine(TrainEngine):
         load_hf_state(self.model, hf, self.arch, self.tp_rank, self.tp)
         del hf
         self.model.to(self.device)
-        if role == "ref":
-            self.model.requires_grad_(False)
-        self.optimizer: torch.optim.AdamW | None = None
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        if role != "ref":
-            self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
-            self.scheduler = build_scheduler(self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps)
 
     @classmethod
     def check_config(cls, cfg: "Config") -> None:
@@ -171,13 +188,13 @@ class MegatronEngine(TrainEngine):
         from spmdrl.parallel import resolve_device_type
 
         if cfg.reward_model.enable:
-            raise ValueError("reward_model.enable is true but actor.strategy 'megatron' builds no reward model "
-                             "(a sequence-classification head); set actor.strategy: fsdp2 to use one")
+            raise ValueError("reward_model.enable is true but actor.strategy 'megatron' builds no reward "
+                             "model (a sequence-classification head); set actor.strategy: fsdp2 to use one")
         compute = resolve_dtype(cfg.actor.param_dtype, resolve_device_type(cfg.trainer.device))
         if compute not in (torch.float32, torch.bfloat16) or cfg.actor.reduce_dtype != "float32":
             raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} / actor.reduce_dtype "
-                             f"{cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes in float32 or bfloat16 "
-                             f"and reduces gradients in float32; use those")
+                             f"{cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes in float32 or "
+                             f"bfloat16 and reduces gradients in float32; use those")
         paths = [cfg.model.path]
         if ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_values") and cfg.critic.model_path:
             paths.append(cfg.critic.model_path)
@@ -186,17 +203,17 @@ class MegatronEngine(TrainEngine):
             if arch is not None:
                 arch.check_parallel(cfg.parallel.tp, cfg.parallel.pp)
         if cfg.model.fused_kernels == "on":
-            raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own layers; "
-                             "set it to auto or off")
+            raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own "
+                             "layers; set it to auto or off")
         if cfg.model.dtype != "float32":
-            raise ValueError(f"model.dtype is {cfg.model.dtype!r} but actor.strategy 'megatron' keeps float32 "
-                             f"weights; set model.dtype: float32")
+            raise ValueError(f"model.dtype is {cfg.model.dtype!r} but actor.strategy 'megatron' keeps "
+                             f"float32 weights; set model.dtype: float32")
         if cfg.model.enable_gradient_checkpointing:
-            raise ValueError("model.enable_gradient_checkpointing is true but actor.strategy 'megatron' has no "
-                             "activation recomputation here; set it to false")
+            raise ValueError("model.enable_gradient_checkpointing is true but actor.strategy 'megatron' has "
+                             "no activation recomputation here; set it to false")
         if cfg.actor.cpu_offload or cfg.ref.offload:
-            raise ValueError("actor.cpu_offload / ref.offload is true but actor.strategy 'megatron' keeps its "
-                             "parameters on the device; set them to false")
+            raise ValueError("actor.cpu_offload / ref.offload is true but actor.strategy 'megatron' keeps "
+                             "its parameters on the device; set them to false")
         if cfg.parallel.dp_replicate > 1:
             raise ValueError(f"parallel.dp_replicate is {cfg.parallel.dp_replicate} but actor.strategy "
                              f"'megatron' has one flat data-parallel group; set parallel.dp_replicate: 1")
@@ -223,8 +240,9 @@ class MegatronEngine(TrainEngine):
                        total_steps=total_steps, max_grad_norm=c.max_grad_norm, **common)
         a = cfg.actor
         return cls(model_path, lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas),
-                   lr_warmup_steps=a.lr_warmup_steps, lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
-                   total_steps=total_steps, max_grad_norm=a.max_grad_norm, **common)
+                   lr_warmup_steps=a.lr_warmup_steps, lr_scheduler=a.lr_scheduler,
+                   min_lr_ratio=a.min_lr_ratio, total_steps=total_steps, max_grad_norm=a.max_grad_norm,
+                   **common)
 
     def _compat(self):
         return compat_context(self.device)
@@ -269,7 +287,7 @@ class MegatronEngine(TrainEngine):
         return {
             "ids": ids.gather(1, cols),  # [n, L]
             "positions": torch.arange(length, device=ids.device)[None].expand(n, -1),  # [n, L]
-            "causal": torch.triu(torch.ones(length, length, dtype=torch.bool, device=ids.device), 1)[None, None],
+            "causal": torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1)[None, None],
             "keep": keep.clamp(0, length - 1),  # past a row's end: padding, masked by response_mask
             "labels": ids[:, -resp:],  # [n, R]
         }
@@ -282,8 +300,8 @@ class MegatronEngine(TrainEngine):
         out = model(x["ids"], x["positions"], x["causal"])  # last stage: [n, L, V_pad]; others: hidden
         return out, partial(self._loss, micro, x, loss_fn, scale, with_entropy, entropy_grad)
 
-    def _loss(self, micro: Batch, x: dict, loss_fn: LossFn | None, scale: LossScale | None, with_entropy: bool,
-              entropy_grad: bool, logits: torch.Tensor):
+    def _loss(self, micro: Batch, x: dict, loss_fn: LossFn | None, scale: LossScale | None,
+              with_entropy: bool, entropy_grad: bool, logits: torch.Tensor):
         """Last stage: per-token outputs, then the loss; Megatron's (loss, tokens, data) triple. With
         ``calculate_per_token_loss`` Megatron back-propagates the loss as is: ours already divides by
         the mini-batch's global token count. A critic's "logits" are its values [n, L, 1]: value j is
@@ -321,7 +339,8 @@ class MegatronEngine(TrainEngine):
                 forward_only=forward_only,
             )
 
-    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
+                        ) -> dict[str, torch.Tensor]:
         """{"logp", optional "entropy"} (actor, ref) or {"values"} (critic): each [N, R] float32 on the
         batch's device, for this rank's rows."""
         self._check_rows(len(batch))
@@ -410,7 +429,8 @@ class MegatronEngine(TrainEngine):
         embed, norm, *heads = global_rules(self.arch)
         plan = [(0, embed, embed.hf)]
         for i in range(self.arch.num_layers):
-            plan += [(i // per_stage, r, tuple(f"model.layers.{i}.{h}" for h in r.hf)) for r in layer_rules(self.arch)]
+            plan += [(i // per_stage, r, tuple(f"model.layers.{i}.{h}" for h in r.hf))
+                     for r in layer_rules(self.arch)]
         plan.append((self.pp - 1, norm, norm.hf))
         if not self.arch.tie_word_embeddings:
             plan += [(self.pp - 1, head, head.hf) for head in heads]
@@ -470,7 +490,8 @@ class MegatronEngine(TrainEngine):
             for n, p in params.items():
                 state = self.optimizer.state[p]
                 if not state:  # AdamW creates its state at the first step; the template needs it now
-                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
                 optim[keys[n]] = state
             sd["optim"] = optim
             sd["scheduler"] = self.scheduler.state_dict()
