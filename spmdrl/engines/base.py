@@ -271,13 +271,13 @@ class TrainEngine(abc.ABC):
         return gather_rows(batch, self._replica_group, self._comm_device())
 
     def _own_rows(self, out: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
-        """This rank's rows of outputs computed on ``_gather(batch)``, cut to its response width, on the
-        batch's device."""
+        """This rank's rows of outputs computed on ``_gather(batch)``, on the batch's device; gathered rows
+        are padded to the replica's longest response, so they are cut back to this rank's width."""
         if self._replica_group is not None:
             start = dist.get_rank(self._replica_group) * len(batch)
-            out = {k: v[start : start + len(batch)] for k, v in out.items()}
-        resp = batch["response_mask"].shape[1]
-        return {k: (v[:, :resp] if v.dim() > 1 else v).to(batch["input_ids"].device) for k, v in out.items()}
+            resp = batch["response_mask"].shape[1]
+            out = {k: v[start : start + len(batch), :resp] for k, v in out.items()}
+        return {k: v.to(batch["input_ids"].device) for k, v in out.items()}
 
     def _loss_scale(self, mini: Batch) -> LossScale:
         """The mini-batch's valid tokens and rows over all DP ranks (a replica's ranks hold the same rows)."""
