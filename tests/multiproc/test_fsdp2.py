@@ -7,11 +7,15 @@ builds each layout in turn. The tests then compare what they returned.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from dist_utils import spawn
+
+if TYPE_CHECKING:
+    from spmdrl.batch import Batch
 
 pytestmark = pytest.mark.dist
 
