@@ -3,10 +3,15 @@
     from spmdrl.engines import build_engine
     actor = build_engine(cfg, model_path, role="actor", dims=dims, device=device, total_steps=100)
 
-``cfg.actor.strategy`` picks the backend: ``fsdp2`` (``spmdrl.engines.fsdp2.engine.FSDP2Engine``)
-or ``megatron`` (``spmdrl.engines.megatron.engine.MegatronEngine``: megatron-core GPTModel with
-``parallel.tp`` / ``parallel.pp``; actor, reference and critic, no reward model); both run on CPU and GPU.
-Each engine class checks its own config keys (``check_config``) before any process group exists.
+``cfg.actor.strategy`` picks the backend: ``fsdp2`` (``spmdrl.engines.fsdp2.engine.FSDP2Engine``:
+actor, reference, critic and reward model on a Hugging Face model) or ``megatron``
+(``spmdrl.engines.megatron.engine.MegatronEngine``: megatron-core GPTModel with ``parallel.tp`` /
+``parallel.pp``; actor, reference and critic, no reward model); both run on CPU and GPU. Each
+engine class checks its own config keys (``check_config``) before any process group exists.
+
+Both are ``TrainEngine``s (``base.py``): the interface the loop calls and the optimizer step,
+written once there, with small hooks each backend fills. ``logprobs.py`` holds the log-prob /
+entropy kernel that ends every actor forward; ``optim.py`` the AdamW and LR schedule both build.
 
 Each engine also owns reading its checkpoint folder back as Hugging Face tensors in one plain process
 (``fsdp2/checkpoint.py``, ``megatron/checkpoint.py``); ``spmdrl.export`` looks the reader up by the
@@ -18,11 +23,11 @@ strategy the checkpoint's manifest records:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine
+from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -38,12 +43,13 @@ def _megatron() -> type[TrainEngine]:
     import warnings
 
     try:
-        with warnings.catch_warnings():  # its notices that Apex / Transformer Engine are absent: we use neither
+        # Its notices that Apex / Transformer Engine are absent: we use neither.
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import megatron.core  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"actor.strategy 'megatron' needs megatron-core, which is not importable here ({err}); "
-                          f"pip install -c constraints.txt 'megatron-core==0.16.1'") from err
+        raise ImportError(f"actor.strategy 'megatron' needs megatron-core, which is not importable here "
+                          f"({err}); pip install -c constraints.txt 'megatron-core==0.16.1'") from err
     from spmdrl.engines.megatron.engine import MegatronEngine
 
     return MegatronEngine
@@ -92,13 +98,13 @@ def build_engine(
     cfg: "Config",
     model_path: str,
     *,
-    role: Literal["actor", "ref", "critic", "reward"],
+    role: Role,
     dims: "ParallelDims",
     device: torch.device,
     total_steps: int | None = None,
 ) -> TrainEngine:
     """The ``role`` engine on this rank's share of the training mesh (collective: call on every rank)."""
-    return engine_class(cfg.actor.strategy).from_config(  # type: ignore[attr-defined]
+    return engine_class(cfg.actor.strategy).from_config(
         cfg,
         role,
         model_path=model_path,
@@ -108,5 +114,5 @@ def build_engine(
     )
 
 
-__all__ = ["ENGINES", "READERS", "CheckpointReader", "LossFn", "LossScale", "TrainEngine", "build_engine",
+__all__ = ["ENGINES", "READERS", "CheckpointReader", "LossFn", "LossScale", "Role", "TrainEngine", "build_engine",
            "checkpoint_reader", "engine_class"]

@@ -1,18 +1,32 @@
-"""The training-engine interface the loop talks to.
+"""The training-engine interface the loop talks to, and the optimizer step written once for every backend.
 
-An engine owns one sharded model (actor, reference or critic) and its
+An engine owns one sharded model (actor, reference, critic or reward model) and, when trained, its
 optimizer. The loop never sees FSDP2 vs Megatron: it calls
 
-    out = engine.forward_no_grad(batch, micro_batch_size)      # {"logp": [N,R], ...}
-    metrics = engine.train_step(batch, loss_fn, mini_batch_size, micro_batch_size, epochs)
+    out = engine.forward_no_grad(batch, micro_batch_size)      # {"logp": [N, R], ...}
+    metrics = engine.train_step(batch, loss_fn, mini_batch_size, micro_batch_size, epochs,
+                                entropy_grad=False)
     for name, full_tensor in engine.export_weights(): ...    # HF names, one tensor at a time
     engine.offload(); engine.onload()                         # around rollout
     engine.state_dict(); engine.load_state_dict(sd)           # checkpoints (DCP)
+    engine.dp_size, engine.dp_rank                            # its data-parallel coordinates
 
 Each engine class is built by ``from_config(cfg, role, model_path=..., dims=..., device=...,
 total_steps=...)`` with the run's ``ParallelDims``: an engine takes the meshes it needs from it
 (FSDP2: the FSDP and TP meshes; Megatron: TP, PP and DP), so adding a parallel axis does not
 change the factory. ``check_config(cfg)`` refuses what the engine cannot do before any work.
+
+``train_step`` is written here once: epochs x mini-batches, each gathered over the model replica
+(the ranks that hold different rows but run one forward: TP, or TP x PP), its ``LossScale``
+all-reduced over the data-parallel groups, then the backend's hooks
+
+    _forward_backward(micros, loss_fn, scale, ...)   # forward + backward of every micro-batch
+    _finish_grads()                                  # cross-rank gradient sums the backward left out
+    _clip_grads()                                    # global norm (before clipping), clipped in place
+
+and the optimizer step (skipped on a non-finite norm), the schedule, and the loss metrics averaged
+by ``_reduce_loss_metrics`` (by default over the data-parallel groups). A backend gives its groups
+through ``dp_groups`` and ``_replica_group``; the gathers, row checks and counts are shared.
 
 ``loss_fn(outputs, micro_batch, scale) -> (loss, metrics)`` receives the
 forward outputs of one micro-batch and a ``LossScale`` with the mini-batch's
@@ -23,13 +37,14 @@ tokens and gradient accumulation and DP do not change the update.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
 from spmdrl.batch import Batch
 from spmdrl.engines.optim import move_optimizer_state
 
@@ -47,14 +62,22 @@ class LossScale:
     # No DP correction here: an engine whose gradient reduction averages (FSDP2) scales its own backward.
 
 
+Role = Literal["actor", "ref", "critic", "reward"]
 LossFn = Callable[[dict[str, torch.Tensor], Batch, LossScale], tuple[torch.Tensor, dict[str, float]]]
 
 
 class TrainEngine(abc.ABC):
+    """One model on this rank's share of the training mesh; see the module docstring for the contract."""
+
+    role: Role
+    model: nn.Module
     optimizer: Optional[torch.optim.Optimizer]  # None for a frozen engine (reference, reward model)
+    scheduler: Optional[torch.optim.lr_scheduler.LambdaLR]  # with the optimizer
     device: torch.device
     strategy: str  # the backend's name (actor.strategy); checkpoints record it so export picks the reader
     checkpoint_layout = "sharded"  # a torch.distributed.checkpoint folder per engine (checkpoint/manager.py)
+    max_grad_norm: float  # clip threshold (0: no clipping; the norm is reported either way)
+    global_step: int  # optimizer steps taken, checkpointed
 
     @classmethod
     def check_config(cls, cfg: "Config") -> None:
@@ -66,7 +89,7 @@ class TrainEngine(abc.ABC):
     def from_config(
         cls,
         cfg: "Config",
-        role: Literal["actor", "ref", "critic"],
+        role: Role,
         *,
         model_path: str,
         dims: "ParallelDims",
@@ -79,15 +102,90 @@ class TrainEngine(abc.ABC):
     def num_params(self) -> int:
         """Parameters of the full (unsharded) model; tied weights counted once."""
 
+    # ------------------------------------------------------------------ data parallelism
+
+    @property
     @abc.abstractmethod
-    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict[str, torch.Tensor]:
-        """Per-token outputs for every row, micro-batched, without gradients."""
+    def dp_size(self) -> int:
+        """Data-parallel replicas of the model (ranks holding different rows of one mini-batch)."""
+
+    @property
+    @abc.abstractmethod
+    def dp_rank(self) -> int:
+        """This rank's index among the ``dp_size`` replicas."""
+
+    @property
+    @abc.abstractmethod
+    def dp_groups(self) -> list[dist.ProcessGroup]:
+        """Groups whose all-reduces, one after the other, sum over the data-parallel ranks (HSDP: two)."""
+
+    @property
+    @abc.abstractmethod
+    def _replica_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks of one model replica (TP, or TP x PP), which gather their rows and run the same
+        forward; None when a rank holds a whole replica."""
+
+    # ------------------------------------------------------------------ forward, train, weights
 
     @abc.abstractmethod
+    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
+                        ) -> dict[str, torch.Tensor]:
+        """Per-token outputs for every row of this rank, micro-batched, without gradients."""
+
     def train_step(
-        self, batch: Batch, loss_fn: LossFn, mini_batch_size: int, micro_batch_size: int, epochs: int = 1
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        epochs: int = 1,
+        *,
+        with_entropy: bool = True,
+        entropy_grad: bool = True,
     ) -> dict[str, float]:
-        """``epochs`` passes of optimizer steps over mini-batches; returns averaged metrics."""
+        """``epochs`` passes over ``batch``, one optimizer step per mini-batch of ``mini_batch_size`` rows.
+
+        Sizes are per rank. With a model replica of k ranks (TP, or TP x PP), a mini-batch is the
+        replica's union (``mini_batch_size * k`` rows) cut into micro-batches of ``micro_batch_size``.
+        ``with_entropy=False`` skips the entropy; ``entropy_grad=False`` computes it as a metric
+        without a gradient (in the log-prob pass, far cheaper) when the loss has no entropy bonus.
+        Returns the loss metrics averaged over micro-batches and DP ranks, plus ``{role}/lr`` (of
+        the last step) and ``{role}/grad_norm`` (mean over steps, before clipping). ``loss_fn`` must
+        return the same metric keys on every rank.
+        """
+        optimizer, scheduler = self.optimizer, self.scheduler
+        if optimizer is None or scheduler is None:
+            raise ValueError(f"the {self.role} engine is frozen and has no optimizer; train_step needs actor "
+                             f"or critic")
+        self._check_rows(len(batch))
+        self.model.train()
+        sums: dict[str, float] = {}
+        n_micro = 0
+        norms: list[float] = []
+        lr = optimizer.param_groups[0]["lr"]
+        for _ in range(epochs):
+            for mini in batch.split(mini_batch_size):
+                mini = self._gather(mini)
+                scale = self._loss_scale(mini)
+                micros = [m.to(self.device) for m in mini.split(micro_batch_size)]
+                for metrics in self._forward_backward(micros, loss_fn, scale, with_entropy, entropy_grad):
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                    n_micro += 1
+                self._finish_grads()
+                norms.append(self._clip_grads())
+                lr = optimizer.param_groups[0]["lr"]
+                # A non-finite norm would poison the weights and Adam's moments: skip this update.
+                if math.isfinite(norms[-1]):
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                self.global_step += 1
+        out = self._reduce_loss_metrics(sums, n_micro)
+        prefix = "critic" if self.role == "critic" else "actor"
+        out[f"{prefix}/lr"] = float(lr)
+        out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
+        return out
 
     @abc.abstractmethod
     def export_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -95,8 +193,8 @@ class TrainEngine(abc.ABC):
         whole model gathered at once."""
 
     def offload(self) -> None:
-        """Optimizer moments to the CPU and gradients dropped while the rollout engine has the device (a frozen
-        engine has no optimizer: nothing to do). Engines set ``optimizer`` and ``device``."""
+        """Optimizer moments to the CPU and gradients dropped while the rollout engine has the device
+        (a frozen engine has no optimizer: nothing to do)."""
         if self.optimizer is None:
             return
         self.optimizer.zero_grad(set_to_none=True)
@@ -116,6 +214,82 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
         """Inverse of ``state_dict``."""
+
+    # ------------------------------------------------------------------ hooks of train_step
+
+    @abc.abstractmethod
+    def _forward_backward(self, micros: list[Batch], loss_fn: LossFn, scale: LossScale, with_entropy: bool,
+                          entropy_grad: bool) -> list[dict[str, float]]:
+        """Forward and backward of every micro-batch (on ``device``), accumulating gradients; returns
+        the metrics of each micro-batch whose loss this rank computed (under PP: the last stage's)."""
+
+    def _finish_grads(self) -> None:
+        """Gradient sums over ranks that the backward did not do itself (FSDP's reduce-scatter does)."""
+
+    @abc.abstractmethod
+    def _clip_grads(self) -> float:
+        """The global gradient norm before clipping, each parameter counted once; clips the gradients
+        to ``max_grad_norm`` when that is > 0 and the norm is finite and above it."""
+
+    def _reduce_loss_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
+        """Loss metrics (summed over this rank's micro-batches) averaged over micro-batches and DP ranks."""
+        keys = sorted(sums)
+        t = torch.tensor(
+            [sums[k] for k in keys] + [float(n_micro)], dtype=torch.float64, device=self._comm_device()
+        )
+        self._dp_all_reduce(t)
+        return {k: float(t[i] / t[-1]) for i, k in enumerate(keys)}
+
+    # ------------------------------------------------------------------ collectives, rows
+
+    def _comm_device(self) -> torch.device:
+        """Where count and metric tensors go for a collective: the CPU for gloo, else the device."""
+        return torch.device("cpu") if self.device.type == "cpu" else self.device
+
+    def _dp_all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+                       ) -> torch.Tensor:
+        """All-reduce over the whole data-parallel group (every group of ``dp_groups``), in place."""
+        if self.dp_size > 1:
+            for group in self.dp_groups:
+                dist.all_reduce(t, op=op, group=group)
+        return t
+
+    def _check_rows(self, n: int) -> None:
+        """Every rank must run the same number of micro-batches, or the collectives hang: fail loudly."""
+        t = torch.tensor([n, -n], dtype=torch.int64, device=self._comm_device())
+        self._dp_all_reduce(t, op=dist.ReduceOp.MAX)
+        if self._replica_group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._replica_group)
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(
+                f"{self.role} engine: ranks hold different numbers of rows (this rank {n}, "
+                f"min {-int(t[1])}, max {int(t[0])}); shard the batch evenly over the world"
+            )
+
+    def _gather(self, batch: Batch) -> Batch:
+        """The rows of this model replica, in replica-rank order, the same on each of its ranks."""
+        if self._replica_group is None:
+            return batch
+        return gather_rows(batch, self._replica_group, self._comm_device())
+
+    def _own_rows(self, out: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
+        """This rank's rows of outputs computed on ``_gather(batch)``, on the batch's device; gathered rows
+        are padded to the replica's longest response, so they are cut back to this rank's width."""
+        if self._replica_group is not None:
+            start = dist.get_rank(self._replica_group) * len(batch)
+            resp = batch["response_mask"].shape[1]
+            out = {k: v[start : start + len(batch), :resp] for k, v in out.items()}
+        return {k: v.to(batch["input_ids"].device) for k, v in out.items()}
+
+    def _loss_scale(self, mini: Batch) -> LossScale:
+        """The mini-batch's valid tokens and rows over all DP ranks (a replica's ranks hold the same rows)."""
+        counts = torch.tensor(
+            [float(mini["response_mask"].sum()), float(len(mini))],
+            dtype=torch.float64,
+            device=self._comm_device(),
+        )
+        self._dp_all_reduce(counts)
+        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
 
 
 def gather_rows(batch: Batch, group: dist.ProcessGroup, comm_device: torch.device) -> Batch:
@@ -152,18 +326,3 @@ def gather_rows(batch: Batch, group: dist.ProcessGroup, comm_device: torch.devic
         dist.all_gather(parts, v, group=group)
         out[key] = torch.cat(parts).to(batch["input_ids"].device)
     return Batch(out)
-
-
-def token_outputs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool, entropy_grad: bool = False
-) -> dict[str, torch.Tensor]:
-    """{"logp", optional "entropy"} [n, R] float32 from the logits [n, R, V] that predict ``labels`` [n, R].
-
-    The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus); otherwise it is a
-    metric computed in the same chunked pass as the log-probs.
-    """
-    if with_entropy and entropy_grad:
-        logits = logits.float() / temperature
-        return {"logp": logprobs_from_logits(logits, labels), "entropy": entropy_from_logits(logits)}
-    logp, entropy = token_logprobs(logits, labels, temperature, with_entropy)
-    return {"logp": logp} if entropy is None else {"logp": logp, "entropy": entropy}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os.path
-import sys
 import typing
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable, Optional

@@ -14,7 +14,6 @@ the first turn, sample j of a prompt "What is A op B? ..." writes, by j % 4:
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Iterable, Sequence
 

@@ -1,6 +1,5 @@
 """Every shipped experiment config runs 3 steps of real training on the tiny model."""
 
-from pathlib import Path
 
 import pytest
 

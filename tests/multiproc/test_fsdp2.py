@@ -7,11 +7,15 @@ builds each layout in turn. The tests then compare what they returned.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from dist_utils import spawn
+
+if TYPE_CHECKING:
+    from spmdrl.batch import Batch
 
 pytestmark = pytest.mark.dist
 
@@ -78,6 +82,15 @@ def _export(engine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.export_weights()}
 
 
+def _dp_coords(engine) -> list[tuple[int, int]]:
+    """(dp_size, dp_rank) of every rank, in rank order."""
+    import torch.distributed as dist
+
+    coords: list = [None] * dist.get_world_size()
+    dist.all_gather_object(coords, (engine.dp_size, engine.dp_rank))
+    return coords
+
+
 def _one_rank(rank: int, world: int, model_dir: str, result: str) -> None:
     from spmdrl.parallel import ParallelDims
 
@@ -112,6 +125,7 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     # --- FSDP over 2 ranks: log-probs, export, one step, checkpoint round trip.
     dims = ParallelDims(world).build()
     eng = _engine(model_dir, dims)
+    out["dp_fsdp"] = _dp_coords(eng)
     got = eng.forward_no_grad(mine, micro_batch_size=3, with_entropy=True)
     with torch.no_grad():
         logits = (
@@ -181,6 +195,7 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     # --- HSDP: 2 replicas of 1 shard.
     dims = ParallelDims(world, dp_replicate=2, dp_shard=1).build()
     eng = _engine(model_dir, dims)
+    out["dp_hsdp"] = _dp_coords(eng)
     eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
     out["hsdp"] = _export(eng)
     del eng
@@ -188,6 +203,7 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     # --- TP=2 (dp=1): the engine gathers the TP group's rows; 8 rows in micro-batches of 4.
     dims = ParallelDims(world, tp=2).build()
     eng = _engine(model_dir, dims)
+    out["dp_tp"] = _dp_coords(eng)
     got = eng.forward_no_grad(mine, micro_batch_size=4)
     out["tp_logp_err"] = float((got["logp"] - ref_logp).abs().max())
     eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=4)
@@ -240,6 +256,13 @@ def test_one_rank_equals_two_ranks_fsdp_and_hsdp(runs):
     assert two["fsdp_metrics"]["actor/grad_norm"] == pytest.approx(
         one["metrics4"]["actor/grad_norm"], rel=1e-4
     )
+
+
+def test_data_parallel_coordinates(runs):
+    two = runs["two"]
+    assert two["dp_fsdp"] == [(2, 0), (2, 1)]
+    assert two["dp_hsdp"] == [(2, 0), (2, 1)]  # 2 replicas x 1 shard
+    assert two["dp_tp"] == [(1, 0), (1, 0)]  # one TP group: a single replica
 
 
 def test_forward_no_grad_matches_transformers(runs):

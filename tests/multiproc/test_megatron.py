@@ -1,4 +1,4 @@
-"""Megatron engine on gloo (CPU, megatron-core's CUDA calls redirected by megatron_cpu).
+"""Megatron engine on gloo (CPU, megatron-core's CUDA calls redirected by spmdrl.engines.megatron.cpu).
 
 One 2-rank spawn builds each layout in turn (tp=1 with dp=2, tp=2, pp=2) and
 records: fp32 log-probs and entropies against transformers, one GRPO update
@@ -59,6 +59,7 @@ def _reference(hf, rows) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _run(rank: int, world: int, model_dir: str, ckpt: str, result: str) -> None:
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
@@ -99,6 +100,9 @@ def _run(rank: int, world: int, model_dir: str, ckpt: str, result: str) -> None:
     for name, layout in LAYOUTS.items():
         dims = ParallelDims(world, **layout).build()
         eng = MegatronEngine(model_dir, role="actor", dims=dims, lr=LR, seed=0)
+        coords: list = [None] * world
+        dist.all_gather_object(coords, (eng.dp_size, eng.dp_rank))
+        out[f"{name}_dp"] = coords
         got = eng.forward_no_grad(mine, micro_batch_size=3, with_entropy=True)
         valid = mine["response_mask"].bool()  # past a response's end both sides score padding differently
         out[f"{name}_logp_err"] = float((got["logp"] - ref_logp)[valid].abs().max())
@@ -181,6 +185,12 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_logprobs_match_transformers(runs, layout):
     assert runs[f"{layout}_logp_err"] < 1e-5
     assert runs[f"{layout}_entropy_err"] < 1e-5
+
+
+def test_data_parallel_coordinates(runs):
+    assert runs["tp1_dp"] == [(2, 0), (2, 1)]
+    assert runs["tp2_dp"] == [(1, 0), (1, 0)]  # one TP x PP group: a single replica
+    assert runs["pp2_dp"] == [(1, 0), (1, 0)]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

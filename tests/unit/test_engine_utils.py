@@ -1,22 +1,14 @@
-"""Engine helpers without a process group: LR schedule, optimizer groups, clipping, log-probs, registry."""
+"""Engine helpers without a process group: LR schedule, optimizer groups, registry, attention rule."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-import torch
 import torch.nn as nn
 
 from spmdrl.engines import engine_class
-from spmdrl.algos.losses import entropy_from_logits, logprobs_from_logits
-from spmdrl.engines.optim import (
-    WarmupSchedule,
-    build_optimizer,
-    build_scheduler,
-    clip_grad_norm_,
-    iter_full_state,
-)
+from spmdrl.engines.optim import WarmupSchedule, build_optimizer, build_scheduler
 
 
 def test_warmup_then_constant():
@@ -57,43 +49,6 @@ def test_no_weight_decay_on_biases_and_norms():
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and [p.dim() for p in decay["params"]] == [2]
     assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 3
-
-
-def test_clip_grad_norm_reports_pre_clip_norm_and_clips():
-    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(1))
-    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
-    assert clip_grad_norm_([a, b], max_norm=1.0) == pytest.approx(5.0)
-    assert torch.cat([a.grad, b.grad]).norm().item() == pytest.approx(1.0, rel=1e-5)
-    assert clip_grad_norm_([a, b], max_norm=0.0) == pytest.approx(1.0, rel=1e-5)  # 0: report only
-
-
-def test_logprobs_and_entropy_match_log_softmax():
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 3, 7, generator=g) * 30  # large logits: the stable forms must not overflow
-    tokens = torch.randint(0, 7, (2, 3), generator=g)
-    ls = torch.log_softmax(logits, -1)
-    assert torch.allclose(
-        logprobs_from_logits(logits, tokens), ls.gather(-1, tokens[..., None]).squeeze(-1), atol=1e-5
-    )
-    assert torch.allclose(entropy_from_logits(logits), -(ls.exp() * ls).sum(-1), atol=1e-4)
-
-
-def test_iter_full_state_skips_tied_duplicates_and_checkpoint_prefix():
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(5, 2)
-            self.block = checkpoint_wrapper(nn.Linear(2, 2))
-            self.head = nn.Linear(2, 5, bias=False)
-            self.head.weight = self.embed.weight
-            self.register_buffer("scale", torch.ones(1))
-            self.register_buffer("cache", torch.ones(1), persistent=False)
-
-    names = [n for n, _ in iter_full_state(Tied(), torch.bfloat16)]
-    assert names == ["embed.weight", "block.weight", "block.bias", "scale"]
-    assert all(t.dtype == torch.bfloat16 for _, t in iter_full_state(Tied(), torch.bfloat16))
 
 
 def test_engine_registry_errors():

@@ -1,2 +1,2 @@
-"""The FSDP2 training engine (``engine``), its parallelisation (``parallelize``), fused kernels (``fused``) and
-sharded-weight helpers."""
+"""The FSDP2 training engine (``engine``), its critic and reward-model modules (``models``), its
+parallelisation (``parallelize``), fused kernels (``fused``) and DTensor clipping and export (``weights``)."""

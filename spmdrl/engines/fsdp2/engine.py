@@ -1,9 +1,11 @@
-"""FSDP2 training engine: actor, frozen reference and critic on a Hugging Face model.
+"""FSDP2 training engine: actor, frozen reference, critic and frozen reward model on a Hugging Face model.
 
 One ``FSDP2Engine`` per role, built identically on every rank of the training
-mesh (SPMD). The model is loaded from an HF folder, then parallelised by the
-functions of ``parallelize.py`` in their fixed order (TP, activation
-checkpointing, compile, FSDP), and trained with AdamW.
+mesh (SPMD). The model is loaded from an HF folder (the critic and reward model
+wrapped by ``models.py``), then parallelised by the functions of
+``parallelize.py`` in their fixed order (TP, activation checkpointing, compile,
+FSDP), and trained with AdamW by ``TrainEngine.train_step``, whose hooks this
+file fills: a forward and backward per micro-batch, and ``weights.clip_grad_norm_``.
 
     actor = FSDP2Engine(path, role="actor", dp_mesh=mesh["dp_shard"], tp_mesh=None,
                         device=torch.device("cpu"), lr=1e-5)
@@ -30,7 +32,6 @@ no-grad forwards, then keeps this rank's rows of the result).
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Iterator, Literal
 
 import torch
@@ -45,24 +46,24 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows, token_outputs
+from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
-from spmdrl.engines.fsdp2.parallelize import apply_activation_checkpointing, apply_compile, apply_fsdp, apply_tp
-from spmdrl.engines.optim import (
-    build_optimizer,
-    build_scheduler,
-    clip_grad_norm_,
-    iter_full_state,
-    iter_unsharded_state,
-    value_head_weight,
+from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
+from spmdrl.engines.fsdp2.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    apply_tp,
 )
+from spmdrl.engines.fsdp2.weights import clip_grad_norm_, iter_full_state, iter_unsharded_state
+from spmdrl.engines.logprobs import token_outputs
+from spmdrl.engines.optim import build_optimizer, build_scheduler
 from spmdrl.precision import resolve_dtype, to_dtype
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
     from spmdrl.parallel import ParallelDims
 
-Role = Literal["actor", "ref", "critic", "reward"]
 FROZEN = ("ref", "reward")  # roles without optimizer or gradients
 
 
@@ -78,55 +79,19 @@ def resolve_attn_implementation(name: str, device_type: str, max_len: int) -> st
     return "eager" if device_type == "cpu" and max_len <= 2048 else "sdpa"
 
 
-class ValueModel(nn.Module):
-    """HF backbone + scalar value head, named like HF's ``*ForTokenClassification`` (``model``, ``score``)."""
-
-    def __init__(self, backbone: nn.Module, seed: int):
-        super().__init__()
-        self.config = backbone.config
-        self.model = backbone
-        hidden = self.config.hidden_size
-        self.score = nn.Linear(hidden, 1, dtype=next(backbone.parameters()).dtype)
-        with torch.no_grad():
-            self.score.weight.copy_(value_head_weight(hidden, seed))
-            self.score.bias.zero_()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        values_to_keep: int,
-    ) -> torch.Tensor:
-        hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # [n, P+R, H]
-        # A fresh tensor, not a squeeze view: FSDP2 warns on a root output that is a view (its
-        # pre-backward hook would be skipped by an in-place op on it). [n, values_to_keep], tiny.
-        return self.score(hidden[:, -values_to_keep:]).squeeze(-1).clone()
-
-
-class RewardModel(nn.Module):
-    """A Hugging Face ``*ForSequenceClassification`` (one label) whose score is read at each row's last
-    attended token, whatever the padding side (as verl's reward worker: argmax of position_ids x mask).
-
-    The wrapper is the FSDP root, so its forward unshards the root's parameters (embeddings, final norm,
-    head) before the backbone and head run; the submodules keep HF's names (``model``, ``score``).
-    """
-
-    def __init__(self, hf_model: nn.Module):
-        super().__init__()
-        self.config = hf_model.config
-        self.model = getattr(hf_model, hf_model.base_model_prefix)
-        self.score = hf_model.score
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-                ) -> torch.Tensor:
-        hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # [n, L, H]
-        last = torch.argmax(position_ids * attention_mask, dim=-1)  # [n]
-        return self.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)  # [n]
+def _mixed_precision(role: Role, dtype: torch.dtype, param_dtype: torch.dtype | str | None,
+                     reduce_dtype: torch.dtype | str | None
+                     ) -> tuple[torch.dtype, torch.dtype | None, torch.dtype | None]:
+    """(weight dtype, FSDP ``param_dtype``, FSDP ``reduce_dtype``) of a ``role`` model whose master weights
+    are ``dtype``; a policy dtype of None is no cast."""
+    # A policy dtype equal to the master dtype is no cast at all: pass None so FSDP skips the copies.
+    mp_param = None if param_dtype is None or to_dtype(param_dtype) == dtype else to_dtype(param_dtype)
+    mp_reduce = None if reduce_dtype is None or to_dtype(reduce_dtype) == dtype else to_dtype(reduce_dtype)
+    if role in FROZEN and mp_param is not None:
+        # A frozen model needs no float32 master copy: keep it in the compute dtype, which is
+        # what the policy's per-forward cast would produce, at half the memory and no cast.
+        return mp_param, None, mp_reduce
+    return dtype, mp_param, mp_reduce
 
 
 class FSDP2Engine(TrainEngine):
@@ -151,7 +116,7 @@ class FSDP2Engine(TrainEngine):
         temperature: logits are divided by it before log-probs and entropy, so the
             actor scores responses with the distribution the rollout sampled from.
         lr, weight_decay, betas, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps:
-            AdamW and ``weights.WarmupSchedule``.
+            AdamW and ``optim.WarmupSchedule``.
         max_grad_norm: clip threshold (0: no clipping; the norm is reported either way).
         seed: initialises the critic's value head (the same on every rank).
     """
@@ -197,22 +162,10 @@ class FSDP2Engine(TrainEngine):
         self.device = torch.device(device)
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
-        self.dp_size = dp_mesh.size()
         self.global_step = 0
-        dtype = to_dtype(dtype)
-        # A policy dtype equal to the master dtype is no cast at all: pass None so FSDP skips the copies.
-        mp_param = None if param_dtype is None or to_dtype(param_dtype) == dtype else to_dtype(param_dtype)
-        mp_reduce = (
-            None if reduce_dtype is None or to_dtype(reduce_dtype) == dtype else to_dtype(reduce_dtype)
-        )
-
+        dtype, mp_param, mp_reduce = _mixed_precision(role, to_dtype(dtype), param_dtype, reduce_dtype)
         # The dtype of the unsharded parameters in forward (what an all-gather produces).
         self.param_dtype = mp_param or dtype
-        if role in FROZEN and mp_param is not None:
-            # A frozen model needs no float32 master copy: keep it in the compute dtype, which is
-            # what the policy's per-forward cast would produce, at half the memory and no cast.
-            dtype, mp_param = mp_param, None
-            self.param_dtype = dtype
         self.model = self._load(model_path, role, dtype, seed, attn_implementation)
         if role in FROZEN:
             self.model.requires_grad_(False)
@@ -243,7 +196,8 @@ class FSDP2Engine(TrainEngine):
             return RewardModel(AutoModelForSequenceClassification.from_pretrained(
                 model_path, num_labels=1, dtype=dtype, attn_implementation=attn))
         if role == "critic":
-            return ValueModel(AutoModel.from_pretrained(model_path, dtype=dtype, attn_implementation=attn), seed)
+            backbone = AutoModel.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
+            return ValueModel(backbone, seed)
         return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
 
     @classmethod
@@ -325,48 +279,31 @@ class FSDP2Engine(TrainEngine):
         """Parameters of the full (unsharded) model; tied weights counted once."""
         return sum(p.numel() for p in self.model.parameters())
 
-    # ------------------------------------------------------------------ collectives
+    # ------------------------------------------------------------------ data parallelism
 
-    def _dp_all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        """All-reduce over the whole DP group (both dims of an HSDP mesh), in place."""
-        if self.dp_size > 1:
-            for dim in range(self.dp_mesh.ndim):
-                dist.all_reduce(t, op=op, group=self.dp_mesh.get_group(dim))
-        return t
+    @property
+    def dp_size(self) -> int:
+        return self.dp_mesh.size()
 
-    def _comm_device(self) -> torch.device:
-        return torch.device("cpu") if self.dp_mesh.device_type == "cpu" else self.device
+    @property
+    def dp_rank(self) -> int:
+        rank = 0
+        for dim in range(self.dp_mesh.ndim):  # HSDP: (replicate, shard) coordinates, row-major
+            rank = rank * self.dp_mesh.size(dim) + self.dp_mesh.get_local_rank(dim)
+        return rank
 
-    def _check_rows(self, n: int) -> None:
-        """Every rank must run the same number of forwards, or FSDP's collectives hang: fail loudly."""
-        t = torch.tensor([n, -n], dtype=torch.int64, device=self._comm_device())
-        self._dp_all_reduce(t, op=dist.ReduceOp.MAX)
-        if self.tp_mesh is not None:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_mesh.get_group())
-        if int(t[0]) != -int(t[1]):
-            raise ValueError(
-                f"{self.role} engine: ranks hold different numbers of rows (this rank {n}, "
-                f"min {-int(t[1])}, max {int(t[0])}); shard the batch evenly over the world"
-            )
+    @property
+    def dp_groups(self) -> list[dist.ProcessGroup]:
+        return [self.dp_mesh.get_group(dim) for dim in range(self.dp_mesh.ndim)]
 
-    def _gather_tp(self, batch: Batch) -> Batch:
-        """Rows of the whole TP group, in TP-rank order (``gather_rows``)."""
-        if self.tp_mesh is None:
-            return batch
-        return gather_rows(batch, self.tp_mesh.get_group(), self._comm_device())
-
-    def _loss_scale(self, mini: Batch) -> LossScale:
-        counts = torch.tensor(
-            [float(mini["response_mask"].sum()), float(len(mini))],
-            dtype=torch.float64,
-            device=self._comm_device(),
-        )
-        self._dp_all_reduce(counts)
-        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
+    @property
+    def _replica_group(self) -> dist.ProcessGroup | None:
+        return None if self.tp_mesh is None else self.tp_mesh.get_group()
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, micro: Batch, with_entropy: bool, entropy_grad: bool = False) -> dict[str, torch.Tensor]:
+    def _forward(self, micro: Batch, with_entropy: bool, entropy_grad: bool = False
+                 ) -> dict[str, torch.Tensor]:
         """Per-response-token outputs of one micro-batch (on ``self.device``).
 
         The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus);
@@ -395,7 +332,7 @@ class FSDP2Engine(TrainEngine):
         (reward); float32 on the batch's device, for this rank's rows.
         """
         self._check_rows(len(batch))
-        full = self._gather_tp(batch)
+        full = self._gather(batch)
         self.model.eval()
         parts: list[dict[str, torch.Tensor]] = []
         with torch.no_grad():
@@ -403,76 +340,24 @@ class FSDP2Engine(TrainEngine):
                 parts.append(self._forward(micro.to(self.device), with_entropy))
         # Without a backward the root keeps its unsharded parameters after forward; free them now.
         self.model.reshard()
-        out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        if self.tp_mesh is not None:
-            start = self.tp_mesh.get_local_rank() * len(batch)
-            resp = batch["response_mask"].shape[1]
-            out = {k: v[start : start + len(batch), :resp] for k, v in out.items()}
-        return {k: v.to(batch["input_ids"].device) for k, v in out.items()}
+        return self._own_rows({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, batch)
 
     # ------------------------------------------------------------------ training
 
-    def train_step(
-        self,
-        batch: Batch,
-        loss_fn: LossFn,
-        mini_batch_size: int,
-        micro_batch_size: int,
-        epochs: int = 1,
-        with_entropy: bool = True,
-        entropy_grad: bool = True,
-    ) -> dict[str, float]:
-        """``epochs`` passes over ``batch``, one optimizer step per mini-batch of ``mini_batch_size`` rows.
+    def _forward_backward(self, micros: list[Batch], loss_fn: LossFn, scale: LossScale, with_entropy: bool,
+                          entropy_grad: bool) -> list[dict[str, float]]:
+        """One forward and backward per micro-batch; FSDP reduce-scatters the gradients in the backward."""
+        metrics = []
+        for micro in micros:
+            outputs = self._forward(micro, with_entropy, entropy_grad)
+            loss, m = loss_fn(outputs, micro, scale)
+            # FSDP averages gradients over DP; loss_fn already divided by global counts.
+            (loss * self.dp_size).backward()
+            metrics.append(m)
+        return metrics
 
-        Sizes are per rank. With TP, a mini-batch is the TP group's union
-        (``mini_batch_size * tp`` rows) cut into micro-batches of ``micro_batch_size``.
-        ``with_entropy=False`` skips the entropy; ``entropy_grad=False`` computes it as a
-        metric without a gradient (in the log-prob pass, far cheaper) when the loss has no entropy bonus.
-        Returns the loss metrics averaged over micro-batches and DP ranks, plus
-        ``{role}/lr`` (of the last step) and ``{role}/grad_norm`` (mean over steps, before clipping).
-        ``loss_fn`` must return the same metric keys on every rank.
-        """
-        if self.optimizer is None:
-            raise ValueError(
-                f"the {self.role} engine is frozen and has no optimizer; train_step needs actor or critic"
-            )
-        self._check_rows(len(batch))
-        self.model.train()
-        sums: dict[str, float] = {}
-        n_micro = 0
-        norms: list[float] = []
-        lr = self.optimizer.param_groups[0]["lr"]
-        for _ in range(epochs):
-            for mini in batch.split(mini_batch_size):
-                mini = self._gather_tp(mini)
-                scale = self._loss_scale(mini)
-                for micro in mini.split(micro_batch_size):
-                    micro = micro.to(self.device)
-                    outputs = self._forward(micro, with_entropy, entropy_grad)
-                    loss, metrics = loss_fn(outputs, micro, scale)
-                    # FSDP averages gradients over DP; loss_fn already divided by global counts.
-                    (loss * self.dp_size).backward()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                    n_micro += 1
-                norms.append(clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-                lr = self.optimizer.param_groups[0]["lr"]
-                # A non-finite norm would poison the weights and Adam's moments: skip this update.
-                if math.isfinite(norms[-1]):
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
-                self.global_step += 1
-        keys = sorted(sums)
-        t = torch.tensor(
-            [sums[k] for k in keys] + [float(n_micro)], dtype=torch.float64, device=self._comm_device()
-        )
-        self._dp_all_reduce(t)
-        out = {k: float(t[i] / t[-1]) for i, k in enumerate(keys)}
-        prefix = "critic" if self.role == "critic" else "actor"
-        out[f"{prefix}/lr"] = float(lr)
-        out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
-        return out
+    def _clip_grads(self) -> float:
+        return clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
 
     # ------------------------------------------------------------------ weights, memory, checkpoints
 

@@ -49,8 +49,9 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def _isa_keyed_inductor_cache() -> None:
-    """Point inductor's cache at a folder of this process's CPU capability (``isa-AVX512``, ``isa-AVX2``, ...)
-    inside ``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``$SPMDRL_CACHE/inductor``; see the module docstring."""
+    """Point inductor's cache at a folder of this process's CPU capability (``isa-AVX512``,
+    ``isa-AVX2``, ...) inside ``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``$SPMDRL_CACHE/inductor``;
+    see the module docstring."""
     from spmdrl.cache import cache_dir
 
     leaf = f"isa-{torch.backends.cpu.get_cpu_capability()}"  # honours ATEN_CPU_CAPABILITY, as inductor does

@@ -29,10 +29,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -75,16 +78,19 @@ class HFArch:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"{file}: rope type {rope_type!r} is not converted to Megatron; only 'default' RoPE")
+            raise ValueError(f"{file}: rope type {rope_type!r} is not converted to Megatron; "
+                             f"only 'default' RoPE")
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{file}: hidden_act {cfg.get('hidden_act')!r} is not converted; only 'silu' (SwiGLU)")
+            raise ValueError(f"{file}: hidden_act {cfg.get('hidden_act')!r} is not converted; "
+                             f"only 'silu' (SwiGLU)")
         if model_type != "qwen2" and cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError(f"{file}: attention_bias / mlp_bias is true; Megatron's layers here have biases only on "
-                             f"q, k and v (Qwen2), so the o_proj / MLP biases would be lost")
+            raise ValueError(f"{file}: attention_bias / mlp_bias is true; Megatron's layers here have biases "
+                             f"only on q, k and v (Qwen2), so the o_proj / MLP biases would be lost")
         if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
             raise ValueError(f"{file}: partial_rotary_factor is not 1; only full-width RoPE is converted")
         if cfg.get("use_sliding_window"):
-            raise ValueError(f"{file}: use_sliding_window is true; Megatron's GPTModel here is full attention only")
+            raise ValueError(f"{file}: use_sliding_window is true; Megatron's GPTModel here is full "
+                             f"attention only")
         heads = cfg["num_attention_heads"]
         return cls(
             model_type=model_type,
@@ -110,13 +116,15 @@ class HFArch:
             if n % tp:
                 raise ValueError(f"parallel.tp={tp} does not divide the model's {what} ({n})")
         if self.num_layers % pp:
-            raise ValueError(f"parallel.pp={pp} does not divide the model's num_hidden_layers ({self.num_layers})")
+            raise ValueError(f"parallel.pp={pp} does not divide the model's num_hidden_layers "
+                             f"({self.num_layers})")
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab_size // tp) * tp
 
 
-def transformer_config(arch: HFArch, tp: int, pp: int, compute_dtype: torch.dtype = torch.float32) -> "TransformerConfig":
+def transformer_config(arch: HFArch, tp: int, pp: int, compute_dtype: torch.dtype = torch.float32
+                       ) -> "TransformerConfig":
     """Megatron's config for ``arch``: float32 weights, no fusions, no dropout (as HF's
     inference-equivalent forward), weights initialised on the CPU (then overwritten by the HF weights),
     per-token loss (our losses already divide by the global token count), plain isend/irecv between
@@ -161,7 +169,8 @@ def transformer_config(arch: HFArch, tp: int, pp: int, compute_dtype: torch.dtyp
     )
 
 
-def build_gpt_model(arch: HFArch, config: "TransformerConfig", *, pre_process: bool, post_process: bool) -> nn.Module:
+def build_gpt_model(arch: HFArch, config: "TransformerConfig", *, pre_process: bool, post_process: bool
+                    ) -> nn.Module:
     """GPTModel with Megatron's own layers (no Transformer Engine); logits gathered over TP (full vocab)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -349,8 +358,8 @@ def local_rules(model: nn.Module, arch: HFArch) -> list[tuple[str, Rule, tuple[s
 
 
 @torch.no_grad()
-def load_hf_state(model: nn.Module, hf_state: "HFWeights | dict[str, torch.Tensor]", arch: HFArch, tp_rank: int,
-                  tp: int) -> None:
+def load_hf_state(model: nn.Module, hf_state: "HFWeights | dict[str, torch.Tensor]", arch: HFArch,
+                  tp_rank: int, tp: int) -> None:
     """Copy this rank's shards of the HF weights into ``model`` (every local parameter is written)."""
     params = dict(model.named_parameters())
     for name, rule, hf_names in local_rules(model, arch):

@@ -104,8 +104,9 @@ def check_version() -> None:
 
 
 def install_cpu_rng_tracker(seed: int, tp_rank: int) -> None:
-    """Megatron's RNG tracker on CPU generator states, seeded as ``model_parallel_cuda_manual_seed`` seeds
-    the CUDA one (data-parallel ``seed``, tensor-parallel ``seed + 2718 + tp_rank``, expert ``seed + 1024``)."""
+    """Megatron's RNG tracker on CPU generator states, seeded as ``model_parallel_cuda_manual_seed``
+    seeds the CUDA one (data-parallel ``seed``, tensor-parallel ``seed + 2718 + tp_rank``, expert
+    ``seed + 1024``)."""
     from megatron.core.tensor_parallel import random as mrandom
 
     tracker = CpuRNGStatesTracker()

@@ -1,10 +1,10 @@
 """Megatron training engine: megatron-core GPTModel with tensor and pipeline parallelism.
 
 ``actor.strategy: megatron`` builds the actor, the frozen reference and the
-critic as megatron-core ``GPTModel``s from the HF folder (``megatron_weights.py``:
+critic as megatron-core ``GPTModel``s from the HF folder (``convert.py``:
 config and the HF <-> Megatron conversion), cut ``parallel.tp`` x ``parallel.pp``
 ways; the remaining ranks are data parallel. The critic's last stage has a
-scalar value head where the LM head was (``megatron_weights.ValueHead``), so it
+scalar value head where the LM head was (``convert.ValueHead``), so it
 runs through the same schedule, optimizer, checkpoints and export. Every rank
 runs it under torchrun like the rest of spmdrl:
 
@@ -15,11 +15,13 @@ runs it under torchrun like the rest of spmdrl:
     values = critic.forward_no_grad(batch, micro_batch_size=8)["values"]      # [N, R]
 
 Data: the batch is sharded over the world; the ranks of one model replica (its
-TP x PP group) gather their rows (``gather_rows``) so they run the same
-micro-batches, and keep their own rows of the outputs. Micro-batches go through
-Megatron's ``get_forward_backward_func()``: the no-pipelining schedule at pp=1,
-1F1B (``forward_backward_pipelining_without_interleaving``) at pp>1, so stages
-exchange activations with isend/irecv and only the last stage computes losses.
+TP x PP group, the engine's ``_replica_group``) gather their rows (``gather_rows``)
+so they run the same micro-batches, and keep their own rows of the outputs. The
+optimizer step is ``TrainEngine.train_step``, whose hooks this file fills; its
+micro-batches go through Megatron's ``get_forward_backward_func()``: the
+no-pipelining schedule at pp=1, 1F1B (``forward_backward_pipelining_without_interleaving``)
+at pp>1, so stages exchange activations with isend/irecv and only the last stage
+computes losses.
 
 Rows are left-aligned before the forward: Megatron's RoPE numbers positions by
 their index in the sequence (it ignores ``position_ids``), so a left-padded
@@ -28,15 +30,17 @@ index = position; the causal mask keeps the right padding out of every valid
 token's attention, so no padding mask is needed.
 
 Optimizer: torch AdamW over this rank's shards, with gradients summed over the
-data-parallel group by one all-reduce, the tied embedding's two pipeline copies
-summed over Megatron's embedding group, and the global norm taken once per
-parameter (TP-replicated norms counted on TP rank 0, the tied copy once).
+data-parallel group by one all-reduce and the tied embedding's two pipeline copies
+summed over Megatron's embedding group (``_finish_grads``), and the global norm taken
+once per parameter (``_clip_grads``: TP-replicated norms counted on TP rank 0, the
+tied copy once). Loss metrics come from TP rank 0 of each last stage
+(``_reduce_loss_metrics``).
 AdamW is elementwise, so this is exactly the update of one rank holding the
 whole model. Megatron's DDP and distributed optimizer are not used: their
 contiguous gradient buffers and streams are CUDA-only, and the plain optimizer
 keeps CPU tests exact against FSDP2.
 
-On CPU every call into Megatron runs under ``megatron_cpu.cpu_compat()``.
+On CPU every call into Megatron runs under ``cpu.cpu_compat()``.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, TrainEngine, gather_rows, token_outputs
+from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 from spmdrl.engines.megatron.cpu import compat_context
 from spmdrl.engines.megatron.setup import init_model_parallel, model_arch, quiet_megatron
 from spmdrl.engines.megatron.convert import (
@@ -64,14 +68,13 @@ from spmdrl.engines.megatron.convert import (
     to_hf,
     transformer_config,
 )
+from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.optim import build_optimizer, build_scheduler, value_head_weight
 from spmdrl.precision import resolve_dtype
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
     from spmdrl.parallel import ParallelDims
-
-Role = Literal["actor", "ref", "critic"]
 
 
 class MegatronEngine(TrainEngine):
@@ -80,7 +83,7 @@ class MegatronEngine(TrainEngine):
     Args:
         model_path: Hugging Face model folder (Llama / Qwen2 / Qwen3 architecture).
         role: "actor" (trained), "ref" (frozen, no optimizer) or "critic" (trained; the LM head is
-            replaced by a scalar value head, ``megatron_weights.ValueHead``, initialised as FSDP2's).
+            replaced by a scalar value head, ``convert.ValueHead``, initialised as FSDP2's).
         dims: the run's parallel degrees with meshes built; uses tp, pp and the DP mesh.
         device: cpu (gloo, under ``cpu_compat``) or this rank's cuda device.
         param_dtype: compute dtype; bfloat16 runs the forward (and so the backward) under
@@ -88,7 +91,7 @@ class MegatronEngine(TrainEngine):
             AdamW state, bf16 matmuls, as FSDP2's mixed-precision policy computes.
         temperature: logits are divided by it before log-probs and entropy.
         lr, weight_decay, betas, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps:
-            AdamW and ``weights.WarmupSchedule``, as the FSDP2 engine.
+            AdamW and ``optim.WarmupSchedule``, as the FSDP2 engine.
         max_grad_norm: clip threshold (0: no clipping; the norm is reported either way).
         seed: Megatron's RNG tracker seed, and the critic's value-head init (``value_head_weight``).
     """
@@ -114,22 +117,37 @@ class MegatronEngine(TrainEngine):
         max_grad_norm: float = 1.0,
         seed: int = 0,
     ):
-        with quiet_megatron():
-            from megatron.core import parallel_state as ps
-
         if role not in ("actor", "ref", "critic"):
             raise ValueError(f"megatron engine role {role!r} is not supported; valid: actor, ref, critic")
         if temperature <= 0:
-            raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts score at temperature 1)")
+            raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts score at "
+                             f"temperature 1)")
         if param_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"megatron engine param_dtype {param_dtype} is not supported; valid: float32, bfloat16")
+            raise ValueError(f"megatron engine param_dtype {param_dtype} is not supported; valid: float32, "
+                             f"bfloat16")
         self.role = role
         self.device = torch.device(device)
         self.param_dtype = param_dtype
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.global_step = 0
-        self.tp, self.pp, self.dp_size = dims.tp, dims.pp, dims.dp
+        self._join_groups(dims, seed)
+        self._load(model_path, seed)
+        if role == "ref":
+            self.model.requires_grad_(False)
+        self.optimizer: torch.optim.AdamW | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if role != "ref":
+            self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
+            self.scheduler = build_scheduler(self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio,
+                                             total_steps)
+
+    def _join_groups(self, dims: "ParallelDims", seed: int) -> None:
+        """Megatron's parallel state over the train mesh of ``dims``, and this rank's place in it."""
+        with quiet_megatron():
+            from megatron.core import parallel_state as ps
+
+        self.tp, self.pp, self._dp_size = dims.tp, dims.pp, dims.dp
         init_model_parallel(dims, self.device, seed)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -138,16 +156,21 @@ class MegatronEngine(TrainEngine):
         self.dp_group = ps.get_data_parallel_group()
         self.mp_group = ps.get_model_parallel_group()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group)  # global rank of each stage
-        self.embedding_group = ps.get_embedding_group() if self.pp > 1 and ps.is_rank_in_embedding_group() else None
+        in_embedding = self.pp > 1 and ps.is_rank_in_embedding_group()
+        self.embedding_group = ps.get_embedding_group() if in_embedding else None
 
+    def _load(self, model_path: str, seed: int) -> None:
+        """This rank's GPTModel stage, TP-sliced, with the HF weights of ``model_path`` (a critic's value
+        head from ``value_head_weight``), on ``device``."""
         self.arch = HFArch.from_folder(model_path)
         self.arch.check_parallel(self.tp, self.pp)
         extra = {}
-        if role == "critic":  # HF's *ForTokenClassification: backbone + score, no LM head to tie
+        if self.role == "critic":  # HF's *ForTokenClassification: backbone + score, no LM head to tie
             self.arch = dataclasses.replace(self.arch, value_head=True, tie_word_embeddings=False)
-            extra = {"score.weight": value_head_weight(self.arch.hidden_size, seed), "score.bias": torch.zeros(1)}
+            extra = {"score.weight": value_head_weight(self.arch.hidden_size, seed),
+                     "score.bias": torch.zeros(1)}
         with quiet_megatron():
-            self.config = transformer_config(self.arch, self.tp, self.pp, param_dtype)
+            self.config = transformer_config(self.arch, self.tp, self.pp, self.param_dtype)
         with self._compat(), quiet_megatron():
             self.model = build_gpt_model(self.arch, self.config, pre_process=self.pp_rank == 0,
                                          post_process=self.pp_rank == self.pp - 1)
@@ -160,13 +183,6 @@ class MegatronEngine(TrainEngine):
         load_hf_state(self.model, hf, self.arch, self.tp_rank, self.tp)
         del hf
         self.model.to(self.device)
-        if role == "ref":
-            self.model.requires_grad_(False)
-        self.optimizer: torch.optim.AdamW | None = None
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        if role != "ref":
-            self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
-            self.scheduler = build_scheduler(self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps)
 
     @classmethod
     def check_config(cls, cfg: "Config") -> None:
@@ -174,13 +190,13 @@ class MegatronEngine(TrainEngine):
         from spmdrl.parallel import resolve_device_type
 
         if cfg.reward_model.enable:
-            raise ValueError("reward_model.enable is true but actor.strategy 'megatron' builds no reward model "
-                             "(a sequence-classification head); set actor.strategy: fsdp2 to use one")
+            raise ValueError("reward_model.enable is true but actor.strategy 'megatron' builds no reward "
+                             "model (a sequence-classification head); set actor.strategy: fsdp2 to use one")
         compute = resolve_dtype(cfg.actor.param_dtype, resolve_device_type(cfg.trainer.device))
         if compute not in (torch.float32, torch.bfloat16) or cfg.actor.reduce_dtype != "float32":
             raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} / actor.reduce_dtype "
-                             f"{cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes in float32 or bfloat16 "
-                             f"and reduces gradients in float32; use those")
+                             f"{cfg.actor.reduce_dtype!r}: actor.strategy 'megatron' computes in float32 or "
+                             f"bfloat16 and reduces gradients in float32; use those")
         paths = [cfg.model.path]
         if ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_values") and cfg.critic.model_path:
             paths.append(cfg.critic.model_path)
@@ -189,17 +205,17 @@ class MegatronEngine(TrainEngine):
             if arch is not None:
                 arch.check_parallel(cfg.parallel.tp, cfg.parallel.pp)
         if cfg.model.fused_kernels == "on":
-            raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own layers; "
-                             "set it to auto or off")
+            raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own "
+                             "layers; set it to auto or off")
         if cfg.model.dtype != "float32":
-            raise ValueError(f"model.dtype is {cfg.model.dtype!r} but actor.strategy 'megatron' keeps float32 "
-                             f"weights; set model.dtype: float32")
+            raise ValueError(f"model.dtype is {cfg.model.dtype!r} but actor.strategy 'megatron' keeps "
+                             f"float32 weights; set model.dtype: float32")
         if cfg.model.enable_gradient_checkpointing:
-            raise ValueError("model.enable_gradient_checkpointing is true but actor.strategy 'megatron' has no "
-                             "activation recomputation here; set it to false")
+            raise ValueError("model.enable_gradient_checkpointing is true but actor.strategy 'megatron' has "
+                             "no activation recomputation here; set it to false")
         if cfg.actor.cpu_offload or cfg.ref.offload:
-            raise ValueError("actor.cpu_offload / ref.offload is true but actor.strategy 'megatron' keeps its "
-                             "parameters on the device; set them to false")
+            raise ValueError("actor.cpu_offload / ref.offload is true but actor.strategy 'megatron' keeps "
+                             "its parameters on the device; set them to false")
         if cfg.parallel.dp_replicate > 1:
             raise ValueError(f"parallel.dp_replicate is {cfg.parallel.dp_replicate} but actor.strategy "
                              f"'megatron' has one flat data-parallel group; set parallel.dp_replicate: 1")
@@ -226,8 +242,9 @@ class MegatronEngine(TrainEngine):
                        total_steps=total_steps, max_grad_norm=c.max_grad_norm, **common)
         a = cfg.actor
         return cls(model_path, lr=a.lr, weight_decay=a.weight_decay, betas=tuple(a.betas),
-                   lr_warmup_steps=a.lr_warmup_steps, lr_scheduler=a.lr_scheduler, min_lr_ratio=a.min_lr_ratio,
-                   total_steps=total_steps, max_grad_norm=a.max_grad_norm, **common)
+                   lr_warmup_steps=a.lr_warmup_steps, lr_scheduler=a.lr_scheduler,
+                   min_lr_ratio=a.min_lr_ratio, total_steps=total_steps, max_grad_norm=a.max_grad_norm,
+                   **common)
 
     def _compat(self):
         return compat_context(self.device)
@@ -236,34 +253,26 @@ class MegatronEngine(TrainEngine):
         """Parameters of the full model (from the HF weights; tied weights counted once)."""
         return sum(math.prod(self._hf_shapes[h]) for _, _, names in self._export_plan() for h in names)
 
-    # ------------------------------------------------------------------ collectives
+    # ------------------------------------------------------------------ data parallelism
 
-    def _comm_device(self) -> torch.device:
-        return torch.device("cpu") if self.device.type == "cpu" else self.device
+    @property
+    def dp_size(self) -> int:
+        return self._dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    @property
+    def dp_groups(self) -> list[dist.ProcessGroup]:
+        return [self.dp_group]
+
+    @property
+    def _replica_group(self) -> dist.ProcessGroup | None:
+        return None if self.tp * self.pp == 1 else self.mp_group
 
     def _is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
-
-    def _check_rows(self, n: int) -> None:
-        """Every rank must run the same number of micro-batches, or the collectives hang: fail loudly."""
-        t = torch.tensor([n, -n], dtype=torch.int64, device=self._comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if int(t[0]) != -int(t[1]):
-            raise ValueError(f"{self.role} engine: ranks hold different numbers of rows (this rank {n}, "
-                             f"min {-int(t[1])}, max {int(t[0])}); shard the batch evenly over the world")
-
-    def _gather(self, batch: Batch) -> Batch:
-        """The rows of this model replica (TP x PP group), the same on each of its ranks."""
-        if self.tp * self.pp == 1:
-            return batch
-        return gather_rows(batch, self.mp_group, self._comm_device())
-
-    def _own_rows(self, out: dict[str, torch.Tensor], batch: Batch) -> dict[str, torch.Tensor]:
-        if self.tp * self.pp > 1:
-            start = dist.get_rank(self.mp_group) * len(batch)
-            out = {k: v[start : start + len(batch)] for k, v in out.items()}
-        resp = batch["response_mask"].shape[1]
-        return {k: v[:, :resp].to(batch["input_ids"].device) for k, v in out.items()}
 
     # ------------------------------------------------------------------ forward
 
@@ -280,7 +289,7 @@ class MegatronEngine(TrainEngine):
         return {
             "ids": ids.gather(1, cols),  # [n, L]
             "positions": torch.arange(length, device=ids.device)[None].expand(n, -1),  # [n, L]
-            "causal": torch.triu(torch.ones(length, length, dtype=torch.bool, device=ids.device), 1)[None, None],
+            "causal": torch.ones(length, length, dtype=torch.bool, device=ids.device).triu(1)[None, None],
             "keep": keep.clamp(0, length - 1),  # past a row's end: padding, masked by response_mask
             "labels": ids[:, -resp:],  # [n, R]
         }
@@ -293,8 +302,8 @@ class MegatronEngine(TrainEngine):
         out = model(x["ids"], x["positions"], x["causal"])  # last stage: [n, L, V_pad]; others: hidden
         return out, partial(self._loss, micro, x, loss_fn, scale, with_entropy, entropy_grad)
 
-    def _loss(self, micro: Batch, x: dict, loss_fn: LossFn | None, scale: LossScale | None, with_entropy: bool,
-              entropy_grad: bool, logits: torch.Tensor):
+    def _loss(self, micro: Batch, x: dict, loss_fn: LossFn | None, scale: LossScale | None,
+              with_entropy: bool, entropy_grad: bool, logits: torch.Tensor):
         """Last stage: per-token outputs, then the loss; Megatron's (loss, tokens, data) triple. With
         ``calculate_per_token_loss`` Megatron back-propagates the loss as is: ours already divides by
         the mini-batch's global token count. A critic's "logits" are its values [n, L, 1]: value j is
@@ -332,7 +341,8 @@ class MegatronEngine(TrainEngine):
                 forward_only=forward_only,
             )
 
-    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False) -> dict[str, torch.Tensor]:
+    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
+                        ) -> dict[str, torch.Tensor]:
         """{"logp", optional "entropy"} (actor, ref) or {"values"} (critic): each [N, R] float32 on the
         batch's device, for this rank's rows."""
         self._check_rows(len(batch))
@@ -356,14 +366,13 @@ class MegatronEngine(TrainEngine):
 
     # ------------------------------------------------------------------ training
 
-    def _loss_scale(self, mini: Batch) -> LossScale:
-        counts = torch.tensor([float(mini["response_mask"].sum()), float(len(mini))], dtype=torch.float64,
-                              device=self._comm_device())
-        if self.dp_size > 1:
-            dist.all_reduce(counts, group=self.dp_group)
-        return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
+    def _forward_backward(self, micros: list[Batch], loss_fn: LossFn, scale: LossScale, with_entropy: bool,
+                          entropy_grad: bool) -> list[dict[str, float]]:
+        """The micro-batches through Megatron's schedule (1F1B under PP); the last stage's metrics."""
+        return self._run_schedule(micros, False, loss_fn=loss_fn, scale=scale, with_entropy=with_entropy,
+                                  entropy_grad=entropy_grad)
 
-    def _reduce_grads(self) -> None:
+    def _finish_grads(self) -> None:
         """Sum gradients over data-parallel replicas, and the tied embedding's first and last stage copies."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
@@ -400,54 +409,7 @@ class MegatronEngine(TrainEngine):
             torch._foreach_mul_(grads, self.max_grad_norm / (total + 1e-6))
         return total
 
-    def train_step(
-        self,
-        batch: Batch,
-        loss_fn: LossFn,
-        mini_batch_size: int,
-        micro_batch_size: int,
-        epochs: int = 1,
-        with_entropy: bool = True,
-        entropy_grad: bool = True,
-    ) -> dict[str, float]:
-        """``epochs`` passes over ``batch``, one optimizer step per mini-batch of ``mini_batch_size`` rows
-        per rank; the same contract as ``FSDP2Engine.train_step`` (with TP x PP, a mini-batch is the
-        model replica's union of ``mini_batch_size * tp * pp`` rows, cut into micro-batches)."""
-        if self.optimizer is None:
-            raise ValueError(f"the {self.role} engine is frozen and has no optimizer; train_step needs actor "
-                             f"or critic")
-        self._check_rows(len(batch))
-        self.model.train()
-        sums: dict[str, float] = {}
-        n_micro = 0
-        norms: list[float] = []
-        lr = self.optimizer.param_groups[0]["lr"]
-        for _ in range(epochs):
-            for mini in batch.split(mini_batch_size):
-                mini = self._gather(mini)
-                scale = self._loss_scale(mini)
-                micros = [m.to(self.device) for m in mini.split(micro_batch_size)]
-                store = self._run_schedule(micros, False, loss_fn=loss_fn, scale=scale, with_entropy=with_entropy,
-                                           entropy_grad=entropy_grad)
-                for metrics in store:  # last stage only
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                    n_micro += 1
-                self._reduce_grads()
-                norms.append(self._clip_grads())
-                lr = self.optimizer.param_groups[0]["lr"]
-                if math.isfinite(norms[-1]):  # a non-finite norm would poison weights and moments
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
-                self.global_step += 1
-        out = self._reduce_metrics(sums, n_micro)
-        prefix = "critic" if self.role == "critic" else "actor"
-        out[f"{prefix}/lr"] = float(lr)
-        out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
-        return out
-
-    def _reduce_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
+    def _reduce_loss_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
         """Loss metrics averaged over micro-batches and replicas: only the last stage has them, and its
         TP ranks hold copies, so TP rank 0 of each last stage contributes."""
         keys = [sorted(sums)]
@@ -469,7 +431,8 @@ class MegatronEngine(TrainEngine):
         embed, norm, *heads = global_rules(self.arch)
         plan = [(0, embed, embed.hf)]
         for i in range(self.arch.num_layers):
-            plan += [(i // per_stage, r, tuple(f"model.layers.{i}.{h}" for h in r.hf)) for r in layer_rules(self.arch)]
+            plan += [(i // per_stage, r, tuple(f"model.layers.{i}.{h}" for h in r.hf))
+                     for r in layer_rules(self.arch)]
         plan.append((self.pp - 1, norm, norm.hf))
         if not self.arch.tie_word_embeddings:
             plan += [(self.pp - 1, head, head.hf) for head in heads]
@@ -529,7 +492,8 @@ class MegatronEngine(TrainEngine):
             for n, p in params.items():
                 state = self.optimizer.state[p]
                 if not state:  # AdamW creates its state at the first step; the template needs it now
-                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
                 optim[keys[n]] = state
             sd["optim"] = optim
             sd["scheduler"] = self.scheduler.state_dict()

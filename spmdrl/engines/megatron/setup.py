@@ -22,7 +22,8 @@ def quiet_megatron():
     """Megatron's import-time notices that Apex and Transformer Engine are absent (we use its local layers
     on purpose) and its config's cuda-graph scope deprecation notice (we use no cuda graphs)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling back)")
+        warnings.filterwarnings("ignore",
+                                message=r".*(Apex|Transformer Engine).*(not installed|Falling back)")
         warnings.filterwarnings("ignore", message=r"full scope is deprecated")
         yield
 
@@ -46,7 +47,8 @@ def init_model_parallel(dims: "ParallelDims", device: torch.device, seed: int) -
         ps.initialize_model_parallel(tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp)
     mine = sorted(dist.get_process_group_ranks(ps.get_data_parallel_group()))
     here = dims.coords(dist.get_rank())
-    ours = [r for r in range(dims.world_size) if (dims.coords(r)["pp"], dims.coords(r)["tp"]) == (here["pp"], here["tp"])]
+    ours = [r for r in range(dims.world_size)
+            if (dims.coords(r)["pp"], dims.coords(r)["tp"]) == (here["pp"], here["tp"])]
     if mine != ours:
         raise RuntimeError(f"Megatron's data-parallel group {mine} is not spmdrl's {ours}")
     if device.type == "cpu":
@@ -63,5 +65,7 @@ def model_arch(path: str) -> HFArch | None:
         from spmdrl.builtin.models import SIZES
 
         size = SIZES.get(path.split(":", 1)[1])
-        return None if size is None else HFArch.from_dict({"model_type": "qwen2", "vocab_size": 1, **size}, path)
+        if size is None:
+            return None
+        return HFArch.from_dict({"model_type": "qwen2", "vocab_size": 1, **size}, path)
     return HFArch.from_folder(path)
