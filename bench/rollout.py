@@ -76,8 +76,8 @@ class _SpmdrlRunner:
         sys.path.insert(0, str(REPO))
         import torch
 
-        from spmdrl.rollout.base import SamplingParams
         from spmdrl.rollout import build_rollout
+        from spmdrl.rollout.base import SamplingParams
 
         self.SamplingParams = SamplingParams
         extra = {}

@@ -114,8 +114,8 @@ def main() -> None:
 
     import torch
 
-    from spmdrl.builtin.tasks import resolve_builtin_data
     from spmdrl.builtin.models import resolve_builtin_model
+    from spmdrl.builtin.tasks import resolve_builtin_data
 
     model_dir = resolve_builtin_model(f"builtin:{a.model}")
     data = resolve_builtin_data("builtin:arith", "train")

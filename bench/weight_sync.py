@@ -37,10 +37,10 @@ def main() -> None:
 
     import torch.distributed as dist
 
+    from spmdrl.builtin.models import resolve_builtin_model
     from spmdrl.parallel import ParallelDims, init_distributed
     from spmdrl.rollout import build_rollout
     from spmdrl.rollout.native.model import Decoder
-    from spmdrl.builtin.models import resolve_builtin_model
 
     rank, world = init_distributed("cpu")
     dims = ParallelDims(world, rollout_tp=a.tp).build()

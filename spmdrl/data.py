@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
-
 from spmdrl.errors import ConfigError
 
 if TYPE_CHECKING:

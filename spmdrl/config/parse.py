@@ -20,6 +20,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from spmdrl.config.sections import Config
 from spmdrl.errors import ConfigError
 
+
 def build_parser() -> ArgumentParser:
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = ArgumentParser(

@@ -30,8 +30,13 @@ from spmdrl.rollout.base import (
     eos_ids_from_folder,
     left_pad,
 )
+from spmdrl.rollout.sampling import (
+    response_mask_and_reasons,
+    stop_id_tensor,
+    truncate_logits,
+    validate_sampling,
+)
 from spmdrl.rollout.weight_store import WeightStore
-from spmdrl.rollout.sampling import response_mask_and_reasons, stop_id_tensor, truncate_logits, validate_sampling
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -2,7 +2,6 @@
 
 
 import pytest
-
 from conftest import REPO, TINY, read_metrics, train
 
 pytestmark = pytest.mark.e2e

@@ -1,7 +1,6 @@
 """The README's main job, shortened: GRPO under torchrun on 2 CPU ranks, and the reward rises."""
 
 import pytest
-
 from conftest import read_metrics, train
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, TINY, read_metrics, train
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import TINY, read_metrics, train
 
 pytestmark = pytest.mark.e2e

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, read_metrics, train
 
 pytestmark = pytest.mark.e2e

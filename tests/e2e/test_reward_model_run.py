@@ -7,15 +7,13 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import TINY, read_metrics, train
 
 pytestmark = pytest.mark.e2e
 
 
 def test_reward_model_and_rule_score_two_ranks(tmp_path, spmdrl_cache) -> None:
-    from spmdrl.builtin.tasks import get_task
-    from spmdrl.builtin.tasks import write_parquet
+    from spmdrl.builtin.tasks import get_task, write_parquet
 
     val = write_parquet(get_task("arith")("val", 5, 0), tmp_path / "val.parquet")  # batches of 4 then 1 prompt
     out = tmp_path / "run"

@@ -3,7 +3,6 @@ reload them first (DAPO's extra rounds, ReMax's greedy baseline, validation over
 the first step after validation)."""
 
 import pytest
-
 from conftest import TINY, read_metrics, train
 
 pytestmark = pytest.mark.e2e

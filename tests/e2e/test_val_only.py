@@ -7,15 +7,13 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import TINY, read_metrics, train
 
 pytestmark = pytest.mark.e2e
 
 
 def test_val_only_writes_k4_metrics(tmp_path, spmdrl_cache) -> None:
-    from spmdrl.builtin.tasks import get_task
-    from spmdrl.builtin.tasks import write_parquet
+    from spmdrl.builtin.tasks import get_task, write_parquet
 
     val = write_parquet(get_task("arith")("val", 12, 0), tmp_path / "val.parquet")  # 12 prompts x 4 responses
     out = tmp_path / "run"
@@ -42,8 +40,7 @@ def test_val_only_writes_k4_metrics(tmp_path, spmdrl_cache) -> None:
 def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path, spmdrl_cache) -> None:
     # Greedy responses (the same on 1 and 2 ranks in float32) and a reward that varies with the prompt and the
     # text: the per-source means must not depend on how the prompts were split over ranks.
-    from spmdrl.builtin.tasks import get_task
-    from spmdrl.builtin.tasks import write_parquet
+    from spmdrl.builtin.tasks import get_task, write_parquet
 
     # 5 prompts in batches of 4: rank 0 gets 3, rank 1 gets 2, so a mean of per-rank means would differ.
     val = write_parquet(get_task("arith")("val", 5, 0), tmp_path / "val.parquet")

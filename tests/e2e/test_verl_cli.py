@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import read_metrics, train
 
 pytestmark = pytest.mark.e2e

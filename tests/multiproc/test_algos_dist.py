@@ -8,7 +8,6 @@ the ranks' outputs must match one process on the full batch with ``group=None``.
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import spawn
 
 pytestmark = pytest.mark.dist

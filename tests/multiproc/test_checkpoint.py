@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import spawn
 from test_fsdp2 import N, make_batch, pg_loss
 
@@ -41,9 +40,8 @@ class Position:
 def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
     """A ``CheckpointManager`` (``ckpt``) over a real FSDP2 actor, a data position, a KL controller and the
     RNG streams (``actor``, ``train_loader``, ``kl_ctrl``, ``rollout``: the parts, as the loop names them)."""
-    from transformers import AutoTokenizer
-
     import torch.distributed as dist
+    from transformers import AutoTokenizer
 
     from spmdrl.algos.kl import build_kl_controller
     from spmdrl.checkpoint.manager import CheckpointManager

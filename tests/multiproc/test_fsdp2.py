@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-
 from dist_utils import spawn
 
 if TYPE_CHECKING:

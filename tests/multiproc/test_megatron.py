@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import spawn
 
 pytestmark = pytest.mark.dist

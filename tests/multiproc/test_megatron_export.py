@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import spawn
 
 pytestmark = pytest.mark.dist
@@ -58,10 +57,9 @@ def saved(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_megatron_checkpoint_exports_offline_as_the_live_engine(saved, layout, tmp_path, monkeypatch):
+    import torch.distributed as dist
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-
-    import torch.distributed as dist
 
     from spmdrl.export import export_checkpoint, parse_size
 

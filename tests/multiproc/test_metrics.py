@@ -1,10 +1,9 @@
 """Metric reduction over ranks that report different keys."""
 
 import pytest
-
 import torch.distributed as dist
-
 from dist_utils import spawn
+
 from spmdrl.metrics import reduce_metrics
 
 pytestmark = pytest.mark.dist

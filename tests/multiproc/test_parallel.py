@@ -2,8 +2,8 @@
 
 import pytest
 import torch.distributed as dist
-
 from dist_utils import spawn
+
 from spmdrl.parallel import ParallelDims
 
 pytestmark = pytest.mark.dist

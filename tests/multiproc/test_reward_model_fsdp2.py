@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_utils import spawn
 
 pytestmark = pytest.mark.dist
@@ -45,8 +44,8 @@ def _scores(rank: int, world: int, model_dir: str) -> list[float]:
 def test_fsdp2_reward_engine_equals_transformers_forward(tmp_path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from spmdrl.reward.model import render
     from spmdrl.builtin.models import build_model
+    from spmdrl.reward.model import render
 
     model_dir = str(build_model(tmp_path / "rm", "tiny", seed=3, reward=True))
     per_rank = spawn(_scores, 2, model_dir)
@@ -64,8 +63,8 @@ def test_fsdp2_reward_engine_equals_transformers_forward(tmp_path) -> None:
 
 
 def test_max_length_cuts_on_the_right_and_scores_the_cut_text(tmp_path) -> None:
-    from spmdrl.reward.model import encode
     from spmdrl.builtin.models import build_tokenizer
+    from spmdrl.reward.model import encode
 
     tok = build_tokenizer(tmp_path, seed=0)
     batch = encode(tok, ["<|im_start|>user\nhi<|im_end|>\n", "a b c d e f g h"], 4, tok.pad_token_id)

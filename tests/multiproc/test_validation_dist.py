@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-
 from dist_utils import spawn
 
 pytestmark = pytest.mark.dist

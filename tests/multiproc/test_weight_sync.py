@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from dist_utils import spawn
 
 pytestmark = pytest.mark.dist

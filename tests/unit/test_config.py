@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from spmdrl.config.parse import parse_config
 from spmdrl.config import output_dir
+from spmdrl.config.parse import parse_config
 from spmdrl.train import main
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from spmdrl.builtin.tasks import generate_arith, write_parquet
 from spmdrl.config import DataConfig
 from spmdrl.data import PromptDataset, PromptLoader, ValidationLoader, build_train_loader, build_val_loader
-from spmdrl.builtin.tasks import generate_arith
-from spmdrl.builtin.tasks import write_parquet
 
 
 @pytest.fixture(scope="module")

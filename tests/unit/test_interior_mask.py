@@ -15,7 +15,15 @@ import torch
 import spmdrl.algos  # noqa: F401  (fills the registries)
 from spmdrl.algos.kl import apply_kl_penalty
 from spmdrl.algos.losses import agg_loss
-from spmdrl.algos.registry import ADVANTAGES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, get_advantage, get_kl, get_policy_loss
+from spmdrl.algos.registry import (
+    ADVANTAGES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    get_advantage,
+    get_kl,
+    get_policy_loss,
+)
 from spmdrl.batch import place_scores
 
 B, T = 6, 12

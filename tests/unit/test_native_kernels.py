@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmdrl.rollout.native import kernels as native_kernels
 from spmdrl.rollout.base import SamplingParams
+from spmdrl.rollout.native import kernels as native_kernels
 from spmdrl.rollout.native.engine import NativeRollout, left_pad
 from spmdrl.rollout.native.model import Decoder
 

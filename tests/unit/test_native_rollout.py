@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spmdrl.rollout.base import SamplingParams
 from spmdrl.rollout import build_rollout
+from spmdrl.rollout.base import SamplingParams
 from spmdrl.rollout.native.engine import NativeRollout, left_pad
 from spmdrl.rollout.native.model import Decoder, DecoderConfig, rope_inv_freq
 

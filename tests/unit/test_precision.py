@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 
 from spmdrl import precision
 from spmdrl.precision import can_prepack, native_bf16, precision_summary, resolve_dtype, to_dtype

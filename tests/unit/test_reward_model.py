@@ -38,10 +38,10 @@ def test_render_appends_the_response_as_the_assistant_turn(tmp_path) -> None:
 
 
 def test_config_check_refuses_a_causal_lm_as_reward_model(tmp_path) -> None:
+    from spmdrl.builtin.models import build_model
     from spmdrl.config.checks import validate_config
     from spmdrl.config.parse import parse_config
     from spmdrl.errors import ConfigError
-    from spmdrl.builtin.models import build_model
 
     policy = build_model(tmp_path / "policy", "tiny", seed=0)
     rm = build_model(tmp_path / "rm", "tiny", seed=0, reward=True)

@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from spmdrl.validation import local_sums, majority_value, name_metrics, pass_at_k, prompt_metrics, sample_sizes
+from spmdrl.validation import (
+    local_sums,
+    majority_value,
+    name_metrics,
+    pass_at_k,
+    prompt_metrics,
+    sample_sizes,
+)
 
 
 def test_sample_sizes_powers_of_two_then_n() -> None:

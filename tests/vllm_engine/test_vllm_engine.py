@@ -20,8 +20,8 @@ if vllm_available() is not None:
     pytest.skip(f"{vllm_available()}; tests/e2e/test_vllm_venv.py runs this in .venv-vllm", allow_module_level=True)
 import torch
 
-from spmdrl.rollout.base import SamplingParams
 from spmdrl.rollout import build_rollout
+from spmdrl.rollout.base import SamplingParams
 from spmdrl.rollout.sampling import truncate_logits
 
 EOS, PAD = 2, 0

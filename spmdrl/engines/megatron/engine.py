@@ -55,8 +55,7 @@ import torch.distributed as dist
 
 from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
-from spmdrl.engines.megatron.cpu import compat_context
-from spmdrl.engines.megatron.setup import init_model_parallel, model_arch, quiet_megatron
+from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.megatron.convert import (
     HFArch,
     HFWeights,
@@ -68,7 +67,8 @@ from spmdrl.engines.megatron.convert import (
     to_hf,
     transformer_config,
 )
-from spmdrl.engines.logprobs import token_outputs
+from spmdrl.engines.megatron.cpu import compat_context
+from spmdrl.engines.megatron.setup import init_model_parallel, model_arch, quiet_megatron
 from spmdrl.engines.optim import build_optimizer, build_scheduler, value_head_weight
 from spmdrl.precision import resolve_dtype
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from spmdrl.engines.megatron.cpu import check_version, install_cpu_rng_tracker
 from spmdrl.engines.megatron.convert import HFArch
+from spmdrl.engines.megatron.cpu import check_version, install_cpu_rng_tracker
 
 if TYPE_CHECKING:
     from spmdrl.parallel import ParallelDims

@@ -43,7 +43,8 @@ from spmdrl.rollout.base import (
     left_pad,
 )
 from spmdrl.rollout.native.cache import KVCache, KVView
-from spmdrl.rollout.native.kernels import KernelMode, ops as kernel_ops, resolve_kernels
+from spmdrl.rollout.native.kernels import KernelMode, resolve_kernels
+from spmdrl.rollout.native.kernels import ops as kernel_ops
 from spmdrl.rollout.native.model import Decoder, DecoderConfig
 from spmdrl.rollout.sampling import sample, stop_id_tensor, validate_sampling
 
