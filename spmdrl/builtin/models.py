@@ -62,7 +62,8 @@ def _corpus(seed: int) -> list[str]:
     for _ in range(4000):
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         op = rng.choice(["+", "-", "*"])
-        lines.append(f"What is {a} {op} {b}? Answer: {eval(f'{a}{op}{b}')}")
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        lines.append(f"What is {a} {op} {b}? Answer: {value}")
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
         lines.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))))
     lines += [f"<|im_start|>user\n{l}<|im_end|>\n<|im_start|>assistant\n" for l in lines[:200]]
