@@ -44,6 +44,9 @@ def parse_hermes(text: str) -> list[ParsedCall]:
         except json.JSONDecodeError as err:
             calls.append(ParsedCall(error=f"the tool call is not valid JSON ({err.msg})"))
             continue
+        except RecursionError:  # "[[[[..." nested past the interpreter's limit: the model's text, not our bug
+            calls.append(ParsedCall(error="the tool call is nested too deeply to parse"))
+            continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             calls.append(ParsedCall(error='a tool call must be a JSON object with a "name" string'))
             continue

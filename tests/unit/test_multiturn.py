@@ -53,6 +53,11 @@ def test_parse_hermes():
     assert len(calls) == 5 and parse_hermes("Answer: 7") == []
 
 
+def test_deeply_nested_call_is_an_error_not_a_crash():
+    calls = parse_hermes("<tool_call>" + "[" * 100_000 + "</tool_call>")
+    assert len(calls) == 1 and "nested too deeply" in calls[0].error
+
+
 def test_truncate_sides():
     ids = list(range(10))
     assert truncate(ids, 4, "left") == ([0, 1, 2, 3], True)
