@@ -76,6 +76,14 @@ MAX_EXPONENT = 10_000
 MAX_NODES = 200
 
 
+def _too_big_power(base: Any, exponent: Any) -> bool:
+    """Whether ``base ** exponent`` surely has more than ``MAX_DIGITS`` digits, decided before computing it:
+    ``(10**999)**10000`` would otherwise take seconds past the tool's timeout."""
+    if not (isinstance(base, int) and isinstance(exponent, int)) or exponent <= 0 or abs(base) <= 1:
+        return False
+    return (abs(base).bit_length() - 1) * exponent > MAX_DIGITS * 3.33  # a lower bound of the result's bits
+
+
 def safe_eval(expression: str) -> int | float:
     """Value of an arithmetic expression: numbers, + - * / // % **, unary signs and parentheses only.
 
@@ -100,11 +108,13 @@ def safe_eval(expression: str) -> int | float:
             left, right = ev(node.left), ev(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
                 raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
+            if isinstance(node.op, ast.Pow) and _too_big_power(left, right):
+                raise ValueError(f"the result would have more than {MAX_DIGITS} digits")
             value = _BINARY[type(node.op)](left, right)
             if isinstance(value, complex):
                 raise ValueError("result is complex")
             if isinstance(value, int) and value.bit_length() > MAX_DIGITS * 3.33:
-                raise ValueError(f"result has more than {MAX_DIGITS} digits")
+                raise ValueError(f"the result would have more than {MAX_DIGITS} digits")
             return value
         raise ValueError(f"{type(node).__name__} is not allowed in an arithmetic expression")
 

@@ -29,6 +29,13 @@ def test_safe_eval_refuses(expr):
         safe_eval(expr)
 
 
+def test_safe_eval_refuses_a_huge_power_before_computing_it():
+    # Refused from the operands' sizes ("would have"), not after 12.7 s of computing (past the tool's timeout).
+    with pytest.raises(ValueError, match="would have more than 1000 digits"):
+        safe_eval("(10**999)**10000")
+    assert safe_eval("2 ** 3000") == 2**3000  # 904 digits: still allowed
+
+
 def _write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "tools.yaml"
     p.write_text(text)
