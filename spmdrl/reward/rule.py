@@ -196,7 +196,8 @@ class RewardManager:
         try:
             score, extra = _call(self._fn, item)
             return _Result(score, extra)
-        except Exception as e:
+        # SystemExit too: sys.exit() in a reward function must not end this rank while the others wait.
+        except (Exception, SystemExit) as e:
             return _Result(error=f"{type(e).__name__}: {e}")
 
     def close(self) -> None:

@@ -27,6 +27,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return float("nan")
     if solution_str == "nodict":
         return {"acc": 1.0}
+    if solution_str == "exit":
+        raise SystemExit(4)
     return {"score": float(solution_str == ground_truth), "len": len(solution_str), "idx": extra_info["i"]}
 
 def helper():
@@ -64,6 +66,8 @@ def test_user_file_in_process_contains_errors(user_file: Path) -> None:
     out = _score(rm, ["ok", "raise", "bad", "nan", "nodict"])
     assert out.scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert out.num_errors == 3 and out.num_timeouts == 0
+    exited = _score(rm, ["exit", "ok"])  # sys.exit() in the user's function ends neither this process nor the batch
+    assert exited.scores.tolist() == [0.0, 1.0] and exited.num_errors == 1 and "SystemExit: 4" in exited.errors[0]
     assert "RuntimeError: scorer bug" in out.errors[0]
     assert out.extra["len"] == [2, None, 3, None, None] and out.extra["idx"] == [0, None, 2, None, None]
 
