@@ -27,6 +27,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     """Range and consistency checks that need no process group, in the order a user meets them (cheap ones
     first, then files on disk and each backend's options); raises ConfigError."""
     _check_ranges(cfg)
+    _check_output_dir(cfg)
     _check_names(cfg)
     _check_features(cfg)
     dims = _check_sizes(cfg, world_size)
@@ -92,6 +93,23 @@ def _check_ranges(cfg: Config) -> None:
     _check(0 <= alg.gamma <= 1, f"algorithm.gamma is {alg.gamma}; it must be in [0, 1]")
     _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
     _check(0 < r.gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
+
+
+def _check_output_dir(cfg: Config) -> None:
+    """Run names that stay one folder name (``../../x`` would write outside outputs/), and an output_dir
+    template that uses only the fields it is given."""
+    t = cfg.trainer
+    for key in ("project_name", "experiment_name"):
+        name = getattr(t, key)
+        _check(bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0"),
+               f"trainer.{key} is {name!r}; it must be one folder name (no '/' or '\\', not '.' or '..'), "
+               f"because trainer.output_dir puts it in a path")
+    try:
+        output_dir(cfg)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ConfigError(f"trainer.output_dir is {t.output_dir!r}, which the run cannot fill in "
+                          f"({type(err).__name__}: {err}); it may use {{project_name}} and {{experiment_name}}"
+                          ) from None
 
 
 def _check_names(cfg: Config) -> None:

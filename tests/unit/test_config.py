@@ -58,6 +58,10 @@ BAD = [
     (["--reward.function", "/nonexistent/r.py:score"], "names the file '/nonexistent/r.py'"),
     (["--trainer.resume", "/nonexistent/ckpt"], "trainer.resume is '/nonexistent/ckpt'"),
     (["--trainer.save_freq", "0"], "trainer.save_freq is 0"),
+    (["--trainer.experiment_name", "../../x"], "trainer.experiment_name is '../../x'; it must be one folder name"),
+    (["--trainer.project_name", ".."], "trainer.project_name is '..'; it must be one folder name"),
+    (["--trainer.output_dir", "out/{experiment}"], "trainer.output_dir is 'out/{experiment}', which the run cannot "
+                                                   "fill in (KeyError: 'experiment'); it may use {project_name}"),
     (["--trainer.plot_freq", "0"], "trainer.plot_freq is 0"),
     (["--trainer.plot_freq", "2", "--trainer.logger", "[console]"], "trainer.plot_freq is 2 but trainer.logger"),
     (["--trainer.val_only", "true", "--data.val_files", "null"], "trainer.val_only is true but data.val_files"),
