@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 
 class Batch:
-    def __init__(self, tensors: dict[str, torch.Tensor] | None = None, non_tensor: dict[str, list] | None = None):
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None,
+                 non_tensor: dict[str, list] | None = None):
         self.tensors: dict[str, torch.Tensor] = dict(tensors or {})
         self.non_tensor: dict[str, list] = dict(non_tensor or {})
         self._check()

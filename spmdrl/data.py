@@ -1,6 +1,6 @@
 """Prompt data: verl-layout parquet in, this rank's share of each step's prompts out.
 
-    files = data_files(cfg.data.train_files)      # builtin: already resolved (spmdrl.builtin.resolve_builtins)
+    files = data_files(cfg.data.train_files)  # builtin: already resolved (spmdrl.builtin.resolve_builtins)
     ds = PromptDataset(files, tokenizer, max_prompt_length=64, truncation="filter")
     loader = PromptLoader(ds, batch_size=16, rank=rank, world_size=world, seed=cfg.trainer.seed)
     prompts = next(loader)        # list[PromptItem]: this rank's contiguous block of the global batch
@@ -68,7 +68,8 @@ def _read_rows(path: str, prompt_key: str) -> dict[str, list]:
         raise ValueError(f"cannot read {path!r} as parquet: {e}") from e
     if prompt_key not in names:
         raise ValueError(
-            f"data file {path!r} has no prompt column {prompt_key!r} (data.prompt_key); columns: {', '.join(names)}"
+            f"data file {path!r} has no prompt column {prompt_key!r} (data.prompt_key); columns: "
+            f"{', '.join(names)}"
         )
     wanted = [c for c in (prompt_key, "data_source", "reward_model", "extra_info") if c in names]
     try:
@@ -152,8 +153,9 @@ class PromptDataset:
             if len(tokens) > max_len:
                 if truncation == "error":
                     raise ValueError(
-                        f"prompt of row {i} in {path!r} has {len(tokens)} tokens, over data.max_prompt_length="
-                        f"{max_len}; raise it or set data.truncation to left, right or filter"
+                        f"prompt of row {i} in {path!r} has {len(tokens)} tokens, over "
+                        f"data.max_prompt_length={max_len}; raise it or set data.truncation to left, right "
+                        f"or filter"
                     )
                 if truncation == "filter":
                     self.num_filtered += 1
@@ -245,7 +247,8 @@ class PromptLoader:
         _check_rank(rank, world_size)
         if batch_size < 1 or batch_size % world_size:
             raise ValueError(
-                f"data.train_batch_size={batch_size} must be a positive multiple of the world size {world_size}"
+                f"data.train_batch_size={batch_size} must be a positive multiple of the world size "
+                f"{world_size}"
             )
         if len(dataset) < batch_size:
             raise ValueError(
@@ -299,7 +302,8 @@ class PromptLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         # A different dataset, batch size or seed would silently change the order; refuse instead.
-        for key, mine in (("num_prompts", len(self.dataset)), ("batch_size", self.batch_size), ("seed", self.seed)):
+        for key, mine in (("num_prompts", len(self.dataset)), ("batch_size", self.batch_size),
+                          ("seed", self.seed)):
             if key in state and int(state[key]) != mine:
                 raise ValueError(f"data loader checkpoint has {key}={state[key]}, but this run has {mine}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
@@ -329,7 +333,8 @@ class ValidationLoader:
             yield [self.dataset[i] for i in batch[_share(len(batch), self.rank, self.world_size)]]
 
 
-def _dataset(cfg: "DataConfig", files: list[str], tokenizer: Any, tools: Optional[list[dict]] = None) -> PromptDataset:
+def _dataset(cfg: "DataConfig", files: list[str], tokenizer: Any,
+             tools: Optional[list[dict]] = None) -> PromptDataset:
     return PromptDataset(
         files, tokenizer, prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length,
         truncation=cfg.truncation, apply_chat_template=cfg.apply_chat_template, tools=tools,
@@ -337,15 +342,15 @@ def _dataset(cfg: "DataConfig", files: list[str], tokenizer: Any, tools: Optiona
 
 
 def build_train_loader(
-    cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, seed: int, num_epochs: Optional[int] = None,
-    tools: Optional[list[dict]] = None,
+    cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, seed: int,
+    num_epochs: Optional[int] = None, tools: Optional[list[dict]] = None,
 ) -> PromptLoader:
     """The training loader of ``cfg``; ``seed`` orders the prompts; ``tools`` (function schemas) go to the
     chat template."""
     files = data_files(cfg.train_files)
     return PromptLoader(
-        _dataset(cfg, files, tokenizer, tools), batch_size=cfg.train_batch_size, rank=rank, world_size=world_size,
-        shuffle=cfg.shuffle, seed=seed, num_epochs=num_epochs,
+        _dataset(cfg, files, tokenizer, tools), batch_size=cfg.train_batch_size, rank=rank,
+        world_size=world_size, shuffle=cfg.shuffle, seed=seed, num_epochs=num_epochs,
     )
 
 
@@ -370,8 +375,8 @@ def build_loaders(cfg: "Config", tokenizer: Any, *, rank: int, world_size: int
     mt = cfg.rollout.multi_turn
     tools = [s.tool_schema for s in load_tool_config(mt.tool_config_path)] if mt.enable else None
     try:
-        train = build_train_loader(cfg.data, tokenizer, rank=rank, world_size=world_size, seed=cfg.trainer.seed,
-                                   tools=tools)
+        train = build_train_loader(cfg.data, tokenizer, rank=rank, world_size=world_size,
+                                   seed=cfg.trainer.seed, tools=tools)
         val = build_val_loader(cfg.data, tokenizer, rank=rank, world_size=world_size, tools=tools)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from err

@@ -57,7 +57,8 @@ class Experience:
     """Turns this rank's prompts into scored batches with its rollout session, agent and reward sources."""
 
     def __init__(self, cfg: "Config", session: RolloutSession, rewards: "Rewards", *, timer: "PhaseTimer",
-                 group: dist.ProcessGroup, agent: Optional[ToolAgent] = None, needs_baseline: bool = False) -> None:
+                 group: dist.ProcessGroup, agent: Optional[ToolAgent] = None,
+                 needs_baseline: bool = False) -> None:
         self.cfg, self.session, self.rewards, self.timer = cfg, session, rewards, timer
         self.group, self.agent, self.needs_baseline = group, agent, needs_baseline
 
@@ -70,11 +71,12 @@ class Experience:
         into the engine when they are stale."""
         eos_ids = eos_ids_from_folder(cfg.model.path, tokenizer.eos_token_id)
         engine = rollout_engine_class(cfg.rollout.engine).from_config(
-            cfg, cfg.model.path, mesh=dims.rollout_mesh, device=device, pad_token_id=tokenizer.pad_token_id or 0,
-            eos_token_ids=eos_ids,
+            cfg, cfg.model.path, mesh=dims.rollout_mesh, device=device,
+            pad_token_id=tokenizer.pad_token_id or 0, eos_token_ids=eos_ids,
         )
         agent = ToolAgent.from_config(cfg, tokenizer, eos_ids) if cfg.rollout.multi_turn.enable else None
-        # Colocated, the engine sleeps after each awake window unless rollout.free_cache_engine keeps it awake.
+        # Colocated, the engine sleeps after each awake window unless rollout.free_cache_engine keeps it
+        # awake.
         session = RolloutSession(engine, export_weights, sleep_level=cfg.rollout.sleep_level,
                                  colocate=cfg.trainer.colocate and cfg.rollout.free_cache_engine,
                                  tp_rank=rollout_tp_rank(dims.rollout_mesh), tp=dims.rollout_tp)
@@ -126,7 +128,8 @@ class Experience:
 
     def _collect(self, prompts: list["PromptItem"], more_prompts: Iterator[list["PromptItem"]]
                  ) -> tuple[Batch, dict[str, float]]:
-        """Rollout + reward; with DAPO dynamic sampling, more prompts until every rank has its share of groups."""
+        """Rollout + reward; with DAPO dynamic sampling, more prompts until every rank has its share of
+        groups."""
         sampling = sampling_params(self.cfg)
         fg = self.cfg.algorithm.filter_groups
         want = len(prompts)  # groups this rank trains on

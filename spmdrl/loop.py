@@ -87,8 +87,8 @@ def _engines(cfg: Config, dims: ParallelDims, device: torch.device, total_steps:
     ref = build_engine(cfg, cfg.model.path, role="ref", dims=dims, device=device) if need_ref else None
     critic = None
     if ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_values"):
-        critic = build_engine(cfg, cfg.critic.model_path or cfg.model.path, role="critic", dims=dims, device=device,
-                              total_steps=total_steps)
+        critic = build_engine(cfg, cfg.critic.model_path or cfg.model.path, role="critic", dims=dims,
+                              device=device, total_steps=total_steps)
     return actor, ref, critic
 
 
@@ -124,9 +124,10 @@ def build(user_cfg: Config, dims: ParallelDims) -> Run:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(config_text)
     return Run(
-        cfg=cfg, config_text=config_text, dims=dims, device=device, rank=rank, out_dir=out_dir, tokenizer=tokenizer,
-        train_loader=train_loader, val_loader=val_loader, experience=experience, actor=actor, ref=ref,
-        critic=critic, kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), timer=timer,
+        cfg=cfg, config_text=config_text, dims=dims, device=device, rank=rank, out_dir=out_dir,
+        tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader, experience=experience,
+        actor=actor, ref=ref, critic=critic,
+        kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), timer=timer,
         total_steps=total_steps, actor_loss=actor_loss_fn(cfg), critic_loss=critic_loss_fn(cfg),
     )
 
@@ -160,21 +161,25 @@ def train_step(r: Run) -> dict[str, float]:
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size  # rows per rank per step
         one_pass = cfg.actor.ppo_epochs == 1 and mini >= len(batch)
         if not one_pass or cfg.algorithm.use_kl_in_reward:
-            batch["old_logp"] = r.actor.forward_no_grad(batch, cfg.actor.log_prob_micro_batch_size_per_gpu)["logp"]
+            batch["old_logp"] = r.actor.forward_no_grad(
+                batch, cfg.actor.log_prob_micro_batch_size_per_gpu)["logp"]
             metrics.update(rollout_actor_gap(batch, sampling_params(cfg)))
     with t.phase("ref"):
         if r.ref is not None:
-            batch["ref_logp"] = r.ref.forward_no_grad(batch, cfg.ref.log_prob_micro_batch_size_per_gpu)["logp"]
+            batch["ref_logp"] = r.ref.forward_no_grad(
+                batch, cfg.ref.log_prob_micro_batch_size_per_gpu)["logp"]
     with t.phase("values"):
         if r.critic is not None:
-            batch["values"] = r.critic.forward_no_grad(batch, cfg.critic.ppo_micro_batch_size_per_gpu)["values"]
+            batch["values"] = r.critic.forward_no_grad(
+                batch, cfg.critic.ppo_micro_batch_size_per_gpu)["values"]
     with t.phase("adv"):
         metrics.update(_advantages(r, batch))
     with t.phase("update"):
         if r.critic is not None:
             c = cfg.critic
-            metrics.update(r.critic.train_step(batch, r.critic_loss, c.ppo_mini_batch_size * cfg.rollout.n //
-                                               r.dims.world_size, c.ppo_micro_batch_size_per_gpu, c.ppo_epochs))
+            metrics.update(r.critic.train_step(batch, r.critic_loss,
+                                               c.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size,
+                                               c.ppo_micro_batch_size_per_gpu, c.ppo_epochs))
         metrics.update(r.actor.train_step(batch, r.actor_loss, mini, cfg.actor.ppo_micro_batch_size_per_gpu,
                                           cfg.actor.ppo_epochs, entropy_grad=cfg.actor.entropy_coeff != 0))
         r.experience.session.actor_changed()
@@ -262,7 +267,8 @@ def run(cfg: Config, dims: ParallelDims) -> None:
             if r.rank == 0 and f > 0 and (r.step % f == 0 or r.step == r.total_steps or stop):
                 plot_run(r.out_dir)  # figures of metrics.jsonl into out_dir/plots; a failure only warns
             if stop:
-                log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
+                log.warning("stopping after step %d on a preemption signal; resume picks up from here",
+                            r.step)
                 break
     finally:
         sink.close()

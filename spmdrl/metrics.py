@@ -76,7 +76,8 @@ class PhaseTimer:
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._metrics[f"timing/{name}"] = self._metrics.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+            self._metrics[f"timing/{name}"] = (self._metrics.get(f"timing/{name}", 0.0)
+                                               + time.perf_counter() - start)
             peak = self._peak_gb()
             key = f"memory/{name}_peak_gb"
             self._metrics[key] = max(self._metrics.get(key, 0.0), peak)
@@ -211,21 +212,25 @@ class MetricsSink:
         if progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc="grpo", dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc="grpo", dynamic_ncols=True,
+                             file=sys.stderr)
         if "wandb" in loggers:
             import wandb
 
             mode = _wandb_mode()
             if mode == "offline":
-                print(f"spmdrl: wandb logs offline under {out_dir / 'wandb'} (WANDB_MODE, or no API key); upload "
-                      f"with: wandb sync {out_dir / 'wandb'}/offline-run-*", file=sys.stderr, flush=True)
-            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(out_dir), mode=mode)
+                print(f"spmdrl: wandb logs offline under {out_dir / 'wandb'} (WANDB_MODE, or no API key); "
+                      f"upload with: wandb sync {out_dir / 'wandb'}/offline-run-*", file=sys.stderr,
+                      flush=True)
+            self._wandb = wandb.init(project=project, name=experiment, config=config, dir=str(out_dir),
+                                     mode=mode)
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             # A resumed run logs its steps after initial_step again: drop the events a killed run left there,
             # as metrics.jsonl drops its rows.
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=initial_step + 1 if initial_step else None)
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"),
+                                     purge_step=initial_step + 1 if initial_step else None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.rank != 0:
@@ -236,7 +241,8 @@ class MetricsSink:
             self._jsonl.flush()
         if "console" in self.loggers:
             parts = [f"step {step}"]
-            parts += [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in self.CONSOLE_KEYS if k in metrics]
+            parts += [f"{label} {fmt.format(metrics[k])}"
+                      for k, label, fmt in self.CONSOLE_KEYS if k in metrics]
             line = " | ".join(parts)
             if self._bar is not None:
                 self._bar.write(line)

@@ -34,7 +34,8 @@ def actor_loss_fn(cfg: Config) -> LossFn:
             **counts,
         )
         if "entropy" in outputs:
-            metrics["actor/entropy"] = float(agg_loss(outputs["entropy"].detach(), mask, a.loss_agg_mode).item())
+            metrics["actor/entropy"] = float(
+                agg_loss(outputs["entropy"].detach(), mask, a.loss_agg_mode).item())
             if a.entropy_coeff:
                 loss = loss - a.entropy_coeff * agg_loss(outputs["entropy"], mask, a.loss_agg_mode, **counts)
         if kl_fn is not None:

@@ -87,7 +87,8 @@ def rollout_coords(mesh: Optional[DeviceMesh]) -> tuple[int, int]:
     names = tuple(mesh.mesh_dim_names or ())
     tp_dim = next((i for i, n in enumerate(names) if n.endswith("tp")), 1 if mesh.ndim == 2 else None)
     dp_dim = next((i for i in range(mesh.ndim) if i != tp_dim), None)
-    return (0 if dp_dim is None else mesh.get_local_rank(dp_dim)), (1 if tp_dim is None else mesh.size(tp_dim))
+    return ((0 if dp_dim is None else mesh.get_local_rank(dp_dim)),
+            (1 if tp_dim is None else mesh.size(tp_dim)))
 
 
 def rollout_tp_rank(mesh: Optional[DeviceMesh]) -> int:
@@ -125,8 +126,8 @@ class ParallelDims:
             rest = self.dp_replicate * self.tp * self.pp
             if self.world_size % rest:
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by parallel.dp_replicate x tp x pp = {rest}; "
-                    f"choose degrees whose product divides the number of ranks"
+                    f"world size {self.world_size} is not divisible by parallel.dp_replicate x tp x pp = "
+                    f"{rest}; choose degrees whose product divides the number of ranks"
                 )
             self.dp_shard = self.world_size // rest
         elif self.dp_shard < 1:
@@ -134,12 +135,14 @@ class ParallelDims:
         product = self.dp_replicate * self.dp_shard * self.tp * self.pp
         if product != self.world_size:
             raise ValueError(
-                f"parallel.pp x dp_replicate x dp_shard x tp = {self.pp} x {self.dp_replicate} x {self.dp_shard} x "
-                f"{self.tp} = {product}, but the world size is {self.world_size}; the product must equal it"
+                f"parallel.pp x dp_replicate x dp_shard x tp = {self.pp} x {self.dp_replicate} x "
+                f"{self.dp_shard} x {self.tp} = {product}, but the world size is {self.world_size}; the "
+                f"product must equal it"
             )
         if self.world_size % self.rollout_tp:
             raise ValueError(
-                f"parallel.rollout_tp is {self.rollout_tp}, which does not divide the world size {self.world_size}"
+                f"parallel.rollout_tp is {self.rollout_tp}, which does not divide the world size "
+                f"{self.world_size}"
             )
 
     @property

@@ -59,7 +59,8 @@ class RunMetrics:
 
 
 def read_run(run_dir: Path, name: Optional[str] = None) -> RunMetrics:
-    """``run_dir/metrics.jsonl`` (a trainer.output_dir) as a ``RunMetrics``; lines that do not parse are skipped."""
+    """``run_dir/metrics.jsonl`` (a trainer.output_dir) as a ``RunMetrics``; lines that do not parse are
+    skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl; give a trainer.output_dir of a run whose "
@@ -79,7 +80,8 @@ def read_run(run_dir: Path, name: Optional[str] = None) -> RunMetrics:
 def _names(run_dirs: Sequence[Path]) -> list[str]:
     """Folder names as legend labels; parent/name where two runs share a name."""
     names = [Path(d).resolve().name for d in run_dirs]
-    return [f"{Path(d).resolve().parent.name}/{n}" if names.count(n) > 1 else n for d, n in zip(run_dirs, names)]
+    return [f"{Path(d).resolve().parent.name}/{n}" if names.count(n) > 1 else n
+            for d, n in zip(run_dirs, names)]
 
 
 def _new_figure(title: str, panels: int = 2):
@@ -94,7 +96,8 @@ def _new_figure(title: str, panels: int = 2):
     return fig, list(axes[0])
 
 
-def _line(ax, run: RunMetrics, key: str, label: str, style: str = "-", color=None, marker: Optional[str] = None) -> bool:
+def _line(ax, run: RunMetrics, key: str, label: str, style: str = "-", color=None,
+          marker: Optional[str] = None) -> bool:
     steps, values = run.series(key)
     if not steps:
         return False
@@ -143,7 +146,8 @@ def plot_reward(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
                 train.fill_between(steps, lo, hi, color=color, alpha=0.15, label="min..max")
         for j, key in enumerate(sorted(k for k in run.keys() if k.startswith("val-core/") and "/mean@" in k)):
             name = key[len("val-core/"):]
-            drawn |= _line(val, run, key, _label(runs, run, name), LINESTYLES[j % len(LINESTYLES)], color, "o")
+            drawn |= _line(val, run, key, _label(runs, run, name), LINESTYLES[j % len(LINESTYLES)], color,
+                           "o")
     train.set_title("training reward")
     val.set_title("validation score (val-core mean@k)")
     return _finish(fig, (train, val), path, drawn)
@@ -175,7 +179,8 @@ def plot_length(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
 
 def _phases(run: RunMetrics, prefix: str, suffix: str) -> list[str]:
     """Phase names present in a run, the loop's order first, then any others alphabetically."""
-    found = {k[len(prefix):-len(suffix) or None] for k in run.keys() if k.startswith(prefix) and k.endswith(suffix)}
+    found = {k[len(prefix):-len(suffix) or None]
+             for k in run.keys() if k.startswith(prefix) and k.endswith(suffix)}
     found = {f for f in found if f not in ("step", "overall") and not f.startswith("rank")}  # not phases
     return [p for p in PHASES if p in found] + sorted(found - set(PHASES))
 
@@ -263,7 +268,8 @@ def plot_run(out_dir: Path) -> list[Path]:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m spmdrl.plot", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dirs", nargs="+", type=Path, help="run folders (trainer.output_dir) holding metrics.jsonl")
+    p.add_argument("run_dirs", nargs="+", type=Path,
+                   help="run folders (trainer.output_dir) holding metrics.jsonl")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for the PNGs (default: RUN_DIR/plots for one run, ./plots for several)")
     args = p.parse_args(argv)
@@ -274,7 +280,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"spmdrl.plot: error: {err}", file=sys.stderr)
         sys.exit(2)
     if not written:
-        print(f"spmdrl.plot: error: no metric to plot in {', '.join(map(str, args.run_dirs))}", file=sys.stderr)
+        print(f"spmdrl.plot: error: no metric to plot in {', '.join(map(str, args.run_dirs))}",
+              file=sys.stderr)
         sys.exit(2)
     for png in written:
         print(png)

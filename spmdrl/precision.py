@@ -23,7 +23,8 @@ import os
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                  "float16": torch.float16}
 # Short spellings accepted where people type dtypes by hand (benchmarks, engine arguments).
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) under which bf16 is emulated or refused: below avx512_core,

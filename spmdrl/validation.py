@@ -60,7 +60,8 @@ def sample_sizes(n: int) -> list[int]:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): the chance that k of n responses, c of them right, hold a right one."""
+    """Unbiased pass@k (Chen et al. 2021): the chance that k of n responses, c of them right, hold a right
+    one."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
@@ -69,7 +70,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_value(values: Sequence[float], preds: Sequence[Any]) -> float:
-    """The value of the first response whose ``pred`` has the most votes; a tie goes to the pred seen first."""
+    """The value of the first response whose ``pred`` has the most votes; a tie goes to the pred seen
+    first."""
     counts = Counter(preds)  # insertion-ordered: max() keeps the first of equal counts, as verl's dict does
     winner = max(counts, key=counts.__getitem__)
     return float(values[list(preds).index(winner)])
@@ -82,7 +84,8 @@ def bootstrap_majority(values: np.ndarray, preds: Sequence[Any], k: int, *, samp
     Vectorised: in each draw, the first position whose answer has the most votes is the first occurrence of
     the first-seen majority answer, so its value is the one ``majority_value`` returns.
     """
-    codes = np.unique(np.array([str(p) for p in preds], dtype=object), return_inverse=True)[1].reshape(-1)  # [n]
+    codes = np.unique(np.array([str(p) for p in preds], dtype=object),
+                      return_inverse=True)[1].reshape(-1)  # [n]
     idx = np.random.RandomState(seed).randint(0, len(values), size=(samples, k))  # [S, k]
     drawn = codes[idx]  # [S, k]
     votes = (drawn[:, :, None] == drawn[:, None, :]).sum(-1)  # [S, k] votes of the answer at each position
@@ -100,7 +103,8 @@ def bootstrap(values: Sequence[float], k: int, reduce: Callable[[np.ndarray], np
 
 def prompt_metrics(values: Sequence[float], preds: Optional[Sequence[Any]] = None, *,
                    samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> dict[str, float]:
-    """One prompt's metrics of one variable over its n responses (names as verl's ``process_validation_metrics``)."""
+    """One prompt's metrics of one variable over its n responses (names as verl's
+    ``process_validation_metrics``)."""
     n = len(values)
     arr = np.asarray(values, dtype=np.float64)  # [n]
     out = {f"mean@{n}": float(arr.mean())}
@@ -109,7 +113,8 @@ def prompt_metrics(values: Sequence[float], preds: Optional[Sequence[Any]] = Non
     out[f"std@{n}"] = float(arr.std())
     correct = int(np.isclose(arr, 1.0).sum())
     for k in sample_sizes(n):
-        out[f"best@{k}/mean"], out[f"best@{k}/std"] = bootstrap(arr, k, lambda x: x.max(1), samples=samples, seed=seed)
+        out[f"best@{k}/mean"], out[f"best@{k}/std"] = bootstrap(arr, k, lambda x: x.max(1), samples=samples,
+                                                                seed=seed)
         out[f"worst@{k}/mean"], out[f"worst@{k}/std"] = bootstrap(arr, k, lambda x: x.min(1), samples=samples,
                                                                   seed=seed)
         if preds is not None:
@@ -181,7 +186,8 @@ def name_metrics(sums: dict[Key, list[float]]) -> dict[str, float]:
     return out
 
 
-def all_reduce_sums(sums: dict[Key, list[float]], group: Optional[dist.ProcessGroup]) -> dict[Key, list[float]]:
+def all_reduce_sums(sums: dict[Key, list[float]],
+                    group: Optional[dist.ProcessGroup]) -> dict[Key, list[float]]:
     """Sum every rank's per-key [sum, count]; ranks may hold different keys (sources, variables)."""
     world = dist.get_world_size(group)
     gathered: list = [None] * world
@@ -220,7 +226,8 @@ def validation_metrics(exp: "Experience", loader: Optional["ValidationLoader"]) 
             infos["reward"] += batch["scores"].tolist()
             for key, values in extras.items():
                 column = infos[key]
-                column += [None] * (before - len(column)) + list(values)  # a key new in this batch: None before
+                # a key new in this batch: None before
+                column += [None] * (before - len(column)) + list(values)
     for column in infos.values():
         column += [None] * (len(sources) - len(column))
     return name_metrics(all_reduce_sums(local_sums(sources, uids, infos), exp.group))

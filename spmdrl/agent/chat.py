@@ -36,7 +36,8 @@ class ParsedCall:
 
 
 def parse_hermes(text: str) -> list[ParsedCall]:
-    """Every ``<tool_call>{json}</tool_call>`` block of ``text``, in order; malformed blocks carry ``error``."""
+    """Every ``<tool_call>{json}</tool_call>`` block of ``text``, in order; malformed blocks carry
+    ``error``."""
     calls = []
     for block in _HERMES.findall(text):
         try:
@@ -97,7 +98,8 @@ class ChatTokens:
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool) -> list[int]:
         """The template's tokenization of ``messages``."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
         return self.encode(text)
 
     def clip(self, content: str) -> tuple[str, bool]:
@@ -113,7 +115,8 @@ class ChatTokens:
                             add_generation_prompt=True)
         ends = [i for i, t in enumerate(before) if t in self.end_ids]
         if not ends or after[: ends[-1] + 1] != before[: ends[-1] + 1]:
-            raise ValueError("the chat template does not end an assistant turn with an end-of-turn (EOS) token, "
-                             "or renders earlier messages differently when tool messages follow; multi-turn "
-                             "rollouts need a template where appending messages only appends tokens")
+            raise ValueError("the chat template does not end an assistant turn with an end-of-turn (EOS) "
+                             "token, or renders earlier messages differently when tool messages follow; "
+                             "multi-turn rollouts need a template where appending messages only appends "
+                             "tokens")
         return after[ends[-1] + 1:]

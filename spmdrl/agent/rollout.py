@@ -53,15 +53,16 @@ def check_multi_turn_config(cfg: "Config", dims: "ParallelDims") -> list[ToolSpe
     if dims.rollout_tp > 1:
         # The ranks of a TP group must submit identical turns; tools that time out on one rank and not on
         # another would split them, so multi-turn runs keep one rank per rollout replica for now.
-        raise ValueError(f"rollout.multi_turn.enable with parallel.rollout_tp={dims.rollout_tp} is not supported "
-                         f"yet; use rollout_tp 1")
+        raise ValueError(f"rollout.multi_turn.enable with parallel.rollout_tp={dims.rollout_tp} is not "
+                         f"supported yet; use rollout_tp 1")
     for key in ("max_tool_response_length", "tool_num_workers", "tool_memory_mb"):
         if getattr(mt, key) < 1:
             raise ValueError(f"rollout.multi_turn.{key} is {getattr(mt, key)}; it must be >= 1")
     if mt.tool_timeout_s <= 0:
         raise ValueError(f"rollout.multi_turn.tool_timeout_s is {mt.tool_timeout_s}; it must be > 0")
     if mt.max_assistant_turns is not None and mt.max_assistant_turns < 1:
-        raise ValueError(f"rollout.multi_turn.max_assistant_turns is {mt.max_assistant_turns}; it must be >= 1 or null")
+        raise ValueError(f"rollout.multi_turn.max_assistant_turns is {mt.max_assistant_turns}; it must be "
+                         f">= 1 or null")
     if mt.format not in PARSERS:
         raise ValueError(f"rollout.multi_turn.format is {mt.format!r}; valid formats: {', '.join(PARSERS)}")
     return load_tool_config(mt.tool_config_path)
@@ -106,9 +107,10 @@ class ToolAgent:
     def from_config(cls, cfg: "Config", tokenizer: Any, eos_token_ids: Sequence[int]) -> "ToolAgent":
         mt = cfg.rollout.multi_turn
         return cls(load_tool_config(mt.tool_config_path), tokenizer, eos_token_ids,
-                   max_assistant_turns=mt.max_assistant_turns, max_tool_response_length=mt.max_tool_response_length,
-                   truncate_side=mt.tool_response_truncate_side, format=mt.format, num_workers=mt.tool_num_workers,
-                   timeout_s=mt.tool_timeout_s, memory_mb=mt.tool_memory_mb)
+                   max_assistant_turns=mt.max_assistant_turns,
+                   max_tool_response_length=mt.max_tool_response_length,
+                   truncate_side=mt.tool_response_truncate_side, format=mt.format,
+                   num_workers=mt.tool_num_workers, timeout_s=mt.tool_timeout_s, memory_mb=mt.tool_memory_mb)
 
     def close(self) -> None:
         self.runner.close()
@@ -120,7 +122,8 @@ class ToolAgent:
         """``sampling.n`` trajectories per prompt, prompt-major; ``generate`` is an engine's generate."""
         R = sampling.max_tokens
         extra_infos = list(extra_infos) if extra_infos is not None else [{} for _ in prompts]
-        trajs = [Trajectory(list(p), i, extra_infos[i]) for i, p in enumerate(prompts) for _ in range(sampling.n)]
+        trajs = [Trajectory(list(p), i, extra_infos[i])
+                 for i, p in enumerate(prompts) for _ in range(sampling.n)]
         active = list(range(len(trajs)))
         turn = 0
         while active:
@@ -146,7 +149,8 @@ class ToolAgent:
 
     # ---- one turn --------------------------------------------------------------------------------
 
-    def _append_turns(self, trajs: list[Trajectory], active: list[int], out: GenerationOutput, R: int) -> None:
+    def _append_turns(self, trajs: list[Trajectory], active: list[int], out: GenerationOutput,
+                      R: int) -> None:
         """Add each active row's generated turn (cut to its own room in R) and decide whether it goes on."""
         for row, i in enumerate(active):
             t = trajs[i]
@@ -175,9 +179,11 @@ class ToolAgent:
             t = trajs[i]
             for pc in self.parse(t.messages[-1]["content"]):
                 if not pc.error and pc.name in self.tools and pc.name not in t.states:
-                    kwargs = (t.extra_info.get("tools_kwargs") or {}).get(pc.name, {}).get("create_kwargs", {})
+                    kwargs = ((t.extra_info.get("tools_kwargs") or {}).get(pc.name, {})
+                              .get("create_kwargs", {}))
                     t.states[pc.name] = self.tools[pc.name].create(**kwargs)
-                # A malformed call goes to the runner as an unknown tool, so it comes back as an error message.
+                # A malformed call goes to the runner as an unknown tool, so it comes back as an error
+                # message.
                 name = "" if pc.error else pc.name
                 calls.append(ToolCall(name, pc.arguments, t.states.get(pc.name, {})))
                 owners.append((i, pc))
@@ -220,12 +226,15 @@ class ToolAgent:
             gen_mask[k, :L] = torch.tensor(t.gen_mask, dtype=torch.bool)
             attn[k, :L] = True
             logp[k, :L] = torch.tensor(t.logp, dtype=torch.float32)
-        return GenerationOutput(prompt_ids, prompt_mask, ids, gen_mask, logp, [t.finish or "stop" for t in trajs],
-                                torch.tensor([t.source for t in trajs], dtype=torch.long), response_attention=attn)
+        return GenerationOutput(prompt_ids, prompt_mask, ids, gen_mask, logp,
+                                [t.finish or "stop" for t in trajs],
+                                torch.tensor([t.source for t in trajs], dtype=torch.long),
+                                response_attention=attn)
 
 
 def trajectory_info(t: Trajectory) -> dict:
-    """What the reward function gets in ``extra_info`` besides the row's own: the conversation and the calls."""
+    """What the reward function gets in ``extra_info`` besides the row's own: the conversation and the
+    calls."""
     return {**t.extra_info, "messages": t.messages, "tool_calls": t.tool_calls, "num_turns": t.turns,
             "tool_reward": t.tool_reward}
 

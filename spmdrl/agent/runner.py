@@ -77,7 +77,8 @@ class ToolRunner:
     def __init__(self, specs: Sequence[ToolSpec], *, num_workers: int = 2, timeout_s: float = 10.0,
                  memory_mb: int = 1024) -> None:
         if num_workers < 1 or timeout_s <= 0:
-            raise ValueError(f"tool workers need num_workers >= 1 and timeout_s > 0 (got {num_workers}, {timeout_s})")
+            raise ValueError(f"tool workers need num_workers >= 1 and timeout_s > 0 (got {num_workers}, "
+                             f"{timeout_s})")
         self.names = {s.name for s in specs}
         self.pool = WorkerPool(_worker_setup, (list(specs), memory_mb), num_workers=num_workers,
                                timeout_s=timeout_s, name="tool", start_timeout_s=_START_TIMEOUT_S)

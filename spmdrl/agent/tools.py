@@ -48,7 +48,8 @@ class Tool(abc.ABC):
         return self.tool_schema["function"]["name"]
 
     def create(self, **kwargs: Any) -> dict:
-        """State of one trajectory (``kwargs``: the row's ``extra_info["tools_kwargs"][name]``, when given)."""
+        """State of one trajectory (``kwargs``: the row's ``extra_info["tools_kwargs"][name]``, when
+        given)."""
         return dict(kwargs)
 
     @abc.abstractmethod
@@ -88,7 +89,8 @@ def safe_eval(expression: str) -> int | float:
     """Value of an arithmetic expression: numbers, + - * / // % **, unary signs and parentheses only.
 
     Parsed with ``ast`` and evaluated node by node (never ``eval``); names, calls, attributes and every
-    other syntax raise ValueError, as do results over ``MAX_DIGITS`` digits and exponents over ``MAX_EXPONENT``.
+    other syntax raise ValueError, as do results over ``MAX_DIGITS`` digits and exponents over
+    ``MAX_EXPONENT``.
     """
     if len(expression) > 2000:
         raise ValueError("expression is longer than 2000 characters")
@@ -191,23 +193,29 @@ def load_tool_class(spec: str) -> type[Tool]:
     else:
         module_name, _, cls_name = spec.rpartition(".")
         if not module_name:
-            raise ValueError(f"tool class {spec!r} is not a built-in tool ({', '.join(sorted(BUILTIN_TOOLS))}), "
-                             f"a pkg.module.Class or a path/file.py:Class")
+            raise ValueError(f"tool class {spec!r} is not a built-in tool "
+                             f"({', '.join(sorted(BUILTIN_TOOLS))}), a pkg.module.Class or a "
+                             f"path/file.py:Class")
         try:
             module = importlib.import_module(module_name)
         except Exception as err:
-            raise ValueError(f"tool class {spec!r}: importing module {module_name!r} failed: {err!r}") from err
+            raise ValueError(f"tool class {spec!r}: importing module {module_name!r} failed: "
+                             f"{err!r}") from err
     cls = getattr(module, cls_name, None)
-    if not (isinstance(cls, type) and all(callable(getattr(cls, m, None)) for m in ("execute", "create", "release"))):
-        raise ValueError(f"tool class {spec!r}: {cls_name!r} is not a class with create/execute/release methods")
+    if not (isinstance(cls, type)
+            and all(callable(getattr(cls, m, None)) for m in ("execute", "create", "release"))):
+        raise ValueError(f"tool class {spec!r}: {cls_name!r} is not a class with create/execute/release "
+                         f"methods")
     if getattr(cls, "__abstractmethods__", None):
-        raise ValueError(f"tool class {spec!r}: {cls_name!r} does not implement {', '.join(sorted(cls.__abstractmethods__))}")
+        raise ValueError(f"tool class {spec!r}: {cls_name!r} does not implement "
+                         f"{', '.join(sorted(cls.__abstractmethods__))}")
     return cls
 
 
 def _check_schema(schema: Any, where: str) -> None:
     """An OpenAI function schema: {type: function, function: {name, description?, parameters: object}}."""
-    if not isinstance(schema, dict) or schema.get("type") != "function" or not isinstance(schema.get("function"), dict):
+    if (not isinstance(schema, dict) or schema.get("type") != "function"
+            or not isinstance(schema.get("function"), dict)):
         raise ValueError(f"{where}.tool_schema must be a mapping with type: function and a function mapping")
     fn = schema["function"]
     if not isinstance(fn.get("name"), str) or not fn["name"].isidentifier():

@@ -28,12 +28,14 @@ def _files(files: Union[str, list[str], None], split: str) -> Union[list[str], N
 
 
 def resolve_builtins(cfg: "Config") -> "Config":
-    """A copy of ``cfg`` whose model folders (policy, tokenizer, critic, reward model) and data files name real
-    paths; ``builtin:`` ones are built into the cache on first use. Call on every rank (it holds barriers)."""
+    """A copy of ``cfg`` whose model folders (policy, tokenizer, critic, reward model) and data files name
+    real paths; ``builtin:`` ones are built into the cache on first use. Call on every rank (it holds
+    barriers)."""
     rm = cfg.reward_model
     return dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, path=_model(cfg.model.path), tokenizer_path=_model(cfg.model.tokenizer_path)),
+        model=dataclasses.replace(cfg.model, path=_model(cfg.model.path),
+                                  tokenizer_path=_model(cfg.model.tokenizer_path)),
         critic=dataclasses.replace(cfg.critic, model_path=_model(cfg.critic.model_path)),
         reward_model=dataclasses.replace(rm, model=dataclasses.replace(rm.model, path=_model(rm.model.path))),
         data=dataclasses.replace(cfg.data, train_files=_files(cfg.data.train_files, "train"),

@@ -37,7 +37,8 @@ def split_of(path: Path) -> str:
     name = path.name.lower()
     splits = [s for s in ("train", "test") if s in name]
     if len(splits) != 1:
-        raise ValueError(f"--input {str(path)!r}: its name must contain 'train' or 'test' (the split it holds)")
+        raise ValueError(f"--input {str(path)!r}: its name must contain 'train' or 'test' (the split it "
+                         f"holds)")
     return splits[0]
 
 
@@ -51,7 +52,8 @@ def convert_rows(path: Path, split: str) -> list[dict]:
                 item = json.loads(line)
                 question, answer = item["question"], item["answer"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ValueError(f"{path}:{lineno} is not a GSM8K row with 'question' and 'answer' ({err})") from err
+                raise ValueError(f"{path}:{lineno} is not a GSM8K row with 'question' and 'answer' "
+                                 f"({err})") from err
             solution = extract_solution(answer)
             if solution is None:
                 raise ValueError(f"{path}:{lineno}: the answer has no '#### <number>' final answer")
@@ -85,7 +87,8 @@ def prepare(inputs: Sequence[Path], out: Path) -> dict[str, Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spmdrl.builtin.gsm8k", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m spmdrl.builtin.gsm8k",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True, type=Path,
                         help="GSM8K JSONL file(s); 'train' or 'test' in each name gives its split")
     parser.add_argument("--out", required=True, type=Path, help="folder for train.parquet / test.parquet")

@@ -50,13 +50,13 @@ def _corpus(seed: int) -> list[str]:
     """Text the tokenizer is trained on: arithmetic, digits, short English and chat markup."""
     rng = random.Random(seed)
     words = (
-        "the a an of to and in is it you that he was for on are as with his they at be this have from or one had "
-        "by word but not what all were we when your can said there use each which she do how their if will up "
-        "other about out many then them these so some her would make like him into time has look two more write "
-        "go see number no way could people my than first water been call who oil its now find long down day did "
-        "get come made may part answer question solve compute add subtract sum total result reverse copy repeat "
-        "letters digits count plus minus times equals what is the value of please think step by step final "
-        "user assistant system you are a helpful assistant"
+        "the a an of to and in is it you that he was for on are as with his they at be this have from or one "
+        "had by word but not what all were we when your can said there use each which she do how their if "
+        "will up other about out many then them these so some her would make like him into time has look two "
+        "more write go see number no way could people my than first water been call who oil its now find "
+        "long down day did get come made may part answer question solve compute add subtract sum total "
+        "result reverse copy repeat letters digits count plus minus times equals what is the value of please "
+        "think step by step final user assistant system you are a helpful assistant"
     ).split()
     lines = []
     for _ in range(4000):
@@ -66,7 +66,7 @@ def _corpus(seed: int) -> list[str]:
         lines.append(f"What is {a} {op} {b}? Answer: {value}")
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))))
         lines.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))))
-    lines += [f"<|im_start|>user\n{l}<|im_end|>\n<|im_start|>assistant\n" for l in lines[:200]]
+    lines += [f"<|im_start|>user\n{line}<|im_end|>\n<|im_start|>assistant\n" for line in lines[:200]]
     return lines
 
 
@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reward", action="store_true", help="a reward model (sequence classification, one label)")
+    p.add_argument("--reward", action="store_true",
+                   help="a reward model (sequence classification, one label)")
     args = p.parse_args(argv)
     out = build_model(Path(args.out), args.size, args.seed, reward=args.reward)
     n = sum(1 for _ in out.iterdir())

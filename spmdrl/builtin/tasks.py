@@ -70,18 +70,21 @@ def generate_arith(split: str, num: int, seed: int) -> list[Row]:
         else:
             b = rng.randint(0, 9 - ans)
             a = ans + b
-        rows.append(_row("spmdrl/arith", "math", f"What is {a} {op} {b}?", str(ans), split, i, a=a, b=b, op=op))
+        rows.append(_row("spmdrl/arith", "math", f"What is {a} {op} {b}?", str(ans), split, i,
+                         a=a, b=b, op=op))
     return rows
 
 
 def _words(task: str, split: str, num: int, seed: int) -> list[tuple[int, str]]:
     rng = _rng(task, split, seed)
-    return [(i, "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5)))) for i in range(num)]
+    return [(i, "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 5))))
+            for i in range(num)]
 
 
 def generate_copy(split: str, num: int, seed: int) -> list[Row]:
     """``Copy: abcd`` -> ``abcd`` (3-5 random lowercase letters)."""
-    return [_row("spmdrl/copy", "string", f"Copy: {w}", w, split, i) for i, w in _words("copy", split, num, seed)]
+    return [_row("spmdrl/copy", "string", f"Copy: {w}", w, split, i)
+            for i, w in _words("copy", split, num, seed)]
 
 
 def generate_reverse(split: str, num: int, seed: int) -> list[Row]:
@@ -177,7 +180,8 @@ def resolve_builtin_data(spec: str, split: str, seed: int = 0) -> str:
         raise ValueError(f"unknown split {split!r} for {spec!r}; valid splits: {', '.join(SPLITS)}")
     task = spec.split(":", 1)[1]
     if task not in TASKS:
-        raise ValueError(f"unknown built-in task {spec!r}; valid: {', '.join('builtin:' + t for t in sorted(TASKS))}")
+        raise ValueError(f"unknown built-in task {spec!r}; valid: "
+                         f"{', '.join('builtin:' + t for t in sorted(TASKS))}")
     import torch.distributed as dist
 
     folder = cache_dir() / "data" / f"{task}-v{BUILTIN_DATA_VERSION}-seed{seed}"
@@ -200,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     paths = make_task(Path(args.out), args.task, args.train_size, args.val_size, args.seed)
     for split, path in paths.items():
-        print(f"wrote {path} ({args.train_size if split == 'train' else args.val_size} rows, task={args.task})")
+        print(f"wrote {path} ({args.train_size if split == 'train' else args.val_size} rows, "
+              f"task={args.task})")
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ from spmdrl.config.sections import (
 )
 
 __all__ = [
-    "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FilterGroupsConfig", "KLCtrlConfig",
-    "ModelConfig", "MultiTurnConfig", "OverlongBufferConfig", "ParallelConfig", "RefConfig", "RewardConfig",
+    "ActorConfig", "AlgorithmConfig", "Config", "CriticConfig", "DataConfig", "FilterGroupsConfig",
+    "KLCtrlConfig", "ModelConfig", "MultiTurnConfig", "OverlongBufferConfig", "ParallelConfig", "RefConfig",
+    "RewardConfig",
     "RewardModelConfig", "RewardModelModelConfig", "RolloutConfig", "TrainerConfig", "ValKwargsConfig",
     "dump_config", "output_dir",
 ]

@@ -60,7 +60,8 @@ def _check_ranges(cfg: Config) -> None:
     _check(r.temperature >= 0, f"rollout.temperature is {r.temperature}; it must be >= 0 (0 means greedy)")
     _check(r.val_kwargs.temperature >= 0,
            f"rollout.val_kwargs.temperature is {r.val_kwargs.temperature}; it must be >= 0")
-    _check(0 < r.val_kwargs.top_p <= 1, f"rollout.val_kwargs.top_p is {r.val_kwargs.top_p}; it must be in (0, 1]")
+    _check(0 < r.val_kwargs.top_p <= 1,
+           f"rollout.val_kwargs.top_p is {r.val_kwargs.top_p}; it must be in (0, 1]")
     _check(r.val_kwargs.top_k == -1 or r.val_kwargs.top_k > 0,
            f"rollout.val_kwargs.top_k is {r.val_kwargs.top_k}; it must be -1 (all tokens) or > 0")
     _check(0 < r.top_p <= 1, f"rollout.top_p is {r.top_p}; it must be in (0, 1]")
@@ -84,7 +85,8 @@ def _check_ranges(cfg: Config) -> None:
         ("trainer.keep_last", t.keep_last),
     ):
         _check(value >= 1, f"{key} is {value}; it must be an integer >= 1")
-    _check(t.total_steps is None or t.total_steps >= 1, f"trainer.total_steps is {t.total_steps}; it must be >= 1 or null")
+    _check(t.total_steps is None or t.total_steps >= 1,
+           f"trainer.total_steps is {t.total_steps}; it must be >= 1 or null")
     for key in ("save_freq", "test_freq", "plot_freq"):
         value = getattr(t, key)
         _check(value == -1 or value >= 1, f"trainer.{key} is {value}; it must be -1 (never) or >= 1")
@@ -92,7 +94,8 @@ def _check_ranges(cfg: Config) -> None:
     _check(a.kl_loss_coef >= 0, f"actor.kl_loss_coef is {a.kl_loss_coef}; it must be >= 0")
     _check(0 <= alg.gamma <= 1, f"algorithm.gamma is {alg.gamma}; it must be in [0, 1]")
     _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
-    _check(0 < r.gpu_memory_utilization <= 1, f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
+    _check(0 < r.gpu_memory_utilization <= 1,
+           f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
 
 
 def _check_output_dir(cfg: Config) -> None:
@@ -108,8 +111,8 @@ def _check_output_dir(cfg: Config) -> None:
         output_dir(cfg)
     except (KeyError, IndexError, ValueError) as err:
         raise ConfigError(f"trainer.output_dir is {t.output_dir!r}, which the run cannot fill in "
-                          f"({type(err).__name__}: {err}); it may use {{project_name}} and {{experiment_name}}"
-                          ) from None
+                          f"({type(err).__name__}: {err}); it may use {{project_name}} and "
+                          f"{{experiment_name}}") from None
 
 
 def _check_names(cfg: Config) -> None:
@@ -148,8 +151,8 @@ def _check_features(cfg: Config) -> None:
     if cfg.reward_model.enable:
         _check_reward_model(cfg)
     _check(t.plot_freq == -1 or "jsonl" in t.logger,
-           f"trainer.plot_freq is {t.plot_freq} but trainer.logger {t.logger} has no jsonl; the figures are drawn "
-           f"from metrics.jsonl")
+           f"trainer.plot_freq is {t.plot_freq} but trainer.logger {t.logger} has no jsonl; the figures are "
+           f"drawn from metrics.jsonl")
     _check(not t.val_only or bool(_files(d.val_files)),
            "trainer.val_only is true but data.val_files is null; validation-only needs validation files")
 
@@ -182,8 +185,9 @@ def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":
     _check(
         d.train_batch_size % world_size == 0,
         f"data.train_batch_size is {d.train_batch_size}: each of the {dims.rollout_dp} rollout TP groups of "
-        f"{dims.rollout_tp} ranks generates {d.train_batch_size // dims.rollout_dp} prompts and each rank keeps "
-        f"1/{dims.rollout_tp} of them as whole groups; make data.train_batch_size a multiple of {world_size}",
+        f"{dims.rollout_tp} ranks generates {d.train_batch_size // dims.rollout_dp} prompts and each rank "
+        f"keeps 1/{dims.rollout_tp} of them as whole groups; make data.train_batch_size a multiple of "
+        f"{world_size}",
     ) if dims.rollout_tp > 1 else None
     _check(
         (a.ppo_mini_batch_size * r.n) % world_size == 0 and a.ppo_mini_batch_size % dims.rollout_dp == 0,
@@ -228,7 +232,8 @@ def _check_inputs(cfg: Config, dims: "ParallelDims") -> None:
         for f in _files(getattr(d, key)):
             if f.startswith("builtin:"):
                 continue
-            _check(Path(f).is_file(), f"data.{key} names {f!r}, which does not exist; give parquet files or builtin:<task>")
+            _check(Path(f).is_file(),
+                   f"data.{key} names {f!r}, which does not exist; give parquet files or builtin:<task>")
     if cfg.reward.function != "builtin":
         path, _, fn = cfg.reward.function.rpartition(":")
         _check(
@@ -256,14 +261,15 @@ def _check_reward_model(cfg: Config) -> None:
     from spmdrl.reward.model import check_weights
 
     rm = cfg.reward_model
-    _check(rm.model.path is not None, "reward_model.enable is true but reward_model.model.path is null; give a "
-                                      "Hugging Face sequence-classification model folder")
+    _check(rm.model.path is not None, "reward_model.enable is true but reward_model.model.path is null; "
+                                      "give a Hugging Face sequence-classification model folder")
     _check(rm.micro_batch_size_per_gpu >= 1,
-           f"reward_model.micro_batch_size_per_gpu is {rm.micro_batch_size_per_gpu}; it must be an integer >= 1")
+           f"reward_model.micro_batch_size_per_gpu is {rm.micro_batch_size_per_gpu}; it must be an "
+           f"integer >= 1")
     _check(rm.max_length is None or rm.max_length >= 1,
            f"reward_model.max_length is {rm.max_length}; it must be >= 1 or null")
-    _check(cfg.parallel.tp == 1, f"reward_model.enable with parallel.tp={cfg.parallel.tp}: the reward model runs "
-                                 f"without tensor parallelism; set parallel.tp: 1")
+    _check(cfg.parallel.tp == 1, f"reward_model.enable with parallel.tp={cfg.parallel.tp}: the reward model "
+                                 f"runs without tensor parallelism; set parallel.tp: 1")
     try:
         check_weights(rm.rm_weight, rm.rule_weight)
         if not rm.model.path.startswith("builtin:"):
@@ -278,8 +284,9 @@ def _check_reward_model(cfg: Config) -> None:
         # A causal LM folder would load with a fresh, random score head (a warning only): refuse it here.
         arch = read_config(rm.model.path, "reward_model.model.path").get("architectures") or []
         _check(any(a.endswith("ForSequenceClassification") for a in arch),
-               f"reward_model.model.path {rm.model.path!r} holds {', '.join(arch) or 'no architectures entry'}; "
-               f"the reward model must be a *ForSequenceClassification model with one label")
+               f"reward_model.model.path {rm.model.path!r} holds "
+               f"{', '.join(arch) or 'no architectures entry'}; the reward model must be a "
+               f"*ForSequenceClassification model with one label")
         _check(bool(getattr(AutoTokenizer.from_pretrained(rm.model.path), "chat_template", None)),
-               f"reward_model.model.path {rm.model.path!r} has a tokenizer without a chat template; the reward "
-               f"model scores prompt + response rendered with its own chat template")
+               f"reward_model.model.path {rm.model.path!r} has a tokenizer without a chat template; the "
+               f"reward model scores prompt + response rendered with its own chat template")

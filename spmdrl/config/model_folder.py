@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+            "pytorch_model.bin.index.json")
 _TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -29,7 +30,8 @@ def read_config(path: str | Path, key: str) -> dict:
     """config.json of the folder ``key`` names, parsed and checked for what every engine needs."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"{key} {str(path)!r} is not a folder; give a Hugging Face model folder or builtin:tiny")
+        raise ValueError(f"{key} {str(path)!r} is not a folder; give a Hugging Face model folder or "
+                         f"builtin:tiny")
     f = folder / "config.json"
     if not f.is_file():
         raise ValueError(f"{key} {str(path)!r} has no config.json; it is not a Hugging Face model folder")
@@ -43,8 +45,8 @@ def read_config(path: str | Path, key: str) -> dict:
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"{key}: model_type {model_type!r} in {str(f)!r} is not an architecture transformers "
-                         f"knows; give a folder saved by save_pretrained")
+        raise ValueError(f"{key}: model_type {model_type!r} in {str(f)!r} is not an architecture "
+                         f"transformers knows; give a folder saved by save_pretrained")
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing and not any(isinstance(v, dict) and all(k in v for k in missing) for v in cfg.values()):
         raise ValueError(f"{key}: {str(f)!r} lacks {', '.join(missing)}; it is not a decoder-only LM config")
@@ -63,7 +65,8 @@ def _check_weights(folder: Path, key: str) -> None:
         try:
             files = sorted(set(json.loads((folder / name).read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, AttributeError, TypeError) as err:
-            raise ValueError(f"{key}: {str(folder / name)!r} is not a weight index ({_first_line(err)})") from err
+            raise ValueError(f"{key}: {str(folder / name)!r} is not a weight index "
+                             f"({_first_line(err)})") from err
         absent = [f for f in files if not (folder / f).is_file()]
         if absent:
             raise ValueError(f"{key}: {str(folder / name)!r} names {absent[0]!r}, which is not in the folder")
@@ -94,7 +97,8 @@ def validate_tokenizer_folder(path: str | Path, key: str) -> None:
 
 def validate_model_folder(path: str | Path, key: str, *, need_tokenizer: bool = True) -> None:
     """config.json (a known architecture, a decoder config), weight files with readable headers, and
-    (with ``need_tokenizer``) a tokenizer that loads; raises ValueError naming ``key``, the path and the fault."""
+    (with ``need_tokenizer``) a tokenizer that loads; raises ValueError naming ``key``, the path and the
+    fault."""
     read_config(path, key)
     _check_weights(Path(path), key)
     if need_tokenizer:

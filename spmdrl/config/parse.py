@@ -30,7 +30,8 @@ def build_parser() -> ArgumentParser:
         exit_on_error=False,
         default_env=False,
     )
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file of an experiment (configs/*.yaml).")
+    parser.add_argument("--config", action=ActionConfigFile,
+                        help="YAML file of an experiment (configs/*.yaml).")
     parser.add_argument("--debug", type=bool, default=False, help="Show tracebacks for configuration errors.")
     parser.add_class_arguments(Config, nested_key=None)
     return parser

@@ -71,7 +71,8 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree of the training mesh."""
     pp: int = 1
-    """Pipeline-parallel degree of the training mesh (actor.strategy megatron: 1F1B schedule over the stages)."""
+    """Pipeline-parallel degree of the training mesh (actor.strategy megatron: 1F1B schedule over the
+    stages)."""
     rollout_tp: int = 1
     """Tensor-parallel degree of the rollout mesh; rollout DP is world_size / rollout_tp."""
 
@@ -277,7 +278,8 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, gpg, opo."""
+    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, gpg,
+    opo."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
@@ -305,7 +307,8 @@ class OverlongBufferConfig:
 @dataclass
 class RewardConfig:
     function: str = "builtin"
-    """``builtin`` (scorer chosen by each row's data_source) or ``path/to/file.py:function`` with verl's signature."""
+    """``builtin`` (scorer chosen by each row's data_source) or ``path/to/file.py:function`` with verl's
+    signature."""
     num_workers: int = 0
     """Scoring processes; 0 scores in-process (no timeout)."""
     timeout_s: float = 10.0

@@ -114,5 +114,5 @@ def build_engine(
     )
 
 
-__all__ = ["ENGINES", "READERS", "CheckpointReader", "LossFn", "LossScale", "Role", "TrainEngine", "build_engine",
-           "checkpoint_reader", "engine_class"]
+__all__ = ["ENGINES", "READERS", "CheckpointReader", "LossFn", "LossScale", "Role", "TrainEngine",
+           "build_engine", "checkpoint_reader", "engine_class"]

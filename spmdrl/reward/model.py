@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 
 def render(tokenizer: Any, chats: Sequence[Sequence[dict]], responses: Sequence[str]) -> list[str]:
-    """Each prompt's chat messages with the response as the assistant's turn, in ``tokenizer``'s chat template."""
+    """Each prompt's chat messages with the response as the assistant's turn, in ``tokenizer``'s chat
+    template."""
     return [
         tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": response}], tokenize=False,
                                       add_generation_prompt=False)
@@ -69,11 +70,11 @@ def encode(tokenizer: Any, texts: Sequence[str], max_length: Optional[int], pad_
 class RewardModelScorer:
     """This rank's reward-model engine and tokenizer, and how prompt + response are rendered for it."""
 
-    def __init__(self, engine: "TrainEngine", tokenizer: Any, *, group: dist.ProcessGroup, micro_batch_size: int,
-                 max_length: Optional[int]) -> None:
+    def __init__(self, engine: "TrainEngine", tokenizer: Any, *, group: dist.ProcessGroup,
+                 micro_batch_size: int, max_length: Optional[int]) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("reward_model.model.path has a tokenizer without a chat template; the reward model "
-                             "scores prompt + response rendered with its own chat template")
+            raise ValueError("reward_model.model.path has a tokenizer without a chat template; the reward "
+                             "model scores prompt + response rendered with its own chat template")
         self.engine, self.tokenizer, self.group = engine, tokenizer, group
         self.micro_batch_size, self.max_length = micro_batch_size, max_length
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -102,7 +103,8 @@ class RewardModelScorer:
         """
         n = len(responses)
         # NCCL reduces only device tensors; gloo only host ones.
-        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else "cpu"
+        on = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl"
+              else "cpu")
         most = torch.tensor([n], dtype=torch.int64, device=on)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         if int(most) == 0:
@@ -119,4 +121,5 @@ def check_weights(rm_weight: float, rule_weight: float) -> None:
         if not math.isfinite(value):
             raise ValueError(f"{key} is {value}; it must be a finite number")
     if rm_weight == 0 and rule_weight == 0:
-        raise ValueError("reward_model.rm_weight and reward_model.rule_weight are both 0; the reward would be 0")
+        raise ValueError("reward_model.rm_weight and reward_model.rule_weight are both 0; the reward would "
+                         "be 0")

@@ -1,6 +1,7 @@
 """Sequence rewards: score decoded responses with a rule-based function, containing its failures.
 
-    rm = RewardManager.from_config(cfg.reward)       # or RewardManager("my_reward.py:compute_score", num_workers=4)
+    rm = RewardManager.from_config(cfg.reward)
+    # or RewardManager("my_reward.py:compute_score", num_workers=4)
     out = rm(data_sources, solution_strs, ground_truths, extra_infos)
     out.scores        # [N] float32
     out.metrics()     # {"reward/num_errors": ..., "reward/num_timeouts": ...}   (local counts)
@@ -74,7 +75,8 @@ def _plain(value: Any) -> Any:
 
 
 def _normalise(result: Any) -> tuple[float, dict[str, Any]]:
-    """(score, extras) from a scorer's float or dict; a bad return value raises so it is counted as an error."""
+    """(score, extras) from a scorer's float or dict; a bad return value raises so it is counted as an
+    error."""
     extra: dict[str, Any] = {}
     if isinstance(result, dict):
         if "score" not in result:
@@ -95,7 +97,8 @@ def _call(fn: Callable[..., Any], item: tuple) -> tuple[float, dict[str, Any]]:
 
 
 def _worker_setup(spec: str) -> Callable[[tuple], tuple[float, dict[str, Any]]]:
-    """In a worker process: the scoring function for items ``(data_source, solution, ground_truth, extra_info)``."""
+    """In a worker process: the scoring function for items ``(data_source, solution, ground_truth,
+    extra_info)``."""
     try:
         fn = load_reward_function(spec)
     except Exception as e:  # reported per item, so the pool need not special-case start-up
@@ -121,8 +124,10 @@ class RewardOutput:
     """Scores of one batch on this rank, aligned with the inputs."""
 
     scores: "torch.Tensor"  # [N] float32; 0 where scoring raised or timed out
-    extra: dict[str, list]  # per-item extra values of dict-returning scorers; None where an item lacks the key
-    num_errors: int  # items whose scorer raised, returned a bad value, or whose worker died (timeouts included)
+    # per-item extra values of dict-returning scorers; None where an item lacks the key
+    extra: dict[str, list]
+    # items whose scorer raised, returned a bad value, or whose worker died (timeouts included)
+    num_errors: int
     num_timeouts: int  # items that ran past reward.timeout_s
     errors: list[str] = field(default_factory=list)  # one message per failed item, for logs
 
@@ -212,7 +217,8 @@ class RewardManager:
         self.close()
 
 
-def decode_responses(tokenizer: Any, response_ids: "torch.Tensor", response_mask: "torch.Tensor") -> list[str]:
+def decode_responses(tokenizer: Any, response_ids: "torch.Tensor",
+                     response_mask: "torch.Tensor") -> list[str]:
     """Response texts for scoring: the masked tokens of each row [N, R], special tokens (EOS) removed."""
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(response_ids, response_mask)]
     return tokenizer.batch_decode(rows, skip_special_tokens=True)

@@ -35,7 +35,8 @@ def _strip_special(text: str) -> str:
 # --------------------------------------------------------------------------- arith
 
 
-def arith_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None) -> dict:
+def arith_score(data_source: str, solution_str: str, ground_truth: Any,
+                extra_info: Optional[dict] = None) -> dict:
     """Graded reward in [0, 1] for a single-integer answer; 1.0 only for the bare correct answer.
 
     - no integer in the response: 0
@@ -59,7 +60,8 @@ def arith_score(data_source: str, solution_str: str, ground_truth: Any, extra_in
     correct = pred == ans
     accuracy = 1.0 if correct else 0.5 * max(0.0, 1.0 - abs(pred - ans) / 10.0)
     conciseness = min(1.0, len(answer) / len(text))
-    return {"score": 0.1 + 0.9 * accuracy * (0.5 + 0.5 * conciseness), "acc": float(correct), "pred": str(pred)}
+    return {"score": 0.1 + 0.9 * accuracy * (0.5 + 0.5 * conciseness), "acc": float(correct),
+            "pred": str(pred)}
 
 
 # --------------------------------------------------------------------------- copy / reverse
@@ -114,7 +116,8 @@ def gsm8k_score(
     format_score: float = 0.0,
     score: float = 1.0,
 ) -> float:
-    """``score`` when the ``#### answer`` equals the ground truth, ``format_score`` when it differs, 0 when absent."""
+    """``score`` when the ``#### answer`` equals the ground truth, ``format_score`` when it differs, 0 when
+    absent."""
     pred = extract_gsm8k_answer(solution_str, method)
     if pred is None:
         return 0.0
@@ -129,7 +132,8 @@ def gsm8k_score(
 
 
 def last_boxed(text: str) -> Optional[str]:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, ``\\boxed x``) in ``text``, braces balanced."""
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, ``\\boxed x``) in ``text``, braces
+    balanced."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
@@ -180,7 +184,8 @@ def normalize_math_answer(answer: str) -> str:
     return s
 
 
-def math_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None) -> float:
+def math_score(data_source: str, solution_str: str, ground_truth: Any,
+               extra_info: Optional[dict] = None) -> float:
     """1.0 when the last ``\\boxed{}`` answer equals the ground truth after normalisation, else 0."""
     pred = last_boxed(solution_str)
     if pred is None:
@@ -197,9 +202,11 @@ def math_score(data_source: str, solution_str: str, ground_truth: Any, extra_inf
 _ANSWER = re.compile(r"Answer:\s*(-?\d+)")
 
 
-def calc_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None) -> dict:
-    """1.0 when the last assistant turn says ``Answer: <the exact value>``; otherwise 0.2 for a calculator call
-    that ran without error (credit for using the tool), 0.1 for an ``Answer: <integer>`` that is wrong, else 0.
+def calc_score(data_source: str, solution_str: str, ground_truth: Any,
+               extra_info: Optional[dict] = None) -> dict:
+    """1.0 when the last assistant turn says ``Answer: <the exact value>``; otherwise 0.2 for a calculator
+    call that ran without error (credit for using the tool), 0.1 for an ``Answer: <integer>`` that is
+    wrong, else 0.
 
     The answer is read from the last assistant message of ``extra_info["messages"]`` (multi-turn rollouts put
     the conversation there), else from the end of ``solution_str``, so tool output is never taken for it.
@@ -243,6 +250,7 @@ def get_scorer(data_source: str) -> ScoreFn:
     return SCORERS[data_source]
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Optional[dict] = None) -> Score:
+def compute_score(data_source: str, solution_str: str, ground_truth: Any,
+                  extra_info: Optional[dict] = None) -> Score:
     """verl-style default: dispatch on ``data_source`` to the built-in scorer."""
     return get_scorer(data_source)(data_source, solution_str, ground_truth, extra_info)

@@ -1,8 +1,8 @@
 """Every reward source as one entry of a weighted list, combined in one place (as TRL's ``reward_funcs`` and
 ``reward_weights``).
 
-    rewards = build_rewards(cfg, dims, device, tokenizer)     # collective: a reward model is built on every rank
-    result = rewards(batch)                                  # scores [N], metrics, per-response extras
+    rewards = build_rewards(cfg, dims, device, tokenizer)  # collective: a reward model is built on every rank
+    result = rewards(batch)                               # scores [N], metrics, per-response extras
     rewards.close()
 
 A source scores this rank's rows of a batch (the decoded responses are shared)
@@ -46,7 +46,8 @@ class SourceScores:
 
     scores: torch.Tensor  # [N] float32
     metrics: dict[str, float] = field(default_factory=dict)  # local values; the loop reduces them over ranks
-    extra: dict[str, list] = field(default_factory=dict)  # per-response values (acc, pred, ...) for validation
+    # per-response values (acc, pred, ...) for validation
+    extra: dict[str, list] = field(default_factory=dict)
 
 
 class RewardSource(Protocol):
@@ -169,7 +170,8 @@ class OverlongPenalty:
     name, collective, weight = "overlong", False, 1.0
 
     def __init__(self, *, max_response_length: int, buffer_len: int, penalty_factor: float) -> None:
-        self.max_response_length, self.buffer_len, self.penalty_factor = max_response_length, buffer_len, penalty_factor
+        self.max_response_length, self.buffer_len, self.penalty_factor = (max_response_length, buffer_len,
+                                                                          penalty_factor)
 
     def __call__(self, batch: Batch, texts: Sequence[str]) -> SourceScores:
         lengths = batch["response_mask"].sum(-1)  # [N]

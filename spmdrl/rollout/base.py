@@ -128,8 +128,8 @@ def eos_ids_from_folder(model_path: str | Path, tokenizer_eos: Optional[int] = N
 # What ``sleep`` frees and ``wake_up`` re-materialises.
 SLEEP_TAGS = ("weights", "kv_cache")
 # Engines that run one whole model per rank refuse rollout TP with this sentence.
-TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the native and hf rollout engines run one engine per rank; "
-                  "rollout tensor parallelism needs an engine that shards (set parallel.rollout_tp: 1)")
+TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the native and hf rollout engines run one engine per "
+                  "rank; rollout tensor parallelism needs an engine that shards (set parallel.rollout_tp: 1)")
 
 
 class RolloutEngine(abc.ABC):
@@ -165,13 +165,16 @@ class RolloutEngine(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
-                    eos_token_ids: Sequence[int], pad_token_id: int) -> "RolloutEngine":
-        """Build this rank's engine from the run config (``model_path`` already resolved from ``builtin:``)."""
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],
+                    device: torch.device, eos_token_ids: Sequence[int], pad_token_id: int) -> "RolloutEngine":
+        """Build this rank's engine from the run config (``model_path`` already resolved from
+        ``builtin:``)."""
 
 
 def common_kwargs(cfg: "Config", device: torch.device) -> dict:
     """Constructor arguments every in-process engine takes from the config: the resolved dtype
-    (``auto`` decided for ``device``), ``max_num_seqs`` and the base sampling seed (engines add their DP rank)."""
+    (``auto`` decided for ``device``), ``max_num_seqs`` and the base sampling seed (engines add their DP
+    rank)."""
     r = cfg.rollout
-    return dict(dtype=resolve_dtype(r.dtype, device.type), max_num_seqs=r.max_num_seqs, seed=cfg.trainer.seed * 1000)
+    return dict(dtype=resolve_dtype(r.dtype, device.type), max_num_seqs=r.max_num_seqs,
+                seed=cfg.trainer.seed * 1000)

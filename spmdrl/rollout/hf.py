@@ -102,10 +102,10 @@ class HFRollout(RolloutEngine):
             raise ValueError(TP_UNSUPPORTED.format(tp=cfg.parallel.rollout_tp))
 
     @classmethod
-    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
-                    eos_token_ids: Sequence[int], pad_token_id: int) -> "HFRollout":
-        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                   **common_kwargs(cfg, device))
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],
+                    device: torch.device, eos_token_ids: Sequence[int], pad_token_id: int) -> "HFRollout":
+        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids,
+                   pad_token_id=pad_token_id, **common_kwargs(cfg, device))
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

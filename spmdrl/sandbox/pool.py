@@ -30,7 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-# A handler's error message is cut to this many characters: it travels over the pipe and into logs and prompts.
+# A handler's error message is cut to this many characters: it travels over the pipe and into logs and
+# prompts.
 _MAX_ERROR_CHARS = 500
 
 
@@ -56,7 +57,8 @@ def _worker_main(conn: multiprocessing.connection.Connection, setup: Callable[..
         idx, item = msg
         try:
             conn.send(("ok", idx, handler(item)))
-        except BaseException as err:  # all the item's own: a SystemExit or MemoryError must not end the worker
+        except BaseException as err:
+            # all the item's own: a SystemExit or MemoryError must not end the worker
             try:
                 conn.send(("error", idx, f"{type(err).__name__}: {str(err)[:_MAX_ERROR_CHARS]}"))
             except Exception:  # the pipe is gone: the parent sees a dead worker
@@ -126,7 +128,8 @@ class WorkerPool:
         return RuntimeError(f"a {self.name} worker {what}" + (f" ({notes})" if notes else ""))
 
     def run(self, items: Sequence[Any]) -> list[Outcome]:
-        """Outcomes aligned with ``items``; a failing item is an outcome with ``error`` set, never an exception."""
+        """Outcomes aligned with ``items``; a failing item is an outcome with ``error`` set, never an
+        exception."""
         outcomes = [Outcome() for _ in items]
         while len(self.workers) < min(self.num_workers, len(items)):
             self.workers.append(self._spawn())
@@ -153,7 +156,8 @@ class WorkerPool:
                 except (EOFError, OSError):  # the process died (crash, os._exit, memory limit, OOM kill)
                     w.proc.join(timeout=1)  # reap it, so the exit code is known for the message
                     if not w.ready:
-                        raise self._start_failed("exited during start-up", f"exit code {w.proc.exitcode}") from None
+                        raise self._start_failed("exited during start-up",
+                                                 f"exit code {w.proc.exitcode}") from None
                     if w.item is not None:
                         out = outcomes[w.item]
                         out.error = f"{self.name} worker died (exit code {w.proc.exitcode})"

@@ -12,7 +12,8 @@ from types import ModuleType
 
 
 def import_file(file: Path, kind: str, where: str) -> ModuleType:
-    """Import the user's Python ``file`` under a private module name; ``kind`` and ``where`` name it in errors.
+    """Import the user's Python ``file`` under a private module name; ``kind`` and ``where`` name it in
+    errors.
 
     Raises FileNotFoundError for a missing file and ImportError for one that does not import.
     """

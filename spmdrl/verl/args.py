@@ -32,7 +32,8 @@ _INT = re.compile(r"^[-+]?\d+$")
 
 
 def parse_value(text: str) -> Any:
-    """A Hydra override value: null, true/false, int, float (1e-6 too), [list], {dict}, 'quoted' or a string."""
+    """A Hydra override value: null, true/false, int, float (1e-6 too), [list], {dict}, 'quoted' or a
+    string."""
     s = text.strip()
     if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"":
         return s[1:-1]
@@ -97,7 +98,8 @@ def load_verl_yaml(path: str) -> dict[str, Any]:
     except yaml.YAMLError as err:
         raise ConfigError(f"--verl-config {path!r} is not valid YAML: {' '.join(str(err).split())}") from err
     if not isinstance(tree, dict):
-        raise ConfigError(f"--verl-config {path!r} must hold a mapping of verl sections, not {type(tree).__name__}")
+        raise ConfigError(f"--verl-config {path!r} must hold a mapping of verl sections, not "
+                          f"{type(tree).__name__}")
     tree = {k: v for k, v in tree.items() if k not in ("defaults", "hydra")}
     return {k: _numbers(v) for k, v in _flatten(tree).items()}
 
@@ -134,7 +136,8 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any
     i = 0
     while i < len(words):
         w = words[i]
-        for flag, bucket in (("--config", configs), ("--verl-config", verl_files), ("--verl_config", verl_files)):
+        for flag, bucket in (("--config", configs), ("--verl-config", verl_files),
+                             ("--verl_config", verl_files)):
             if w == flag:
                 if i + 1 >= len(words):
                     raise ConfigError(f"{flag} needs a file")
@@ -156,7 +159,8 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any
 
 
 def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None) -> tuple[list[str], dict[str, str]]:
-    """Replace verl words by one YAML ``--config`` in precedence order; returns (argv, spmdrl key -> verl key).
+    """Replace verl words by one YAML ``--config`` in precedence order; returns (argv, spmdrl key -> verl
+    key).
 
     An argv without verl words comes back unchanged. Raises ConfigError with one sentence.
     """
@@ -174,7 +178,8 @@ def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None) -> tuple
         check_world_size(verl, world)
     flat, origin, notes = translate(verl, world)
     if notes and os.environ.get("RANK", "0") == "0":
-        print(f"spmdrl.train: info: verl keys accepted with no effect here: {'; '.join(notes)}", file=sys.stderr)
+        print(f"spmdrl.train: info: verl keys accepted with no effect here: {'; '.join(notes)}",
+              file=sys.stderr)
     out: list[str] = []
     for c in configs:
         out += ["--config", c]

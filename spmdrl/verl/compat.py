@@ -72,7 +72,8 @@ def only(verl: str, allowed: tuple, why: str) -> Rule:
     def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
         if value not in allowed:
             shown = " or ".join(repr(a) for a in allowed)
-            raise ConfigError(f"verl key {verl}={value!r} is not supported: spmdrl accepts only {shown} ({why})")
+            raise ConfigError(f"verl key {verl}={value!r} is not supported: spmdrl accepts only {shown} "
+                              f"({why})")
         return {}
 
     return Rule(verl, "", convert, f"only {', '.join(repr(a) for a in allowed)}: {why}")
@@ -115,8 +116,8 @@ def _same_strategy(key: str, only_if: str = "") -> Callable[[Any, Ctx], dict[str
         actor = _strategy(ctx.verl.get(f"{ACT}.strategy", "fsdp"))
         if value is None or (only_if and not ctx.verl.get(only_if)) or _strategy(value) == actor:
             return {}
-        raise ConfigError(f"verl key {key}={value!r} differs from {ACT}.strategy={actor!r}: spmdrl builds every "
-                          f"model with actor.strategy; give {key}={actor!r} or leave it out")
+        raise ConfigError(f"verl key {key}={value!r} differs from {ACT}.strategy={actor!r}: spmdrl builds "
+                          f"every model with actor.strategy; give {key}={actor!r} or leave it out")
 
     return convert
 
@@ -129,8 +130,9 @@ def _same_megatron(key: str, field: str) -> Callable[[Any, Ctx], dict[str, Any]]
         actor = ctx.verl.get(f"{ACT}.megatron.{field}", 1)
         if value is None or value == actor:
             return {}
-        raise ConfigError(f"verl key {key}={value!r} differs from {ACT}.megatron.{field}={actor!r}: the reference "
-                          f"and critic share the actor's Megatron TP/PP groups; give the same size or leave it out")
+        raise ConfigError(f"verl key {key}={value!r} differs from {ACT}.megatron.{field}={actor!r}: the "
+                          f"reference and critic share the actor's Megatron TP/PP groups; give the same size "
+                          f"or leave it out")
 
     return convert
 
@@ -140,19 +142,25 @@ def _megatron_rows(prefix: str) -> list["Rule"]:
     rows = [
         only(f"{prefix}.sequence_parallel", (False,),
              "spmdrl's Megatron engine keeps whole sequences on every TP rank: it does not all-reduce the "
-             "sequence-parallel norm gradients over TP, so it runs without sequence parallelism (same results)"),
+             "sequence-parallel norm gradients over TP, so it runs without sequence parallelism (same "
+             "results)"),
         only(f"{prefix}.use_distributed_optimizer", (False,),
-             "spmdrl steps torch AdamW on each rank's TP/PP shard after one all-reduce of the gradients over the "
-             "data-parallel group; Megatron's DDP and distributed optimizer (CUDA-only gradient buffers) are not used"),
-        only(f"{prefix}.virtual_pipeline_model_parallel_size", (None, 1), "no interleaved pipeline schedule (1F1B)"),
+             "spmdrl steps torch AdamW on each rank's TP/PP shard after one all-reduce of the gradients over "
+             "the data-parallel group; Megatron's DDP and distributed optimizer (CUDA-only gradient buffers) "
+             "are not used"),
+        only(f"{prefix}.virtual_pipeline_model_parallel_size", (None, 1),
+             "no interleaved pipeline schedule (1F1B)"),
         only(f"{prefix}.context_parallel_size", (1,), "no context parallelism"),
         only(f"{prefix}.expert_model_parallel_size", (1,), "dense models only"),
         only(f"{prefix}.expert_tensor_parallel_size", (None, 1), "dense models only"),
         only(f"{prefix}.param_offload", (False,), "the Megatron engine keeps its parameters on the device"),
-        ignore(f"{prefix}.optimizer_offload", "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+        ignore(f"{prefix}.optimizer_offload",
+               "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
         ignore(f"{prefix}.grad_offload", "spmdrl frees gradients while rollout runs (trainer.colocate)"),
-        only(f"{prefix}.use_dist_checkpointing", (False,), "checkpoints are torch.distributed.checkpoint folders"),
-        only(f"{prefix}.dist_checkpointing_path", (None,), "checkpoints are torch.distributed.checkpoint folders"),
+        only(f"{prefix}.use_dist_checkpointing", (False,),
+             "checkpoints are torch.distributed.checkpoint folders"),
+        only(f"{prefix}.dist_checkpointing_path", (None,),
+             "checkpoints are torch.distributed.checkpoint folders"),
         ignore(f"{prefix}.dist_checkpointing_prefix", "used only with use_dist_checkpointing"),
         ignore(f"{prefix}.use_mbridge", "spmdrl converts HF <-> Megatron weights itself (the same tensors)"),
         ignore(f"{prefix}.seed", "Megatron's RNG tracker takes trainer.seed; the models have no dropout"),
@@ -182,8 +190,9 @@ def _fsdp_size(value: Any, ctx: Ctx) -> dict[str, Any]:
         return {}
     k = int(value)
     if k <= 0 or ctx.world_size % k:
-        raise ConfigError(f"verl key actor_rollout_ref.actor.fsdp_config.fsdp_size={value} does not divide the "
-                          f"{ctx.world_size} ranks torchrun started; give -1 or a divisor of the world size")
+        raise ConfigError(f"verl key actor_rollout_ref.actor.fsdp_config.fsdp_size={value} does not divide "
+                          f"the {ctx.world_size} ranks torchrun started; give -1 or a divisor of the world "
+                          f"size")
     return {"parallel.dp_shard": k, "parallel.dp_replicate": ctx.world_size // k}
 
 
@@ -225,7 +234,8 @@ def _world(value: Any, ctx: Ctx) -> dict[str, Any]:
 
 
 def _multi_turn_format(value: Any) -> Any:
-    return _choice("actor_rollout_ref.rollout.multi_turn.format", {"hermes": "hermes", "chatml": "hermes"})(value)
+    return _choice("actor_rollout_ref.rollout.multi_turn.format",
+                   {"hermes": "hermes", "chatml": "hermes"})(value)
 
 
 def _warmup_steps(value: Any) -> Any:
@@ -249,14 +259,16 @@ TABLE: list[Rule] = [
     m("data.max_response_length", "data.max_response_length"),
     m("data.truncation", "data.truncation",
       _choice("data.truncation", {"error": "error", "left": "left", "right": "right"})),
-    Rule("data.filter_overlong_prompts", "data.truncation", _filter_overlong, "true sets data.truncation: filter"),
+    Rule("data.filter_overlong_prompts", "data.truncation", _filter_overlong,
+         "true sets data.truncation: filter"),
     ignore("data.filter_overlong_prompts_workers", PERF),
     ignore("data.dataloader_num_workers", PERF),
     m("data.shuffle", "data.shuffle"),
     m("data.tokenizer", "model.tokenizer_path", _path),
     only("data.reward_fn_key", ("data_source",), "the scorer is chosen by each row's data_source"),
     ignore("data.return_raw_chat", "spmdrl keeps each prompt's text and tokens"),
-    ignore("data.return_raw_input_ids", "the reward model re-renders prompt + response with its own template"),
+    ignore("data.return_raw_input_ids",
+           "the reward model re-renders prompt + response with its own template"),
     ignore("data.image_key", TEXT_ONLY),
     ignore("data.video_key", TEXT_ONLY),
     # model
@@ -314,7 +326,8 @@ TABLE: list[Rule] = [
          "k < world: shard over k ranks, replicate over world/k (HSDP)"),
     m(f"{ACT}.fsdp_config.offload_policy", "actor.cpu_offload"),
     only(f"{ACT}.fsdp_config.param_offload", (False,), "use actor.cpu_offload (FSDP2 CPU offload)"),
-    ignore(f"{ACT}.fsdp_config.optimizer_offload", "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+    ignore(f"{ACT}.fsdp_config.optimizer_offload",
+           "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
     ignore(f"{ACT}.fsdp_config.grad_offload", "spmdrl frees gradients while rollout runs (trainer.colocate)"),
     ignore(f"{ACT}.fsdp_config.reshard_after_forward", PERF),
     ignore(f"{ACT}.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
@@ -326,7 +339,8 @@ TABLE: list[Rule] = [
     m(f"{RO}.temperature", "rollout.temperature"),
     m(f"{RO}.top_p", "rollout.top_p"),
     m(f"{RO}.top_k", "rollout.top_k", _top_k, "0 (hf: no top-k) becomes -1"),
-    m(f"{RO}.do_sample", "rollout.temperature", lambda v: SKIP if v else 0.0, "false means greedy: temperature 0"),
+    m(f"{RO}.do_sample", "rollout.temperature", lambda v: SKIP if v else 0.0,
+      "false means greedy: temperature 0"),
     m(f"{RO}.dtype", "rollout.dtype"),
     m(f"{RO}.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
     m(f"{RO}.ignore_eos", "rollout.ignore_eos"),
@@ -338,7 +352,8 @@ TABLE: list[Rule] = [
     m(f"{RO}.update_weights_bucket_megabytes", "rollout.update_weights_bucket_megabytes"),
     m(f"{RO}.log_prob_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu"),
     Rule(f"{RO}.log_prob_micro_batch_size", "actor.log_prob_micro_batch_size_per_gpu",
-         _per_gpu("actor.log_prob_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+         _per_gpu("actor.log_prob_micro_batch_size_per_gpu"),
+         "deprecated global size, divided by the world size"),
     ignore(f"{RO}.log_prob_use_dynamic_bsz", PERF),
     ignore(f"{RO}.log_prob_max_token_len_per_gpu", PERF),
     ignore(f"{RO}.load_format", "weights are pushed from the actor each step"),
@@ -352,11 +367,13 @@ TABLE: list[Rule] = [
     *[m(f"{RO}.multi_turn.{k}", f"rollout.multi_turn.{k}", _path if k == "tool_config_path" else None)
       for k in ("enable", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
                 "tool_config_path")],
-    m(f"{RO}.multi_turn.format", "rollout.multi_turn.format", _multi_turn_format, "chatml (older verl) means hermes"),
+    m(f"{RO}.multi_turn.format", "rollout.multi_turn.format", _multi_turn_format,
+      "chatml (older verl) means hermes"),
     # reference policy
     m(f"{AR}.ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu"),
     Rule(f"{AR}.ref.log_prob_micro_batch_size", "ref.log_prob_micro_batch_size_per_gpu",
-         _per_gpu("ref.log_prob_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+         _per_gpu("ref.log_prob_micro_batch_size_per_gpu"),
+         "deprecated global size, divided by the world size"),
     m(f"{AR}.ref.fsdp_config.param_offload", "ref.offload"),
     Rule(f"{AR}.ref.strategy", "", _same_strategy(f"{AR}.ref.strategy"), "must name actor.strategy"),
     *_megatron_rows(f"{AR}.ref.megatron"),
@@ -372,7 +389,8 @@ TABLE: list[Rule] = [
     *_megatron_rows("critic.megatron"),
     m("critic.optim.lr", "critic.lr"),
     m("critic.optim.weight_decay", "critic.weight_decay"),
-    m("critic.optim.lr_warmup_steps", "critic.lr_warmup_steps", _warmup_steps, "-1 (use the ratio) sets nothing"),
+    m("critic.optim.lr_warmup_steps", "critic.lr_warmup_steps", _warmup_steps,
+      "-1 (use the ratio) sets nothing"),
     only("critic.optim.lr_warmup_steps_ratio", (0, 0.0), "give critic.optim.lr_warmup_steps"),
     only("critic.optim.warmup_style", ("constant",), "the critic's rate is constant after warm-up"),
     ignore("critic.optim.total_training_steps", "spmdrl derives it from the run"),
@@ -381,7 +399,8 @@ TABLE: list[Rule] = [
     m("critic.ppo_mini_batch_size", "critic.ppo_mini_batch_size"),
     m("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu"),
     Rule("critic.ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu",
-         _per_gpu("critic.ppo_micro_batch_size_per_gpu"), "deprecated global size, divided by the world size"),
+         _per_gpu("critic.ppo_micro_batch_size_per_gpu"),
+         "deprecated global size, divided by the world size"),
     m("critic.ppo_epochs", "critic.ppo_epochs"),
     m("critic.cliprange_value", "critic.cliprange_value"),
     only("critic.model.fsdp_config.param_offload", (False,), "use actor.cpu_offload (it covers the critic)"),
@@ -390,7 +409,8 @@ TABLE: list[Rule] = [
     ignore("critic.model.use_remove_padding", PERF),
     ignore("critic.rollout_n", "verl derives it from actor_rollout_ref.rollout.n"),
     ignore("critic.model.tokenizer_path", "the critic reads the policy's tokens"),
-    ignore("critic.model.enable_gradient_checkpointing", "the critic follows model.enable_gradient_checkpointing"),
+    ignore("critic.model.enable_gradient_checkpointing",
+           "the critic follows model.enable_gradient_checkpointing"),
     only("critic.model.fsdp_config.offload_policy", (False,), "use actor.cpu_offload (it covers the critic)"),
     only("critic.model.fsdp_config.fsdp_size", (-1,), "the critic shares the actor's mesh"),
     ignore("critic.model.fsdp_config.reshard_after_forward", PERF),
@@ -405,8 +425,9 @@ TABLE: list[Rule] = [
     # rewards
     m("reward_model.enable", "reward_model.enable"),
     m("reward_model.model.path", "reward_model.model.path", _path),
-    ignore("reward_model.model.input_tokenizer", "spmdrl always decodes responses with the policy's tokenizer "
-           "and re-renders prompt + response with the reward model's chat template (what verl does when it is set)"),
+    ignore("reward_model.model.input_tokenizer",
+           "spmdrl always decodes responses with the policy's tokenizer and re-renders prompt + response "
+           "with the reward model's chat template (what verl does when it is set)"),
     m("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu"),
     m("reward_model.max_length", "reward_model.max_length"),
     only("reward_model.reward_manager", ("naive",), "rule scores come from reward.function"),
@@ -428,12 +449,16 @@ TABLE: list[Rule] = [
       for k in ("enable", "len", "penalty_factor")],
     Rule("custom_reward_function.path", "reward.function", _custom_reward,
          "with custom_reward_function.name: path.py:name"),
-    Rule("custom_reward_function.name", "reward.function", lambda v, ctx: {}, "read with custom_reward_function.path"),
+    Rule("custom_reward_function.name", "reward.function", lambda v, ctx: {},
+         "read with custom_reward_function.path"),
     # algorithm
     *[m(f"algorithm.{k}", f"algorithm.{k}")
-      for k in ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward", "kl_penalty")],
-    *[m(f"algorithm.kl_ctrl.{k}", f"algorithm.kl_ctrl.{k}") for k in ("type", "kl_coef", "target_kl", "horizon")],
-    *[m(f"algorithm.filter_groups.{k}", f"algorithm.filter_groups.{k}") for k in ("enable", "max_num_gen_batches")],
+      for k in ("adv_estimator", "gamma", "lam", "norm_adv_by_std_in_grpo", "use_kl_in_reward",
+                "kl_penalty")],
+    *[m(f"algorithm.kl_ctrl.{k}", f"algorithm.kl_ctrl.{k}")
+      for k in ("type", "kl_coef", "target_kl", "horizon")],
+    *[m(f"algorithm.filter_groups.{k}", f"algorithm.filter_groups.{k}")
+      for k in ("enable", "max_num_gen_batches")],
     only("algorithm.filter_groups.metric", ("acc", "score"),
          "groups whose scores are all equal are dropped (the same as acc for 0/1 rewards)"),
     # trainer
@@ -441,7 +466,8 @@ TABLE: list[Rule] = [
     m("trainer.total_training_steps", "trainer.total_steps"),
     m("trainer.project_name", "trainer.project_name"),
     m("trainer.experiment_name", "trainer.experiment_name"),
-    m("trainer.logger", "trainer.logger", _logger, "one name or a list; jsonl (metrics.jsonl) is always kept"),
+    m("trainer.logger", "trainer.logger", _logger,
+      "one name or a list; jsonl (metrics.jsonl) is always kept"),
     Rule("trainer.nnodes", "", _world, "n_gpus_per_node x nnodes must equal torchrun's world size"),
     Rule("trainer.n_gpus_per_node", "", _world, "n_gpus_per_node x nnodes must equal torchrun's world size"),
     m("trainer.device", "trainer.device"),
@@ -452,7 +478,8 @@ TABLE: list[Rule] = [
     Rule("trainer.resume_mode", "trainer.resume", _resume_mode,
          "auto: auto, disable: off, resume_path: trainer.resume_from_path"),
     Rule("trainer.resume_from_path", "trainer.resume", _resume_from_path, "read with trainer.resume_mode"),
-    m("trainer.default_local_dir", "trainer.output_dir", _path, note="checkpoints go to its checkpoints/ folder"),
+    m("trainer.default_local_dir", "trainer.output_dir", _path,
+      note="checkpoints go to its checkpoints/ folder"),
     m("trainer.max_actor_ckpt_to_keep", "trainer.keep_last", note="null keeps spmdrl's default"),
     only("trainer.critic_warmup", (0,), "the actor trains from the first step"),
     only("trainer.default_hdfs_dir", (None,), "write to a shared file system"),
@@ -519,8 +546,10 @@ def translate(verl: dict[str, Any], world_size: int) -> tuple[dict[str, Any], di
                           f"(docs/verl.md lists every verl key spmdrl maps)")
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
-    why: dict[str, list[str]] = {"null or empty, so they set nothing": [k for k in verl if rule_for(k) is None]}
-    for rule in TABLE:  # table order: later rows win (clip_ratio_low after clip_ratio, filter after truncation)
+    why: dict[str, list[str]] = {"null or empty, so they set nothing":
+                                 [k for k in verl if rule_for(k) is None]}
+    # table order: later rows win (clip_ratio_low after clip_ratio, filter after truncation)
+    for rule in TABLE:
         for key in [k for k in verl if rule.matches(k)]:
             if rule.ignored:
                 why.setdefault(rule.note, []).append(key)

@@ -119,8 +119,8 @@ class NativeRollout(RolloutEngine):
         self.model = Decoder(self.config, self.device, self.dtype)
         self.prepack = can_prepack(self.device, self.dtype) if prepack is None else prepack
         if self.prepack and not can_prepack(self.device, self.dtype):
-            raise ValueError(f"prepack=True needs a CPU with oneDNN and float32, or bfloat16 with native bf16 "
-                             f"support; got {self.device} {self.dtype} ({native_bf16('cpu')[1]})")
+            raise ValueError(f"prepack=True needs a CPU with oneDNN and float32, or bfloat16 with native "
+                             f"bf16 support; got {self.device} {self.dtype} ({native_bf16('cpu')[1]})")
         self.model.kernels = resolve_kernels(kernels, self.device, self.dtype, self.config.head_dim)
         self.generator = torch.Generator(self.device).manual_seed(seed + self.dp_rank)
         self.cache: Optional[KVCache] = None
@@ -145,19 +145,21 @@ class NativeRollout(RolloutEngine):
             DecoderConfig.from_folder(cfg.model.path)
         if r.native_kernels == "on":
             if r.dtype == "float16":
-                raise ValueError("rollout.native_kernels is 'on' with rollout.dtype float16; the kernels support "
-                                 "float32 and bfloat16: change the dtype or set native_kernels to auto or off")
+                raise ValueError("rollout.native_kernels is 'on' with rollout.dtype float16; the kernels "
+                                 "support float32 and bfloat16: change the dtype or set native_kernels to "
+                                 "auto or off")
             from spmdrl.rollout.native.kernels import build_tools_available
 
             if not build_tools_available():
-                raise ValueError("rollout.native_kernels is 'on' but g++ or ninja is not on PATH to build them: "
-                                 "install both or set native_kernels to auto or off")
+                raise ValueError("rollout.native_kernels is 'on' but g++ or ninja is not on PATH to build "
+                                 "them: install both or set native_kernels to auto or off")
 
     @classmethod
-    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"], device: torch.device,
-                    eos_token_ids: Sequence[int], pad_token_id: int) -> "NativeRollout":
-        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
-                   kernels=cfg.rollout.native_kernels, **common_kwargs(cfg, device))
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],
+                    device: torch.device, eos_token_ids: Sequence[int], pad_token_id: int) -> "NativeRollout":
+        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids,
+                   pad_token_id=pad_token_id, kernels=cfg.rollout.native_kernels,
+                   **common_kwargs(cfg, device))
 
     # ---- weights and memory ----------------------------------------------------------------------
 
@@ -286,7 +288,8 @@ class NativeRollout(RolloutEngine):
         return T - max(new)
 
     def _keep_prefixes(self, slots: torch.Tensor, rows: torch.Tensor, row0: int, n: int,
-                       prompts: Sequence[Sequence[int]], out_ids: torch.Tensor, kv: KVView, step: int) -> None:
+                       prompts: Sequence[Sequence[int]], out_ids: torch.Tensor, kv: KVView,
+                       step: int) -> None:
         """Keep the K/V of the rows in batch ``slots`` that just stopped: their prompt and every generated
         token but the last (the stop token was sampled, never fed), i.e. the columns their bias opens."""
         for slot in slots.tolist():

@@ -124,7 +124,8 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
 
 
 def resolve_kernels(mode: KernelMode, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """``auto``: use them when supported and they build; ``on``: raise when they cannot; ``off``: torch ops."""
+    """``auto``: use them when supported and they build; ``on``: raise when they cannot; ``off``: torch
+    ops."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"rollout native kernels={mode!r} is not valid; valid: auto, on, off")
     if mode == "off":

@@ -37,8 +37,8 @@ from spmdrl.rollout.weight_store import WeightStore
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # oneDNN linear on a prepacked weight (bound once: resolving torch.ops per call costs time per step);
 # None on builds without it (Decoder.pack is then never called, see precision.can_prepack).
-_PACKED_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() \
-    else None
+_PACKED_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available()
+                  else None)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -396,7 +396,8 @@ class Decoder:
             # matmuls: 4 ops instead of 8 (~6% faster block at decode sizes in a microbenchmark).
             x = _PACKED_LINEAR.binary(attn, x, L.o, L.o_b, "add")
             h = self._rms(x, L.ln2)
-            act = _PACKED_LINEAR.binary(h, _PACKED_LINEAR(h, L.gate, None, "swish", [], ""), L.up, None, "mul")
+            act = _PACKED_LINEAR.binary(h, _PACKED_LINEAR(h, L.gate, None, "swish", [], ""), L.up, None,
+                                        "mul")
             return _PACKED_LINEAR.binary(act, x, L.down, L.down_b, "add")
         x = x + self._linear(attn, L.o, L.o_b)
         gate, up = self._linear(self._rms(x, L.ln2), L.gu, L.gu_b).chunk(2, -1)
@@ -434,7 +435,8 @@ class Decoder:
     def extend(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, cache: KVView, start: int
                ) -> torch.Tensor:
         """Prefill the last columns [start, T) of left-padded rows whose K/V for columns [0, start) are
-        already in cache rows [0, B). ids, pos [B, T-start]; valid [B, T] bool. Returns hidden [B, T-start, h].
+        already in cache rows [0, B). ids, pos [B, T-start]; valid [B, T] bool. Returns hidden
+        [B, T-start, h].
 
         Each query attends to the valid columns up to its own (and a padding query to itself only), as in
         ``prefill``, so the result equals a full prefill of the rows.
@@ -451,8 +453,9 @@ class Decoder:
             q, k, v = self._qkv(L, x, cos, sin)  # [B, Ts, n, D]
             cache.k[li, :B, :, start:T] = k.transpose(1, 2)
             cache.v[li, :B, :, start:T] = v.transpose(1, 2)
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[li, :B, :, :T], cache.v[li, :B, :, :T],
-                                               attn_mask=mask, scale=self.scale, enable_gqa=True)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), cache.k[li, :B, :, :T],
+                                               cache.v[li, :B, :, :T], attn_mask=mask, scale=self.scale,
+                                               enable_gqa=True)
             x = self._out_mlp(L, x, a.transpose(1, 2).flatten(2))
         return x
 
