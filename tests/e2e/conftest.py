@@ -34,10 +34,12 @@ def train(args: list[str], *, cache: str, nproc: int = 1, env: dict | None = Non
     else:
         cmd = [sys.executable, "-m", "spmdrl.train", *args]
     full_env = {**os.environ, "SPMDRL_CACHE": cache, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-                "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
+                "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+                **(env or {})}
     out = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}\n--- stderr (tail)\n{out.stderr[-4000:]}")
+        raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}\n--- stderr (tail)\n"
+                             f"{out.stderr[-4000:]}")
     return out
 
 

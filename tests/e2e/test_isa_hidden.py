@@ -55,8 +55,10 @@ def test_hiding_flips_every_hardware_decision():
 
 
 def test_rollout_tests_with_isa_hidden(spmdrl_cache):
-    files = ["tests/unit/test_native_rollout.py", "tests/unit/test_native_kernels.py", "tests/unit/test_precision.py"]
-    out = _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", *files], {**HIDDEN, "SPMDRL_CACHE": spmdrl_cache})
+    files = ["tests/unit/test_native_rollout.py", "tests/unit/test_native_kernels.py",
+             "tests/unit/test_precision.py"]
+    out = _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+                  {**HIDDEN, "SPMDRL_CACHE": spmdrl_cache})
     assert out.returncode == 0, out.stdout[-4000:]
     print("\n" + out.stdout.strip().splitlines()[-1])
 
@@ -64,9 +66,9 @@ def test_rollout_tests_with_isa_hidden(spmdrl_cache):
 def test_main_job_short_with_isa_hidden(tmp_path, spmdrl_cache):
     """The README's main job with the defaults, shortened: 2 ranks, the reward rises."""
     out = tmp_path / "grpo"
-    run = train(["--config", "configs/grpo.yaml", "--trainer.total_steps", "12", "--trainer.progress_bar", "false",
-                 "--trainer.resume", "off", "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2,
-                env=HIDDEN)
+    run = train(["--config", "configs/grpo.yaml", "--trainer.total_steps", "12",
+                 "--trainer.progress_bar", "false", "--trainer.resume", "off",
+                 "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2, env=HIDDEN)
     assert "precision: compute float32, rollout float32 (auto: ONEDNN_MAX_CPU_ISA=AVX2" in run.stdout
     rows = read_metrics(out)
     first = sum(r["reward/mean"] for r in rows[:3]) / 3

@@ -8,8 +8,9 @@ pytestmark = pytest.mark.e2e
 
 def test_grpo_reward_rises(tmp_path, spmdrl_cache):
     out = tmp_path / "grpo"
-    run = train(["--config", "configs/grpo.yaml", "--trainer.total_steps", "12", "--trainer.progress_bar", "false",
-                 "--trainer.resume", "off", "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2)
+    run = train(["--config", "configs/grpo.yaml", "--trainer.total_steps", "12",
+                 "--trainer.progress_bar", "false", "--trainer.resume", "off",
+                 "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2)
     assert "[rank 1/2]" in run.stdout and "[rank 0/2]" in run.stdout  # one start-up line per rank
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 13))

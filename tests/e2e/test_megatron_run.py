@@ -32,7 +32,8 @@ def test_megatron_grpo_matches_fsdp2(tmp_path, spmdrl_cache):
                         ("megatron", [*megatron_args, *saves, "--trainer.save_freq", "1"]),
                         ("resumed", [*megatron_args, "--trainer.resume",
                                      str(tmp_path / "megatron" / "checkpoints" / "global_step_1")])):
-        out = train([*COMMON, *extra, "--trainer.output_dir", str(tmp_path / name)], cache=spmdrl_cache, nproc=2)
+        out = train([*COMMON, *extra, "--trainer.output_dir", str(tmp_path / name)], cache=spmdrl_cache,
+                    nproc=2)
         runs[name] = read_metrics(tmp_path / name)
     assert "tp=1" in out.stdout  # rank 1 sat on TP coordinate 1 of the megatron run
     fsdp2, megatron = runs["fsdp2"], runs["megatron"]
@@ -54,11 +55,13 @@ def test_megatron_grpo_matches_fsdp2(tmp_path, spmdrl_cache):
 
     hf = {n: load_file(str(tmp_path / n / "checkpoints" / "global_step_2" / "hf" / "model.safetensors"))
           for n in ("fsdp2", "megatron")}
-    first = load_file(str(tmp_path / "megatron" / "checkpoints" / "global_step_1" / "hf" / "model.safetensors"))
+    first = load_file(str(tmp_path / "megatron" / "checkpoints" / "global_step_1" / "hf"
+                          / "model.safetensors"))
     assert sorted(hf["fsdp2"]) == sorted(hf["megatron"])
     norm = lambda a, b: sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5  # noqa: E731
     assert norm(hf["megatron"], hf["fsdp2"]) < 1e-3 * norm(hf["megatron"], first)
-    # spmdrl.export reads the Megatron checkpoint offline (the engine's own reader): the live export's weights.
+    # spmdrl.export reads the Megatron checkpoint offline (the engine's own reader): the live export's
+    # weights.
     done = subprocess.run([sys.executable, "-m", "spmdrl.export", "--checkpoint", str(tmp_path / "megatron"),
                            "--out", str(tmp_path / "export")], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -75,7 +78,8 @@ def test_megatron_ppo_trains_the_critic(tmp_path, spmdrl_cache):
     out_dir = tmp_path / "ppo"
     train(["--config", "configs/ppo.yaml", *TINY, "--trainer.total_steps", str(STEPS), "--actor.strategy",
            "megatron", "--parallel.pp", "2", "--actor.param_dtype", "float32", "--model.fused_kernels", "off",
-           "--trainer.save_freq", str(STEPS), "--trainer.output_dir", str(out_dir)], cache=spmdrl_cache, nproc=2)
+           "--trainer.save_freq", str(STEPS), "--trainer.output_dir", str(out_dir)], cache=spmdrl_cache,
+          nproc=2)
     metrics = read_metrics(out_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:

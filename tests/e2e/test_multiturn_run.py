@@ -1,5 +1,6 @@
-"""configs/grpo_tools.yaml under torchrun on 2 ranks with a deterministic policy (tests/e2e/scripted_policy.py):
-tool calls are parsed, executed, masked and scored; the metrics count them. Mechanics, not learning."""
+"""configs/grpo_tools.yaml under torchrun on 2 ranks with a deterministic policy
+(tests/e2e/scripted_policy.py): tool calls are parsed, executed, masked and scored; the metrics count
+them. Mechanics, not learning."""
 
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ def test_grpo_tools_two_ranks_scripted_policy(tmp_path, spmdrl_cache):
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for m in rows:
-        # Per prompt the script makes samples 0, 2, 3 call the tool (2 and 3 badly) and sample 1 answer at once.
+        # Per prompt the script makes samples 0, 2, 3 call the tool (2 and 3 badly) and sample 1 answer at
+        # once.
         assert m["multi_turn/turns/mean"] == 1.75 and m["multi_turn/turns/max"] == 2
         assert m["multi_turn/tool_calls/mean"] == 0.75
         assert m["multi_turn/tool_errors/mean"] == 0.5 and m["multi_turn/tool_timeouts/mean"] == 0
-        # Only sample 0 answers right (1.0); the others score 0.1 ("Answer: 0"): the scorer saw the conversation.
+        # Only sample 0 answers right (1.0); the others score 0.1 ("Answer: 0"): the scorer saw the
+        # conversation.
         assert abs(m["reward/mean"] - (1.0 + 3 * 0.1) / 4) < 1e-6
         assert m["reward/acc"] == 0.25 and m["reward/tool_used"] == 0.25
         assert m["timing/tools"] > 0

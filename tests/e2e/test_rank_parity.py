@@ -22,7 +22,8 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 3
 COMMON = [
-    *TINY, "--trainer.total_steps", str(STEPS), "--data.train_batch_size", "8", "--actor.ppo_mini_batch_size", "8",
+    *TINY, "--trainer.total_steps", str(STEPS), "--data.train_batch_size", "8",
+    "--actor.ppo_mini_batch_size", "8",
     "--critic.ppo_mini_batch_size", "8", "--rollout.n", "2", "--rollout.temperature", "0",
     "--rollout.ignore_eos", "true", "--algorithm.use_kl_in_reward", "true", "--algorithm.kl_penalty", "kl",
     "--algorithm.kl_ctrl.type", "adaptive", "--algorithm.kl_ctrl.kl_coef", "0.05",

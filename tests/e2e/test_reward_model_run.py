@@ -15,12 +15,14 @@ pytestmark = pytest.mark.e2e
 def test_reward_model_and_rule_score_two_ranks(tmp_path, spmdrl_cache) -> None:
     from spmdrl.builtin.tasks import get_task, write_parquet
 
-    val = write_parquet(get_task("arith")("val", 5, 0), tmp_path / "val.parquet")  # batches of 4 then 1 prompt
+    # batches of 4 then 1 prompt
+    val = write_parquet(get_task("arith")("val", 5, 0), tmp_path / "val.parquet")
     out = tmp_path / "run"
     train([*TINY, "--trainer.total_steps", "2", "--rollout.n", "2", "--reward_model.enable", "true",
            "--reward_model.model.path", "builtin:tiny-rm", "--reward_model.rule_weight", "0.5",
-           "--reward_model.micro_batch_size_per_gpu", "3", "--data.val_files", str(val), "--data.val_batch_size", "4",
-           "--trainer.test_freq", "2", "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2)
+           "--reward_model.micro_batch_size_per_gpu", "3", "--data.val_files", str(val),
+           "--data.val_batch_size", "4", "--trainer.test_freq", "2", "--trainer.output_dir", str(out)],
+          cache=spmdrl_cache, nproc=2)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:

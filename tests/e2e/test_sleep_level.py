@@ -15,8 +15,9 @@ def test_sleep_level_2_paths(config, tmp_path, spmdrl_cache):
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return sum(map(ord, solution_str)) % 5 / 5\n")
-    train(["--config", f"configs/{config}.yaml", *TINY, "--reward.function", f"{reward}:compute_score", "--trainer.total_steps", "2", "--rollout.n", "4",
-           "--rollout.sleep_level", "2", "--trainer.test_freq", "1", "--trainer.val_before_train", "true",
+    train(["--config", f"configs/{config}.yaml", *TINY, "--reward.function", f"{reward}:compute_score",
+           "--trainer.total_steps", "2", "--rollout.n", "4", "--rollout.sleep_level", "2",
+           "--trainer.test_freq", "1", "--trainer.val_before_train", "true",
            "--data.val_batch_size", "32", "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -34,7 +34,8 @@ def test_val_only_writes_k4_metrics(tmp_path, spmdrl_cache) -> None:
     # The random model's sampled responses differ within a prompt: best of 4 above the mean, worst below.
     reward = {k.split("/reward/")[1]: v for k, v in row.items() if k.startswith(f"val-aux/{src}/reward/")}
     assert reward["worst@4/mean"] < reward["mean@4"] < reward["best@4/mean"], reward
-    assert row[f"val-core/{src}/acc/pass@4"] >= row[f"val-aux/{src}/acc/pass@2"] >= row[f"val-core/{src}/acc/mean@4"]
+    assert (row[f"val-core/{src}/acc/pass@4"] >= row[f"val-aux/{src}/acc/pass@2"]
+            >= row[f"val-core/{src}/acc/mean@4"])
 
 
 def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path, spmdrl_cache) -> None:
@@ -51,8 +52,9 @@ def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path, spmdrl_cache) -
     rows = {}
     for nproc in (1, 2):
         out = tmp_path / f"ranks{nproc}"
-        train([*TINY, "--data.val_files", str(val), "--data.val_batch_size", "4", "--trainer.val_only", "true",
-               "--rollout.val_kwargs.n", "4", "--reward.function", f"{reward}:compute_score",
+        train([*TINY, "--data.val_files", str(val), "--data.val_batch_size", "4",
+               "--trainer.val_only", "true", "--rollout.val_kwargs.n", "4",
+               "--reward.function", f"{reward}:compute_score",
                "--rollout.dtype", "float32", "--actor.param_dtype", "float32",
                "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=nproc)
         rows[nproc] = read_metrics(out)[0]
@@ -60,5 +62,6 @@ def test_validation_metrics_equal_on_one_and_two_ranks(tmp_path, spmdrl_cache) -
     keys = [k for k in rows[1] if k.startswith("val-")]
     assert "val-core/spmdrl/arith/acc/pass@4" in keys and "val-core/spmdrl/arith/acc/maj@4/mean" in keys
     for key in keys:
-        assert math.isclose(rows[1][key], rows[2][key], rel_tol=1e-9, abs_tol=1e-12), (key, rows[1][key], rows[2][key])
+        assert math.isclose(rows[1][key], rows[2][key], rel_tol=1e-9, abs_tol=1e-12), (key, rows[1][key],
+                                                                                       rows[2][key])
     assert 0 < rows[1]["val-aux/spmdrl/arith/reward/mean@4"] < 1  # not a degenerate all-equal reward

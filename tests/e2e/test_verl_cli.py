@@ -143,7 +143,8 @@ def test_resolved_config_equals_the_hand_written_spmdrl_config(verl_run, tmp_pat
     resolved = yaml.safe_load((verl_run["out"] / "config.yaml").read_text())
     assert resolved == yaml.safe_load(yaml.safe_dump(expected, sort_keys=False))
     assert [r["step"] for r in verl_run["rows"]] == [0, 1, 2]  # validation before training, then 2 steps
-    info = [line for line in verl_run["proc"].stderr.splitlines() if "verl keys accepted with no effect" in line]
+    info = [line for line in verl_run["proc"].stderr.splitlines()
+            if "verl keys accepted with no effect" in line]
     assert len(info) == 1 and "use_remove_padding" in info[0]  # rank 0 only, one line
 
 

@@ -61,8 +61,8 @@ def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
              "rng": RNGState(rollout, torch.device("cpu"), cfg.trainer.seed)}
     ckpt = CheckpointManager(Path(out), parts, cfg=cfg, total_steps=10,
                              tokenizer=AutoTokenizer.from_pretrained(model_dir))
-    return SimpleNamespace(cfg=cfg, ckpt=ckpt, actor=actor, train_loader=parts["data"], kl_ctrl=parts["kl_ctrl"],
-                           rollout=rollout)
+    return SimpleNamespace(cfg=cfg, ckpt=ckpt, actor=actor, train_loader=parts["data"],
+                           kl_ctrl=parts["kl_ctrl"], rollout=rollout)
 
 
 def digest(t: torch.Tensor) -> str:
@@ -112,8 +112,8 @@ def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, othe
     ckpt = r.ckpt
     path = ckpt.resume()  # auto: newest complete, on a world size other than the one that saved
     result = {
-        "path": str(path), "step": ckpt.resumed_step, "position": r.train_loader.position, "kl": r.kl_ctrl.value,
-        "params": _params(r.actor), "optim": _optim(r.actor),
+        "path": str(path), "step": ckpt.resumed_step, "position": r.train_loader.position,
+        "kl": r.kl_ctrl.value, "params": _params(r.actor), "optim": _optim(r.actor),
         "sched": r.actor.scheduler.state_dict()["last_epoch"], "engine_step": r.actor.global_step,
         "errors": {},
     }

@@ -185,7 +185,8 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     # policy's per-forward cast.
     ref = _engine(model_dir, dims, role="ref", param_dtype=torch.bfloat16)
     out["bf16_ref_dtypes"] = sorted({str(p.dtype) for p in ref.model.parameters()})
-    out["bf16_ref_vs_actor"] = float((ref.forward_no_grad(mine, micro_batch_size=4)["logp"] - bf16_logp).abs().max())
+    out["bf16_ref_vs_actor"] = float((ref.forward_no_grad(mine, micro_batch_size=4)["logp"]
+                                      - bf16_logp).abs().max())
     del ref
     out["bf16_metrics"] = eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
     out["bf16"] = _export(eng)

@@ -72,7 +72,8 @@ def _run(rank: int, world: int, model_dir: str, ckpt: str, result: str) -> None:
     from spmdrl.rollout.native.engine import NativeRollout
 
     batch = make_batch(2048)
-    mine = batch.select(slice(rank * N // 2, (rank + 1) * N // 2))  # this rank's rows, as the loop shards them
+    # this rank's rows, as the loop shards them
+    mine = batch.select(slice(rank * N // 2, (rank + 1) * N // 2))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     hf_sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     ref_logp, ref_ent = _reference(hf, mine)
@@ -132,7 +133,8 @@ def _run(rank: int, world: int, model_dir: str, ckpt: str, result: str) -> None:
         out[f"{name}_critic_values"] = critic.forward_no_grad(mine, micro_batch_size=3)["values"]
         critic.offload()
         critic.onload()
-        out[f"{name}_critic_metrics"] = critic.train_step(mine, vf_loss, mini_batch_size=N // 2, micro_batch_size=2)
+        out[f"{name}_critic_metrics"] = critic.train_step(mine, vf_loss, mini_batch_size=N // 2,
+                                                          micro_batch_size=2)
         out[f"{name}_critic"] = {k: v.clone() for k, v in critic.export_weights()}
         out[f"{name}_critic_after"] = critic.forward_no_grad(mine, micro_batch_size=3)["values"]
         if name == "pp2":
@@ -222,7 +224,8 @@ def test_checkpoint_resumes_on_another_pipeline_layout(runs):
 
 def test_bf16_compute_keeps_float32_master_weights(runs):
     assert runs["bf16_logp_err"] < 0.1  # bf16 logits: ~3 significant digits
-    assert runs["bf16_metrics"]["actor/grad_norm"] == pytest.approx(runs["fsdp_metrics"]["actor/grad_norm"], rel=0.05)
+    assert runs["bf16_metrics"]["actor/grad_norm"] == pytest.approx(runs["fsdp_metrics"]["actor/grad_norm"],
+                                                                    rel=0.05)
     assert all(v.dtype == torch.float32 for v in runs["bf16"].values())
     # Adam's first step is ~lr*sign(g): bf16 may flip the sign of tiny gradients, but only of a few.
     far = sum(int(((runs["bf16"][k] - v).abs() > LR / 2).sum()) for k, v in runs["fsdp"].items())
@@ -248,7 +251,8 @@ def test_critic_values_and_update_equal_fsdp2(runs, layout):
 
 
 def test_critic_checkpoint_resumes_on_another_layout(runs):
-    # Saved at pp=2 after its update, loaded at pp=1 (dp=2) by an engine whose own value head differs (seed 1).
+    # Saved at pp=2 after its update, loaded at pp=1 (dp=2) by an engine whose own value head differs
+    # (seed 1).
     assert _max_diff(runs["critic_restored"], runs["pp2_critic"]) == 0.0
     valid = make_batch(2048).select(slice(0, N // 2))["response_mask"].bool()
     assert float((runs["critic_restored_values"] - runs["pp2_critic_after"])[valid].abs().max()) < 1e-5

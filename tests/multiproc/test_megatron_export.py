@@ -19,7 +19,8 @@ pytestmark = pytest.mark.dist
 
 pytest.importorskip("megatron.core")
 
-from test_megatron import LR, N, make_batch  # after the skip: test_megatron needs megatron-core too
+# after the skip: test_megatron needs megatron-core too
+from test_megatron import LR, N, make_batch  # noqa: E402
 
 LAYOUTS = {"tp2": dict(tp=2, pp=1), "pp2": dict(tp=1, pp=2)}
 
@@ -39,9 +40,12 @@ def _save(rank: int, world: int, model_dir: str, base: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     live = {}
     for name, layout in LAYOUTS.items():
-        eng = MegatronEngine(model_dir, role="actor", dims=ParallelDims(world, **layout).build(), lr=LR, seed=0)
-        eng.train_step(mine, actor_loss_fn(cfg), mini_batch_size=N // 2, micro_batch_size=2)  # not the HF weights
-        CheckpointManager(Path(base) / name, {"actor": eng}, cfg=cfg, total_steps=1, tokenizer=tokenizer).save(1)
+        eng = MegatronEngine(model_dir, role="actor", dims=ParallelDims(world, **layout).build(), lr=LR,
+                             seed=0)
+        # not the HF weights
+        eng.train_step(mine, actor_loss_fn(cfg), mini_batch_size=N // 2, micro_batch_size=2)
+        CheckpointManager(Path(base) / name, {"actor": eng}, cfg=cfg, total_steps=1,
+                          tokenizer=tokenizer).save(1)
         live[name] = {k: v.clone() for k, v in eng.export_weights()}
         del eng
     if rank == 0:  # a file, not the result queue: whole tensors would clog its pipe
@@ -73,7 +77,8 @@ def test_megatron_checkpoint_exports_offline_as_the_live_engine(saved, layout, t
     assert not dist.is_initialized()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    exported = {k: v for f in sorted(set(index["weight_map"].values())) for k, v in load_file(out / f).items()}
+    exported = {k: v for f in sorted(set(index["weight_map"].values()))
+                for k, v in load_file(out / f).items()}
     assert sorted(exported) == sorted(live[layout])  # the tied lm_head left out by both
     for name, tensor in live[layout].items():
         assert torch.equal(exported[name], tensor), name

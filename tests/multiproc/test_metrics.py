@@ -20,4 +20,5 @@ def _reduce(rank, world_size):
 def test_reduce_metrics_with_mismatched_keys():
     a, b = spawn(_reduce, 2)
     assert a == b
-    assert a == {"reward/mean": 0.5, "reward/max": 1.0, "reward/min": 1.0, "timing/step": 2.0, "reward/acc": 0.5}
+    assert a == {"reward/mean": 0.5, "reward/max": 1.0, "reward/min": 1.0, "timing/step": 2.0,
+                 "reward/acc": 0.5}

@@ -69,8 +69,8 @@ def test_max_length_cuts_on_the_right_and_scores_the_cut_text(tmp_path) -> None:
     tok = build_tokenizer(tmp_path, seed=0)
     batch = encode(tok, ["<|im_start|>user\nhi<|im_end|>\n", "a b c d e f g h"], 4, tok.pad_token_id)
     assert batch["input_ids"].shape == (2, 4)
-    assert batch["input_ids"][0].tolist() == tok("<|im_start|>user\nhi<|im_end|>\n", add_special_tokens=False)[
-        "input_ids"][:4]
+    assert batch["input_ids"][0].tolist() == tok("<|im_start|>user\nhi<|im_end|>\n",
+                                                 add_special_tokens=False)["input_ids"][:4]
     short = encode(tok, ["ab", "a b c d e f g h"], None, tok.pad_token_id)
     n = int(short["attention_mask"][0].sum())
     assert short["input_ids"][0, n:].eq(tok.pad_token_id).all()  # right padding

@@ -1,4 +1,5 @@
-"""export_weights -> native rollout engine: after a sync the engine scores tokens exactly as the actor does."""
+"""export_weights -> native rollout engine: after a sync the engine scores tokens exactly as the actor
+does."""
 
 import pytest
 import torch
@@ -30,7 +31,8 @@ def _sync(rank, world_size, model_dir):
 
     before, batch = logp_gap()
     # One real optimizer step moves the actor away from the folder's weights.
-    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    batch["advantages"] = torch.randn(batch["response_mask"].shape,
+                                      generator=torch.Generator().manual_seed(0))
 
     def loss_fn(outputs, mb, scale):
         loss = -(outputs["logp"] * mb["advantages"] * mb["response_mask"]).sum() / scale.global_tokens

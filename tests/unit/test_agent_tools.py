@@ -11,7 +11,8 @@ FAULTS = Path(__file__).with_name("agent_fault_tools.py")
 
 
 def _schema(name: str) -> dict:
-    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+    return {"type": "function",
+            "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
 
 
 def test_safe_eval_values():
@@ -30,7 +31,8 @@ def test_safe_eval_refuses(expr):
 
 
 def test_safe_eval_refuses_a_huge_power_before_computing_it():
-    # Refused from the operands' sizes ("would have"), not after 12.7 s of computing (past the tool's timeout).
+    # Refused from the operands' sizes ("would have"), not after 12.7 s of computing (past the tool's
+    # timeout).
     with pytest.raises(ValueError, match="would have more than 1000 digits"):
         safe_eval("(10**999)**10000")
     assert safe_eval("2 ** 3000") == 2**3000  # 904 digits: still allowed
@@ -58,7 +60,9 @@ tools:
           required: [expression]
   - class_name: {FAULTS}:CountingTool
     config: {{}}
-    tool_schema: {{type: function, function: {{name: counter, parameters: {{type: object, properties: {{}}}}}}}}
+    tool_schema:
+      type: function
+      function: {{name: counter, parameters: {{type: object, properties: {{}}}}}}
 """)
     specs = load_tool_config(p)
     assert [s.name for s in specs] == ["calculator", "counter"]
@@ -70,11 +74,13 @@ tools:
     ("tool: []", "non-empty list under 'tools'"),
     ("tools:\n  - class_name: no_such_tool\n    tool_schema: {type: function, function: {name: a}}",
      "is not a built-in tool"),
-    ("tools:\n  - class_name: spmdrl.agent.tools.NoSuch\n    tool_schema: {type: function, function: {name: a}}",
+    ("tools:\n  - class_name: spmdrl.agent.tools.NoSuch\n"
+     "    tool_schema: {type: function, function: {name: a}}",
      "not a class with create/execute/release"),
     ("tools:\n  - class_name: nowhere.py:Tool\n    tool_schema: {type: function, function: {name: a}}",
      "does not exist"),
-    ("tools:\n  - class_name: spmdrl.agent.tools.Tool\n    tool_schema: {type: function, function: {name: a}}",
+    ("tools:\n  - class_name: spmdrl.agent.tools.Tool\n"
+     "    tool_schema: {type: function, function: {name: a}}",
      "does not implement execute"),
     ("tools:\n  - class_name: calculator\n    tool_schema: {type: fn}", "type: function"),
     ("tools:\n  - class_name: calculator\n    tool_schema: {type: function, function: {name: 'a b'}}",
@@ -89,7 +95,8 @@ def test_tool_config_errors_are_one_sentence(tmp_path, text, needle):
 
 
 def test_sandbox_contains_faults():
-    """A tool that raises, returns garbage, crashes, floods or hangs gives its call an error, never the run."""
+    """A tool that raises, returns garbage, crashes, floods or hangs gives its call an error, never the
+    run."""
     names = ["RaisingTool", "GarbageTool", "CrashingTool", "FloodTool", "HangingTool", "MemoryHogTool"]
     specs = [ToolSpec(f"{FAULTS}:{n}", {}, _schema(n.lower())) for n in names]
     specs.append(ToolSpec("calculator", {}, CALCULATOR_SCHEMA))

@@ -112,15 +112,18 @@ def test_algorithms_import_only_algorithms() -> None:
 
 # What every backend may import besides its own package: its interface and the shared helpers below the
 # loop. Never another backend, the loop, experience, rewards or checkpoints' manager.
-SHARED = ("spmdrl.batch", "spmdrl.precision", "spmdrl.parallel", "spmdrl.config", "spmdrl.errors", "spmdrl.cache")
+SHARED = ("spmdrl.batch", "spmdrl.precision", "spmdrl.parallel", "spmdrl.config", "spmdrl.errors",
+          "spmdrl.cache")
 BACKENDS = {
     "spmdrl.engines.fsdp2": ("spmdrl.engines.base", "spmdrl.engines.optim", "spmdrl.engines.logprobs",
                              "spmdrl.engines.gather", "spmdrl.checkpoint.safe_load", "spmdrl.algos.registry"),
-    # Megatron's config check reads a built-in model's shapes before the model is built (tp x pp must cut it).
+    # Megatron's config check reads a built-in model's shapes before the model is built (tp x pp must cut
+    # it).
     "spmdrl.engines.megatron": ("spmdrl.engines.base", "spmdrl.engines.optim", "spmdrl.engines.logprobs",
-                                "spmdrl.engines.gather", "spmdrl.checkpoint.safe_load", "spmdrl.algos.registry",
-                                "spmdrl.builtin.models"),
-    "spmdrl.rollout.native": ("spmdrl.rollout.base", "spmdrl.rollout.sampling", "spmdrl.rollout.weight_store"),
+                                "spmdrl.engines.gather", "spmdrl.checkpoint.safe_load",
+                                "spmdrl.algos.registry", "spmdrl.builtin.models"),
+    "spmdrl.rollout.native": ("spmdrl.rollout.base", "spmdrl.rollout.sampling",
+                              "spmdrl.rollout.weight_store"),
     "spmdrl.rollout.hf": ("spmdrl.rollout.base", "spmdrl.rollout.sampling", "spmdrl.rollout.weight_store"),
     "spmdrl.rollout.vllm": ("spmdrl.rollout.base", "spmdrl.rollout.sampling"),
 }

@@ -33,9 +33,11 @@ BAD = [
     (["--rollout.top_p", "0"], "rollout.top_p is 0.0"),
     (["--rollout.n", "1"], "needs rollout.n >= 2"),
     (["--actor.ppo_mini_batch_size", "32"], "is larger than data.train_batch_size"),
-    (["--data.train_batch_size", "12", "--actor.ppo_mini_batch_size", "8"], "not a multiple of actor.ppo_mini_batch_size"),
+    (["--data.train_batch_size", "12", "--actor.ppo_mini_batch_size", "8"],
+     "not a multiple of actor.ppo_mini_batch_size"),
     (["--model.path", "/nonexistent/model"], "model.path '/nonexistent/model' is not a folder"),
-    (["--data.train_files", "/nonexistent/train.parquet"], "data.train_files names '/nonexistent/train.parquet'"),
+    (["--data.train_files", "/nonexistent/train.parquet"],
+     "data.train_files names '/nonexistent/train.parquet'"),
     (["--algorithm.adv_estimator", "magic"], "algorithm.adv_estimator is 'magic'; valid values:"),
     (["--actor.policy_loss", "nope"], "actor.policy_loss is 'nope'; valid values:"),
     (["--rollout.engine", "trt"], "rollout.engine is 'trt'; valid values: hf, native"),
@@ -58,16 +60,20 @@ BAD = [
     (["--reward.function", "/nonexistent/r.py:score"], "names the file '/nonexistent/r.py'"),
     (["--trainer.resume", "/nonexistent/ckpt"], "trainer.resume is '/nonexistent/ckpt'"),
     (["--trainer.save_freq", "0"], "trainer.save_freq is 0"),
-    (["--trainer.experiment_name", "../../x"], "trainer.experiment_name is '../../x'; it must be one folder name"),
+    (["--trainer.experiment_name", "../../x"],
+     "trainer.experiment_name is '../../x'; it must be one folder name"),
     (["--trainer.project_name", ".."], "trainer.project_name is '..'; it must be one folder name"),
-    (["--trainer.output_dir", "out/{experiment}"], "trainer.output_dir is 'out/{experiment}', which the run cannot "
-                                                   "fill in (KeyError: 'experiment'); it may use {project_name}"),
+    (["--trainer.output_dir", "out/{experiment}"],
+     "trainer.output_dir is 'out/{experiment}', which the run cannot fill in (KeyError: 'experiment'); "
+     "it may use {project_name}"),
     (["--trainer.plot_freq", "0"], "trainer.plot_freq is 0"),
-    (["--trainer.plot_freq", "2", "--trainer.logger", "[console]"], "trainer.plot_freq is 2 but trainer.logger"),
-    (["--trainer.val_only", "true", "--data.val_files", "null"], "trainer.val_only is true but data.val_files"),
+    (["--trainer.plot_freq", "2", "--trainer.logger", "[console]"],
+     "trainer.plot_freq is 2 but trainer.logger"),
+    (["--trainer.val_only", "true", "--data.val_files", "null"],
+     "trainer.val_only is true but data.val_files"),
     (["--reward_model.enable", "true"], "reward_model.model.path is null"),
-    (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm", "--reward_model.rm_weight",
-      "0"], "reward_model.rm_weight and reward_model.rule_weight are both 0"),
+    (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm",
+      "--reward_model.rm_weight", "0"], "reward_model.rm_weight and reward_model.rule_weight are both 0"),
     (["--reward_model.enable", "true", "--reward_model.model.path", "/nonexistent/rm"],
      "reward_model.model.path '/nonexistent/rm'"),
     (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm",
@@ -107,7 +113,8 @@ def test_world_size_consistency(monkeypatch, capsys):
 def test_backends_check_their_own_options(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     code, err = run_main(["--config", GRPO, "--parallel.rollout_tp", "2"], capsys)
-    assert code == 2 and "rollout_tp is 2 but the native and hf rollout engines run one engine per rank" in err
+    assert code == 2 and ("rollout_tp is 2 but the native and hf rollout engines run one engine per rank"
+                          in err)
     code, err = run_main(["--config", GRPO, "--parallel.pp", "2", "--parallel.dp_shard", "1"], capsys)
     assert code == 2 and "parallel.pp is 2 but actor.strategy 'fsdp2' has no pipeline schedule" in err
     code, err = run_main(["--config", GRPO, "--model.fused_kernels", "on", "--parallel.tp", "2"], capsys)
@@ -130,7 +137,8 @@ def test_megatron_checks_its_options(extra, fragment, monkeypatch, capsys):
 
 
 def test_overrides_and_output_dir():
-    cfg, debug = parse_config(["--config", GRPO, "--actor.lr", "2e-5", "--trainer.experiment_name", "x", "--debug", "true"])
+    cfg, debug = parse_config(["--config", GRPO, "--actor.lr", "2e-5", "--trainer.experiment_name", "x",
+                               "--debug", "true"])
     assert cfg.actor.lr == 2e-5 and debug
     assert str(output_dir(cfg)) == "outputs/spmdrl/x"
     assert cfg.data.train_files == "builtin:arith"
@@ -145,7 +153,8 @@ def test_debug_shows_traceback():
 
 def test_cli_subprocess_help_and_error():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "spmdrl.train", "--help"], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-m", "spmdrl.train", "--help"], capture_output=True, text=True,
+                         env=env)
     assert out.returncode == 0
     assert "--actor.clip_ratio_high" in out.stdout and "Peak learning rate of AdamW" in out.stdout
     out = subprocess.run(
@@ -155,7 +164,8 @@ def test_cli_subprocess_help_and_error():
     assert out.returncode == 2
     assert out.stderr.strip() == "spmdrl.train: error: rollout.top_p is 2.0; it must be in (0, 1]"
     out = subprocess.run(
-        [sys.executable, "-m", "spmdrl.train", "--config", GRPO, "--print_config"], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "spmdrl.train", "--config", GRPO, "--print_config"],
+        capture_output=True, text=True, env=env,
     )
     assert out.returncode == 0 and "adv_estimator: grpo" in out.stdout
 
@@ -173,5 +183,6 @@ def test_vllm_engine_needs_vllm_and_a_dividing_tp(monkeypatch, capsys):
     if vllm_available() is not None:  # tests/vllm_engine cover the installed case
         monkeypatch.setenv("WORLD_SIZE", "2")
         code, err = run_main(["--config", GRPO, "--rollout.engine", "vllm"], capsys)
-        assert code == 2 and "rollout.engine is 'vllm' but vLLM is not installed in this Python environment" in err
+        assert code == 2 and ("rollout.engine is 'vllm' but vLLM is not installed in this Python environment"
+                              in err)
         assert err.count("\n") == 1

@@ -58,11 +58,13 @@ def test_plain_strings_and_several_files(tmp_path: Path, arith_file: Path, tok) 
 
 
 def test_truncation_modes(tmp_path: Path, tok) -> None:
-    rows = [{"prompt": "a b c d e f g h i j k l", "data_source": "x"}, {"prompt": "short", "data_source": "x"}]
+    rows = [{"prompt": "a b c d e f g h i j k l", "data_source": "x"},
+            {"prompt": "short", "data_source": "x"}]
     path = write_parquet(rows, tmp_path / "long.parquet")
     full = tok("a b c d e f g h i j k l")["input_ids"]
     assert len(full) > 6
-    with pytest.raises(ValueError, match=r"row 0 in .*long\.parquet.* has \d+ tokens, over data.max_prompt_length=6"):
+    with pytest.raises(ValueError,
+                       match=r"row 0 in .*long\.parquet.* has \d+ tokens, over data.max_prompt_length=6"):
         PromptDataset(path, tok, max_prompt_length=6, truncation="error")
     assert PromptDataset(path, tok, max_prompt_length=6, truncation="left")[0].prompt_ids == full[-6:]
     assert PromptDataset(path, tok, max_prompt_length=6, truncation="right")[0].prompt_ids == full[:6]
@@ -78,7 +80,8 @@ def test_truncation_modes(tmp_path: Path, tok) -> None:
 def test_clear_errors(tmp_path: Path, arith_file: Path, tok) -> None:
     with pytest.raises(FileNotFoundError, match="missing.parquet"):
         PromptDataset(str(tmp_path / "missing.parquet"), tok)
-    with pytest.raises(ValueError, match=r"no prompt column 'question' \(data.prompt_key\); columns: .*prompt"):
+    with pytest.raises(ValueError,
+                       match=r"no prompt column 'question' \(data.prompt_key\); columns: .*prompt"):
         PromptDataset(arith_file, tok, prompt_key="question")
     junk = tmp_path / "junk.parquet"
     junk.write_bytes(b"this is not parquet")

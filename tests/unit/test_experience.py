@@ -30,7 +30,8 @@ from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams,
 from spmdrl.rollout.session import RolloutSession
 from spmdrl.validation import validation_metrics
 
-_spec = importlib.util.spec_from_file_location("scripted_policy", Path(__file__).parents[1] / "e2e" / "scripted_policy.py")
+_spec = importlib.util.spec_from_file_location("scripted_policy",
+                                               Path(__file__).parents[1] / "e2e" / "scripted_policy.py")
 scripted = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(scripted)
 
@@ -100,7 +101,8 @@ def _prompts(tok, rows: list[dict], tmp_path: Path) -> PromptDataset:
     return PromptDataset(write_parquet(rows, tmp_path / "p.parquet"), tok, max_prompt_length=128)
 
 
-def _experience(cfg: Config, engine: RolloutEngine, tok, sources=None, agent=None, baseline=False) -> Experience:
+def _experience(cfg: Config, engine: RolloutEngine, tok, sources=None, agent=None,
+                baseline=False) -> Experience:
     session = RolloutSession(engine, lambda: [], sleep_level=1, colocate=True)
     rewards = Rewards(sources or [RuleReward(RewardManager())], tok)
     return Experience(cfg, session, rewards, timer=PhaseTimer(torch.device("cpu")), group=dist.group.WORLD,
@@ -121,7 +123,8 @@ def test_single_turn_batch_is_scored_by_the_rule_source(tok, tmp_path) -> None:
     exp = _experience(_cfg(), engine, tok)
     batch, metrics = exp.produce([ds[i] for i in range(4)], more_prompts=iter(()))
     assert len(batch) == 4 * N and batch["index"].tolist() == [i for i in range(4) for _ in range(N)]
-    expected = [arith_score("spmdrl/arith", engine.answer(ds[i].prompt_ids, j, False), ds[i].ground_truth)["score"]
+    expected = [arith_score("spmdrl/arith", engine.answer(ds[i].prompt_ids, j, False),
+                            ds[i].ground_truth)["score"]
                 for i in range(4) for j in range(N)]
     assert batch["scores"].tolist() == pytest.approx(expected)
     # The score sits on each row's last response token (its EOS), nowhere else.

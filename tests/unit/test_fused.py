@@ -58,9 +58,10 @@ def test_resolve_fused_kernels_rule_and_errors():
 
 
 def test_inductor_cache_is_kept_per_cpu_capability(tmp_path):
-    """Inductor's FX graph cache does not key on the vector ISA: C++ written for AVX2 (ATEN_CPU_CAPABILITY=avx2,
-    the ISA-hidden tier) reloaded by an AVX-512 process corrupted its heap. Each capability gets its own folder
-    under the user's TORCHINDUCTOR_CACHE_DIR (or $SPMDRL_CACHE/inductor), and applying it twice nests once."""
+    """Inductor's FX graph cache does not key on the vector ISA: C++ written for AVX2
+    (ATEN_CPU_CAPABILITY=avx2, the ISA-hidden tier) reloaded by an AVX-512 process corrupted its heap.
+    Each capability gets its own folder under the user's TORCHINDUCTOR_CACHE_DIR (or
+    $SPMDRL_CACHE/inductor), and applying it twice nests once."""
     import os
     import subprocess
     import sys
@@ -70,7 +71,8 @@ def test_inductor_cache_is_kept_per_cpu_capability(tmp_path):
     dirs = {}
     for cap in ("default", "avx2"):
         env = {**os.environ, "ATEN_CPU_CAPABILITY": cap, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         dirs[cap] = out.stdout.strip().splitlines()[-1]
     assert dirs == {"default": str(tmp_path / "isa-DEFAULT"), "avx2": str(tmp_path / "isa-AVX2")}

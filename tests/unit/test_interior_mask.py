@@ -99,14 +99,16 @@ def test_aggregation_ignores_interior_masked_tokens(mode):
 def test_policy_losses_ignore_interior_masked_tokens(name, mode):
     mask = _mask()
     g = torch.Generator().manual_seed(5)
-    logp, old, adv = -torch.rand(B, T, generator=g), -torch.rand(B, T, generator=g), torch.randn(B, T, generator=g)
+    logp, old, adv = (-torch.rand(B, T, generator=g), -torch.rand(B, T, generator=g),
+                      torch.randn(B, T, generator=g))
     kw = dict(loss_agg_mode=mode, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, norm_len=T)
     x = _garbage(logp, mask, 6).requires_grad_()
     loss, metrics = get_policy_loss(name)(x, _garbage(old, mask, 7), _garbage(adv, mask, 8), mask, **kw)
     loss.backward()
     assert (x.grad[mask == 0] == 0).all()
     cm = _compact(mask, mask)
-    loss_c, metrics_c = get_policy_loss(name)(_compact(logp, mask), _compact(old, mask), _compact(adv, mask), cm, **kw)
+    loss_c, metrics_c = get_policy_loss(name)(_compact(logp, mask), _compact(old, mask), _compact(adv, mask),
+                                              cm, **kw)
     torch.testing.assert_close(loss, loss_c)
     assert metrics.keys() == metrics_c.keys()
     for k in metrics:
@@ -150,7 +152,8 @@ def test_actor_loss_with_kl_and_entropy_ignores_interior_masked_tokens():
         cfg.actor.loss_agg_mode = mode
         fn = actor_loss_fn(cfg)
         results = []
-        for m, f in ((mask, lambda x, s: _garbage(x, mask, s)), (_compact(mask, mask), lambda x, s: _compact(x, mask))):
+        for m, f in ((mask, lambda x, s: _garbage(x, mask, s)),
+                     (_compact(mask, mask), lambda x, s: _compact(x, mask))):
             v = {k: f(x, s) for s, (k, x) in enumerate(fields.items())}
             mb = Batch({"response_mask": m, "old_logp": v["old_logp"], "ref_logp": v["ref_logp"],
                         "advantages": v["advantages"]})

@@ -1,4 +1,5 @@
-"""MetricsSink's tensorboard and wandb plumbing that needs no training run (the e2e run is tests/e2e/test_verl_cli.py)."""
+"""MetricsSink's tensorboard and wandb plumbing that needs no training run (the e2e run is
+tests/e2e/test_verl_cli.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def _scalars(folder: Path, key: str) -> dict[int, float]:
 
 
 def _sink(out: Path, initial_step: int = 0) -> MetricsSink:
-    return MetricsSink(out, ["jsonl", "tensorboard"], 10, rank=0, progress_bar=False, initial_step=initial_step)
+    return MetricsSink(out, ["jsonl", "tensorboard"], 10, rank=0, progress_bar=False,
+                       initial_step=initial_step)
 
 
 def test_tensorboard_steps_are_on_disk_before_close_and_a_resume_replaces_later_steps(tmp_path: Path):
@@ -61,4 +63,5 @@ def test_a_logger_whose_package_is_missing_stops_before_any_work(logger, monkeyp
         main(["--trainer.logger", f"[console,{logger}]"])
     err = capsys.readouterr().err
     assert exc.value.code == 2
-    assert f"trainer.logger has '{logger}' but the {logger} package is not installed; pip install {logger}" in err
+    assert (f"trainer.logger has '{logger}' but the {logger} package is not installed; pip install {logger}"
+            in err)

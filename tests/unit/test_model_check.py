@@ -30,14 +30,16 @@ def _break(folder: Path, how: str) -> None:
         (folder / "model.safetensors").write_bytes(b"0123456789")
     elif how == "index names a missing shard":
         (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
-        index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+        index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                "b": "model-00002-of-00002.safetensors"}}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     elif how == "no tokenizer":
         for f in folder.glob("tokenizer*"):
             f.unlink()
     elif how == "broken tokenizer":
         (folder / "tokenizer.json").write_text("{broken")
-        (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
 CASES = {

@@ -17,7 +17,8 @@ from spmdrl.agent.tools import CALCULATOR_SCHEMA, ToolSpec
 from spmdrl.batch import from_generation
 from spmdrl.rollout.base import SamplingParams
 
-_spec = importlib.util.spec_from_file_location("scripted_policy", Path(__file__).parents[1] / "e2e" / "scripted_policy.py")
+_spec = importlib.util.spec_from_file_location("scripted_policy",
+                                               Path(__file__).parents[1] / "e2e" / "scripted_policy.py")
 scripted = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(scripted)
 
@@ -33,7 +34,8 @@ def tokenizer(tiny_model_dir: Path):
 
 def _agent(tokenizer, **kw) -> ToolAgent:
     kw.setdefault("num_workers", 1)
-    return ToolAgent([ToolSpec("calculator", {}, CALCULATOR_SCHEMA)], tokenizer, [tokenizer.eos_token_id], **kw)
+    return ToolAgent([ToolSpec("calculator", {}, CALCULATOR_SCHEMA)], tokenizer, [tokenizer.eos_token_id],
+                     **kw)
 
 
 def _prompt(tokenizer) -> list[int]:
@@ -43,11 +45,13 @@ def _prompt(tokenizer) -> list[int]:
 
 
 def test_parse_hermes():
-    calls = parse_hermes('think <tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
+    calls = parse_hermes('think <tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n'
+                         '</tool_call>'
                          '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
                          "<tool_call>{oops}</tool_call><tool_call>[1]</tool_call>"
                          '<tool_call>{"name": "g", "arguments": 3}</tool_call> <tool_call>unclosed')
-    assert [(c.name, c.arguments) for c in calls[:2]] == [("calculator", {"expression": "1+2"}), ("f", {"x": 1})]
+    assert [(c.name, c.arguments) for c in calls[:2]] == [("calculator", {"expression": "1+2"}),
+                                                          ("f", {"x": 1})]
     assert "not valid JSON" in calls[2].error and '"name" string' in calls[3].error
     assert calls[4].name == "g" and "must be a JSON object" in calls[4].error
     assert len(calls) == 5 and parse_hermes("Answer: 7") == []
@@ -72,19 +76,22 @@ def test_sequence_equals_chat_template_token_for_token(tokenizer):
     agent = _agent(tokenizer)
     engine = scripted.ScriptedRollout(tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id)
     try:
-        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)], SamplingParams(n=4, max_tokens=160))
+        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)],
+                                    SamplingParams(n=4, max_tokens=160))
     finally:
         agent.close()
     assert engine.calls == 2  # every sample finished within two turns
     assert [t.turns for t in trajs] == [2, 1, 2, 2]
     assert trajs[0].messages[1] == {"role": "tool", "content": str(48213 * 9321)}
     assert trajs[0].messages[2]["content"] == f"Answer: {48213 * 9321}"
-    assert trajs[2].tool_calls[0]["error"] and trajs[3].tool_calls[0]["error"] and not trajs[0].tool_calls[0]["error"]
+    assert (trajs[2].tool_calls[0]["error"] and trajs[3].tool_calls[0]["error"]
+            and not trajs[0].tool_calls[0]["error"])
     batch = from_generation(gen, torch.tensor([0]))
     R = gen.response_ids.shape[1]
     for k, t in enumerate(trajs):
         conversation = [{"role": "user", "content": QUESTION}] + t.messages
-        want = tokenizer.encode(tokenizer.apply_chat_template(conversation, tokenize=False), add_special_tokens=False)
+        want = tokenizer.encode(tokenizer.apply_chat_template(conversation, tokenize=False),
+                                add_special_tokens=False)
         assert want[-1] == tokenizer.encode("\n")[0]  # the template ends the last turn with a newline ...
         want = want[:-1]  # ... which the model does not generate: it stops at EOS
         attn = batch["attention_mask"][k].bool()
@@ -96,8 +103,8 @@ def test_sequence_equals_chat_template_token_for_token(tokenizer):
         masked_out = gen.response_ids[k][(~gen.response_mask[k]) & gen.response_attention[k]]
         assert (gen.logprobs[k][~gen.response_mask[k]] == 0).all()
         if t.turns == 2:
-            assert tokenizer.decode(masked_out) == f"\n<|im_start|>tool\n{t.messages[1]['content']}<|im_end|>\n" \
-                                                   "<|im_start|>assistant\n"
+            assert tokenizer.decode(masked_out) == (f"\n<|im_start|>tool\n{t.messages[1]['content']}"
+                                                    "<|im_end|>\n<|im_start|>assistant\n")
         # Positions run on through the tool tokens, as they would in the whole conversation.
         pos = batch["position_ids"][k][attn]
         assert pos.tolist() == list(range(len(want)))
@@ -109,16 +116,19 @@ def test_limits_turns_budget_and_tool_output(tokenizer):
     agent = _agent(tokenizer, max_assistant_turns=1)
     engine = scripted.ScriptedRollout(tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id)
     try:
-        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)], SamplingParams(n=1, max_tokens=160))
+        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)],
+                                    SamplingParams(n=1, max_tokens=160))
         assert engine.calls == 1 and trajs[0].tool_calls == [] and gen.finish_reasons == ["stop"]
         # A response budget that ends inside the tool turn: finished as "length", nothing half-appended.
         call_len = int(gen.response_mask[0].sum())
         agent.max_turns = None
-        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)], SamplingParams(n=1, max_tokens=call_len + 3))
+        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)],
+                                    SamplingParams(n=1, max_tokens=call_len + 3))
         assert gen.finish_reasons == ["length"] and int(gen.response_attention[0].sum()) == call_len
         # Tool output is cut to max_tool_response_length tokens (middle: both ends kept).
         agent.chat.max_len = 4
-        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)], SamplingParams(n=1, max_tokens=160))
+        gen, trajs = agent.generate(engine.generate, [_prompt(tokenizer)],
+                                    SamplingParams(n=1, max_tokens=160))
         full = str(48213 * 9321)
         assert trajs[0].messages[1]["content"] == full[:2] + full[-2:]
     finally:
@@ -146,7 +156,8 @@ def test_engine_multi_turn_logprobs_match_transformers(tokenizer, tiny_model_dir
     def generate(prompts, sampling):
         before = getattr(engine, "prefill_tokens", 0)
         out = engine.generate(prompts, sampling)
-        calls.append((getattr(engine, "prefill_tokens", 0) - before, len(prompts), max(len(p) for p in prompts)))
+        calls.append((getattr(engine, "prefill_tokens", 0) - before, len(prompts),
+                      max(len(p) for p in prompts)))
         return out
 
     try:
@@ -183,7 +194,8 @@ def test_prompts_show_the_tools_to_templates_that_render_them(tokenizer, tmp_pat
     from spmdrl.data import PromptDataset
 
     tok = copy.deepcopy(tokenizer)
-    tok.chat_template = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    tok.chat_template = ("{% if tools %}<|im_start|>system\n"
+                         "{% for t in tools %}{{ t.function.name }};{% endfor %}"
                          "<|im_end|>\n{% endif %}" + tokenizer.chat_template)
     path = tmp_path / "p.parquet"
     pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "hi"}]], "data_source": ["x"]}), path)
@@ -214,8 +226,8 @@ def test_tool_turn_with_a_hermes_style_template(tokenizer):
     tok.chat_template = HERMES_STYLE
     chat = ChatTokens(tok, [tok.eos_token_id], max_tool_response_length=64, truncate_side="middle")
     turn = chat.tool_turn(["42", "7"])
-    assert tok.decode(turn) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n7\n"
-                                "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(turn) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n"
+                                "<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     calls = ('<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
              '<tool_call>{"name": "calculator", "arguments": {"expression": "1+6"}}</tool_call>')
     conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": calls},

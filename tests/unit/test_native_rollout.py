@@ -173,7 +173,8 @@ def test_sampled_logprobs_match_transformers_with_early_stops(hf_model, tiny_mod
     assert len(out) == 12 and out.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
     lengths = out.response_lengths
     assert 1 <= lengths.min() < lengths.max()
-    torch.testing.assert_close(out.logprobs, _hf_logprobs(hf_model, out, 0.7, top_k=50, top_p=0.9), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.logprobs, _hf_logprobs(hf_model, out, 0.7, top_k=50, top_p=0.9),
+                               atol=1e-4, rtol=0)
     stop_t = torch.tensor(stop + [EOS])
     for i, reason in enumerate(out.finish_reasons):
         n = int(lengths[i])
@@ -308,7 +309,8 @@ def test_hf_engine_matches_native(engine, tiny_model_dir):
     s = hf.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=0.8, seed=3))
     torch.testing.assert_close(s.logprobs, _hf_logprobs(hf.model, s, 0.8), atol=1e-4, rtol=0)
     t = hf.generate(prompts, SamplingParams(n=2, max_tokens=8, temperature=0.8, top_k=20, top_p=0.9, seed=3))
-    torch.testing.assert_close(t.logprobs, _hf_logprobs(hf.model, t, 0.8, top_k=20, top_p=0.9), atol=1e-4, rtol=0)
+    torch.testing.assert_close(t.logprobs, _hf_logprobs(hf.model, t, 0.8, top_k=20, top_p=0.9),
+                               atol=1e-4, rtol=0)
     hf.sleep(2)
     assert hf.memory_bytes() == 0
     hf.wake_up()
@@ -329,7 +331,8 @@ def test_bf16_engine_runs_and_agrees_roughly(tiny_model_dir, engine):
 @pytest.mark.parametrize("kind", ["native", "hf"])
 def test_ignore_eos_generates_past_eos(tiny_model_dir, kind):
     prompts = _prompts([5, 8], seed=11)
-    free = _engine(tiny_model_dir, eos_token_ids=[PAD]).generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    free = _engine(tiny_model_dir, eos_token_ids=[PAD]).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0))
     eos = int(free.response_ids[0, 3])  # what greedy emits 4th becomes the EOS id
     eng = build_rollout(kind, str(tiny_model_dir), eos_token_ids=[eos], pad_token_id=PAD)
     stopped = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))

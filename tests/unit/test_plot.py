@@ -45,9 +45,11 @@ def test_one_run_timing_panel_takes_the_width_and_runs_merge_resumed_steps(tmp_p
     run = tmp_path / "resumed"
     run.mkdir()
     rows = [json.loads(line) for line in (RUNS / "grpo_a" / "metrics.jsonl").read_text().splitlines()]
-    # A run resumed from step 2 appends steps 3-4 again; the later rows win; a half-written last line is skipped.
+    # A run resumed from step 2 appends steps 3-4 again; the later rows win; a half-written last line is
+    # skipped.
     redo = [{**row, "reward/mean": 0.5} for row in rows[2:]]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + redo) + '{"step": 5, "rew')
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + redo)
+                                       + '{"step": 5, "rew')
     loaded = read_run(run)
     steps, reward = loaded.series("reward/mean")
     assert steps == [1, 2, 3, 4] and reward[2:] == [0.5, 0.5]

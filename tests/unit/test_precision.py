@@ -78,11 +78,13 @@ def test_native_engine_without_onednn_runs_the_plain_path(tiny_model_dir, monkey
 
 
 def test_bf16_without_native_support_runs_unpacked(tiny_model_dir, monkeypatch):
-    """An explicit bf16 rollout on a CPU without native bf16: no oneDNN prepack (it would raise), still runs."""
+    """An explicit bf16 rollout on a CPU without native bf16: no oneDNN prepack (it would raise), still
+    runs."""
     monkeypatch.setattr(precision, "native_bf16", lambda device_type: (False, "test: no native bf16"))
     eng = _engine(tiny_model_dir, dtype="bfloat16")
     assert not eng.prepack
     out = eng.generate([[5, 9, 13, 7]], SamplingParams(n=2, max_tokens=6))
     assert out.response_ids.shape == (2, 6) and torch.isfinite(out.logprobs).all()
-    with pytest.raises(ValueError, match="prepack=True needs a CPU with oneDNN and float32, or bfloat16 with"):
+    with pytest.raises(ValueError,
+                       match="prepack=True needs a CPU with oneDNN and float32, or bfloat16 with"):
         _engine(tiny_model_dir, dtype="bfloat16", prepack=True)

@@ -38,7 +38,8 @@ def test_rows_are_verls_layout(prepared: Path):
     train = pq.read_table(prepared / "train.parquet")
     assert train.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
     rows = train.to_pylist()
-    assert [r["reward_model"] for r in rows] == [{"style": "rule", "ground_truth": g} for g in ("7", "1500", "-3")]
+    assert [r["reward_model"] for r in rows] == [{"style": "rule", "ground_truth": g}
+                                                 for g in ("7", "1500", "-3")]
     first = rows[1]
     assert first["data_source"] == "openai/gsm8k" and first["ability"] == "math"
     assert first["prompt"] == [{"role": "user", "content": TRAIN[1]["question"] + " " + INSTRUCTION}]

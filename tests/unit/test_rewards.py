@@ -57,7 +57,8 @@ def test_builtin_dispatch_by_data_source() -> None:
     # gsm8k returns a float: no extras for it; pred is the extracted answer ("" for none) maj@k votes with.
     assert out.extra == {"acc": [1.0, 0.0, None], "pred": ["7", "", None]}
     assert out.metrics() == {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
-    with pytest.raises(ValueError, match="no built-in scorer for data_source 'mine/data'.*known data sources"):
+    with pytest.raises(ValueError,
+                       match="no built-in scorer for data_source 'mine/data'.*known data sources"):
         rm(["mine/data"], ["x"], ["y"])
 
 
@@ -66,8 +67,10 @@ def test_user_file_in_process_contains_errors(user_file: Path) -> None:
     out = _score(rm, ["ok", "raise", "bad", "nan", "nodict"])
     assert out.scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert out.num_errors == 3 and out.num_timeouts == 0
-    exited = _score(rm, ["exit", "ok"])  # sys.exit() in the user's function ends neither this process nor the batch
-    assert exited.scores.tolist() == [0.0, 1.0] and exited.num_errors == 1 and "SystemExit: 4" in exited.errors[0]
+    # sys.exit() in the user's function ends neither this process nor the batch
+    exited = _score(rm, ["exit", "ok"])
+    assert (exited.scores.tolist() == [0.0, 1.0] and exited.num_errors == 1
+            and "SystemExit: 4" in exited.errors[0])
     assert "RuntimeError: scorer bug" in out.errors[0]
     assert out.extra["len"] == [2, None, 3, None, None] and out.extra["idx"] == [0, None, 2, None, None]
 
@@ -75,8 +78,8 @@ def test_user_file_in_process_contains_errors(user_file: Path) -> None:
 def test_missing_file_and_function_errors(tmp_path: Path, user_file: Path) -> None:
     with pytest.raises(FileNotFoundError, match="reward file .*nope.py.* does not exist"):
         load_reward_function(f"{tmp_path / 'nope.py'}:compute_score")
-    with pytest.raises(AttributeError, match="has no function 'score_it'.*callables defined there: compute_score, "
-                                             "helper"):
+    with pytest.raises(AttributeError,
+                       match="has no function 'score_it'.*callables defined there: compute_score, helper"):
         RewardManager(f"{user_file}:score_it")
     with pytest.raises(ValueError, match="neither 'builtin' nor 'path/to/file.py:function'"):
         RewardManager("my_reward.py")

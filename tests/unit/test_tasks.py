@@ -26,7 +26,8 @@ def test_arith_rows_follow_verl_layout_and_are_reproducible() -> None:
         assert 0 <= min(a, b) and max(a, b) <= 9
         assert 0 <= ans <= 9 and r["reward_model"] == {"style": "rule", "ground_truth": str(ans)}
     answers = [int(r["reward_model"]["ground_truth"]) for r in tasks.generate_arith("train", 2000, seed=0)]
-    assert max(answers.count(d) for d in range(10)) < 0.13 * len(answers)  # near uniform: no constant guess wins
+    # near uniform: no constant guess wins
+    assert max(answers.count(d) for d in range(10)) < 0.13 * len(answers)
 
 
 @pytest.mark.parametrize(
@@ -176,7 +177,8 @@ def test_calc_task_and_scorer() -> None:
     score = scorers.get_scorer("spmdrl/calc")
     ok_call = {"tool_calls": [{"name": "calculator", "error": ""}]}
     # The answer is read from the last assistant message, never from the tool output before it.
-    conv = {"messages": [{"role": "assistant", "content": "<tool_call>..."}, {"role": "tool", "content": "391"},
+    conv = {"messages": [{"role": "assistant", "content": "<tool_call>..."},
+                         {"role": "tool", "content": "391"},
                          {"role": "assistant", "content": "Answer: 390"}], **ok_call}
     assert score("spmdrl/calc", "Answer: 391", "391", conv)["score"] == 0.2
     conv["messages"][-1]["content"] = "so Answer: 391"

@@ -47,7 +47,8 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
 def test_cli_and_builtin_resolution(tmp_path, monkeypatch):
     from spmdrl.builtin.models import resolve_builtin_model
 
-    out = subprocess.run([sys.executable, "-m", "spmdrl.builtin.models", "--out", str(tmp_path / "m"), "--seed", "1"],
+    out = subprocess.run([sys.executable, "-m", "spmdrl.builtin.models", "--out", str(tmp_path / "m"),
+                          "--seed", "1"],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0 and "size=tiny" in out.stdout
     monkeypatch.setenv("SPMDRL_CACHE", str(tmp_path / "cache"))

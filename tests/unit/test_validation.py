@@ -75,7 +75,8 @@ def test_constant_responses_have_no_spread_and_majority_is_that_value() -> None:
     m = prompt_metrics([0.3] * 4, ["7"] * 4)
     for k in (2, 4):
         assert m[f"best@{k}/mean"] == m[f"worst@{k}/mean"] == m[f"maj@{k}/mean"] == pytest.approx(0.3)
-        assert m[f"best@{k}/std"] == pytest.approx(0.0, abs=1e-12) and m[f"maj@{k}/std"] == pytest.approx(0.0, abs=1e-12)
+        assert (m[f"best@{k}/std"] == pytest.approx(0.0, abs=1e-12)
+                and m[f"maj@{k}/std"] == pytest.approx(0.0, abs=1e-12))
 
 
 def test_majority_vote_beats_mean_when_the_right_answer_is_most_common() -> None:
@@ -104,12 +105,15 @@ def _infos():
 def test_names_as_verl_core_and_aux_means_over_prompts() -> None:
     sources, uids, infos = _infos()
     out = name_metrics(local_sums(sources, uids, infos))
-    # Source a's core variable is acc (its scorer returns one); mean over the 2 prompts of the per-prompt means.
+    # Source a's core variable is acc (its scorer returns one); mean over the 2 prompts of the per-prompt
+    # means.
     assert out["val-core/a/acc/mean@4"] == pytest.approx((0.5 + 0.0) / 2)
     assert out["val-core/a/acc/pass@4"] == pytest.approx((1.0 + 0.0) / 2)
     assert out["val-aux/a/acc/pass@2"] == pytest.approx((1 - 1 / 6 + 0.0) / 2)
-    assert "val-core/a/acc/best@4/mean" in out and "val-core/a/acc/maj@4/mean" in out  # and their /std, as verl
-    assert "val-core/a/acc/best@4/std" in out and "val-aux/a/acc/std@4" in out and "val-aux/a/acc/worst@4/mean" in out
+    # and their /std, as verl
+    assert "val-core/a/acc/best@4/mean" in out and "val-core/a/acc/maj@4/mean" in out
+    assert ("val-core/a/acc/best@4/std" in out and "val-aux/a/acc/std@4" in out
+            and "val-aux/a/acc/worst@4/mean" in out)
     assert out["val-aux/a/reward/mean@4"] == pytest.approx((0.5 + 0.5) / 2)
     assert not any(k.startswith("val-aux/a/reward/pass@") for k in out)  # reward is not 0/1 on source a
     # Source b: no acc, so reward is the core variable; its rewards are 0/1, so pass@k is kept.

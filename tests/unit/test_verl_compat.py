@@ -77,7 +77,8 @@ def test_mapping_conversions_and_verl_defaults():
         "data.train_files=[a.parquet,b.parquet]", "+trainer.total_training_steps=3",
     ])
     assert cfg.actor.lr == 1e-6 and cfg.trainer.logger == ["console", "jsonl", "wandb"]
-    assert cfg.rollout.engine == "vllm" and cfg.parallel.rollout_tp == 2 and cfg.algorithm.kl_ctrl.kl_coef == 0.002
+    assert (cfg.rollout.engine == "vllm" and cfg.parallel.rollout_tp == 2
+            and cfg.algorithm.kl_ctrl.kl_coef == 0.002)
     assert cfg.actor.strategy == "fsdp2" and (cfg.parallel.tp, cfg.parallel.pp) == (2, 4)
     assert cfg.rollout.val_kwargs.n == 4 and cfg.rollout.val_kwargs.top_k == -1
     assert cfg.rollout.multi_turn.format == "hermes" and cfg.reward_model.model.path == "/rm"
@@ -93,7 +94,8 @@ def test_mapping_conversions_and_verl_defaults():
 
 def test_megatron_keys_of_actor_reference_and_critic():
     cfg, _ = parse_config([
-        "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.ref.strategy=megatron", "critic.strategy=megatron",
+        "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.ref.strategy=megatron",
+        "critic.strategy=megatron",
         *[f"{p}.megatron.{k}={v}" for p in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
           for k, v in (("tensor_model_parallel_size", 2), ("pipeline_model_parallel_size", 2),
                        ("sequence_parallel", False), ("use_distributed_optimizer", False), ("seed", 42))],
@@ -104,18 +106,22 @@ def test_megatron_keys_of_actor_reference_and_critic():
 
 def test_verl_null_keeps_spmdrl_default_unless_spmdrl_takes_null():
     cfg, _ = parse_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "data.val_files=null",
-                           "trainer.total_training_steps=null", "actor_rollout_ref.rollout.max_model_len=null"])
+                           "trainer.total_training_steps=null",
+                           "actor_rollout_ref.rollout.max_model_len=null"])
     assert cfg.actor.ppo_micro_batch_size_per_gpu == 16  # spmdrl's default: this setting cannot be null
-    assert cfg.data.val_files is None and cfg.trainer.total_steps is None and cfg.rollout.max_model_len is None
+    assert (cfg.data.val_files is None and cfg.trainer.total_steps is None
+            and cfg.rollout.max_model_len is None)
 
 
 def test_precedence(tmp_path):
     spmdrl_yaml = tmp_path / "s.yaml"
-    spmdrl_yaml.write_text("actor:\n  lr: 0.1\n  weight_decay: 0.1\n  entropy_coeff: 0.1\n  kl_loss_coef: 0.1\n")
+    spmdrl_yaml.write_text("actor:\n  lr: 0.1\n  weight_decay: 0.1\n  entropy_coeff: 0.1\n"
+                           "  kl_loss_coef: 0.1\n")
     verl_yaml = tmp_path / "v.yaml"
     verl_yaml.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 0.2\n      weight_decay: 0.2\n"
                          "    entropy_coeff: 0.2\n")
-    cfg, _ = parse_config(["--actor.lr", "0.4", "actor_rollout_ref.actor.optim.lr=0.3", "--verl-config", str(verl_yaml),
+    cfg, _ = parse_config(["--actor.lr", "0.4", "actor_rollout_ref.actor.optim.lr=0.3",
+                           "--verl-config", str(verl_yaml),
                            "actor_rollout_ref.actor.optim.weight_decay=0.3", "--config", str(spmdrl_yaml)])
     a = cfg.actor
     # --section.key > key=value > --verl-config > --config, whatever the order on the line.
@@ -126,7 +132,8 @@ def test_precedence(tmp_path):
 
 def test_verl_yaml_interpolations_and_hydra_defaults(tmp_path):
     f = tmp_path / "v.yaml"
-    f.write_text("defaults:\n  - ppo_trainer\n  - _self_\ndata:\n  max_prompt_length: 100\n  image_key: null\n"
+    f.write_text("defaults:\n  - ppo_trainer\n  - _self_\n"
+                 "data:\n  max_prompt_length: 100\n  image_key: null\n"
                  "actor_rollout_ref:\n  rollout:\n    max_model_len: ${data.max_prompt_length}\n"
                  "  actor:\n    optim:\n      lr: 3e-6\n")
     cfg, _ = parse_config(["--verl-config", str(f)])
@@ -199,28 +206,35 @@ def test_ignored_keys_give_one_info_line(capsys):
     parse_config(["ray_init.num_cpus=8", "trainer.ray_wait_register_center_timeout=300",
                   "actor_rollout_ref.model.use_remove_padding=True"])
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("spmdrl.train: info: verl keys accepted with no effect here:")
+    assert err.count("\n") == 1 and err.startswith(
+        "spmdrl.train: info: verl keys accepted with no effect here:")
     assert "ray_init.num_cpus" in err and "use_remove_padding" in err
 
 
 BAD = [
     (["actor_rollout_ref.actor.use_fancy_thing=True"],
      "verl key actor_rollout_ref.actor.use_fancy_thing=True has no spmdrl equivalent yet"),
-    (["trainer.n_gpus_per_node=8"], "trainer.n_gpus_per_node x trainer.nnodes = 8 x 1 do not match the 1 rank(s)"),
-    (["actor_rollout_ref.rollout.mode=async"], "verl key actor_rollout_ref.rollout.mode='async' is not supported"),
+    (["trainer.n_gpus_per_node=8"],
+     "trainer.n_gpus_per_node x trainer.nnodes = 8 x 1 do not match the 1 rank(s)"),
+    (["actor_rollout_ref.rollout.mode=async"],
+     "verl key actor_rollout_ref.rollout.mode='async' is not supported"),
     (["actor_rollout_ref.actor.optim.lr=fast"], "(set by verl key actor_rollout_ref.actor.optim.lr)"),
     (["data.truncation=middle"], "verl key data.truncation='middle' has no spmdrl equivalent; valid values:"),
-    (["actor_rollout_ref.actor.strategy=deepspeed"], "actor.strategy is 'deepspeed'; valid values: fsdp2, megatron"),
+    (["actor_rollout_ref.actor.strategy=deepspeed"],
+     "actor.strategy is 'deepspeed'; valid values: fsdp2, megatron"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
-    (["critic.strategy=megatron"], "critic.strategy='megatron' differs from actor_rollout_ref.actor.strategy='fsdp2'"),
-    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "critic.megatron.tensor_model_parallel_size=1"],
+    (["critic.strategy=megatron"],
+     "critic.strategy='megatron' differs from actor_rollout_ref.actor.strategy='fsdp2'"),
+    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+      "critic.megatron.tensor_model_parallel_size=1"],
      "critic.megatron.tensor_model_parallel_size=1 differs from actor_rollout_ref.actor.megatron."
      "tensor_model_parallel_size=2"),
     (["actor_rollout_ref.actor.megatron.sequence_parallel=True"],
      "sequence_parallel=True is not supported: spmdrl accepts only False"),
     (["critic.megatron.use_distributed_optimizer=True"],
      "use_distributed_optimizer=True is not supported: spmdrl accepts only False"),
-    (["trainer.total_steps=3"], "trainer.total_steps=3 is a spmdrl key, not a verl key; write it as --trainer.total_steps"),
+    (["trainer.total_steps=3"],
+     "trainer.total_steps=3 is a spmdrl key, not a verl key; write it as --trainer.total_steps"),
 ]
 
 
@@ -248,8 +262,9 @@ def test_command_line_interpolation_and_print_config_outside_torchrun():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     env["PYTHONPATH"] = str(DOCS.parents[1])
     out = subprocess.run(
-        [sys.executable, "-m", "spmdrl.train", "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.optim.lr=2e-6",
-         "trainer.project_name=p", "trainer.default_local_dir=${trainer.project_name}", "--print_config"],
+        [sys.executable, "-m", "spmdrl.train", "trainer.n_gpus_per_node=8",
+         "actor_rollout_ref.actor.optim.lr=2e-6", "trainer.project_name=p",
+         "trainer.default_local_dir=${trainer.project_name}", "--print_config"],
         capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "  lr: 2.0e-06\n" in out.stdout and "  output_dir: p\n" in out.stdout

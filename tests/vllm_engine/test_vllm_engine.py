@@ -17,7 +17,8 @@ from spmdrl.rollout.vllm import vllm_available
 # CI runs this file inside .venv-vllm (made by .ci/vllm-venv) from tests/e2e/test_vllm_venv.py; without
 # vLLM it skips with the reason in pytest's summary.
 if vllm_available() is not None:
-    pytest.skip(f"{vllm_available()}; tests/e2e/test_vllm_venv.py runs this in .venv-vllm", allow_module_level=True)
+    pytest.skip(f"{vllm_available()}; tests/e2e/test_vllm_venv.py runs this in .venv-vllm",
+                allow_module_level=True)
 import torch
 
 from spmdrl.rollout import build_rollout
@@ -104,7 +105,8 @@ def test_output_contract(engine):
     for i in range(6):
         n = int(out.response_lengths[i])
         resp = out.response_ids[i]
-        assert (resp[n:] == PAD).all() and (out.logprobs[i, n:] == 0).all() and (out.logprobs[i, :n] < 0).all()
+        assert ((resp[n:] == PAD).all() and (out.logprobs[i, n:] == 0).all()
+                and (out.logprobs[i, :n] < 0).all())
         ended = bool(torch.isin(resp[n - 1], stops))
         assert out.finish_reasons[i] == ("stop" if ended else "length") and (ended or n == 12)
     # The n samples of a prompt are drawn independently; greedy n > 1 gives n identical rows.
@@ -131,8 +133,10 @@ def test_logprobs_follow_the_sampling_distribution(engine, tiny_model_dir, tempe
     convention of spmdrl.rollout.sampling that the native and hf engines follow too."""
     hf = _hf_with(tiny_model_dir, {})
     out = engine.generate(_prompts([6, 3], seed=4),
-                          SamplingParams(n=4, max_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p, seed=1))
-    torch.testing.assert_close(out.logprobs, _hf_logprobs(hf, out, temperature, top_k, top_p), atol=ATOL, rtol=0)
+                          SamplingParams(n=4, max_tokens=12, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, seed=1))
+    torch.testing.assert_close(out.logprobs, _hf_logprobs(hf, out, temperature, top_k, top_p), atol=ATOL,
+                               rtol=0)
 
 
 def test_update_weights_in_place(engine, tiny_model_dir, weights):

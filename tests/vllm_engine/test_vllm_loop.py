@@ -19,7 +19,8 @@ from spmdrl.rollout.vllm import vllm_available
 # CI runs this file inside .venv-vllm (made by .ci/vllm-venv) from tests/e2e/test_vllm_venv.py; without
 # vLLM it skips with the reason in pytest's summary.
 if vllm_available() is not None:
-    pytest.skip(f"{vllm_available()}; tests/e2e/test_vllm_venv.py runs this in .venv-vllm", allow_module_level=True)
+    pytest.skip(f"{vllm_available()}; tests/e2e/test_vllm_venv.py runs this in .venv-vllm",
+                allow_module_level=True)
 
 REPO = Path(__file__).resolve().parents[2]
 # ppo_mini_batch_size 4 of 8 prompts: two optimizer steps, so the actor recomputes old log-probs and the
@@ -37,8 +38,9 @@ LOGP_TOL = 1e-4
 @pytest.mark.parametrize("tp", [1, 2])
 def test_grpo_with_vllm(tp, tmp_path):
     out_dir = tmp_path / f"tp{tp}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "spmdrl.train",
-           *ARGS, "--parallel.rollout_tp", str(tp), "--trainer.output_dir", str(out_dir)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "spmdrl.train", *ARGS,
+           "--parallel.rollout_tp", str(tp), "--trainer.output_dir", str(out_dir)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
