@@ -276,9 +276,9 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
     load1 = os.getloadavg()
     threads = args.threads or f"{torch.get_num_threads()} (vllm: its own default)"
     print(f"\nrollout benchmark: torch {torch.__version__}, {os.cpu_count()} cores, threads {threads}, "
-          f"prompt {args.prompt_len} tokens, temperature 1, median of {args.rounds} x {args.repeats} runs (each "
-          f"after {args.warmup} warm-up), max_num_seqs {args.max_num_seqs}; load average {load0[0]:.1f} at start, "
-          f"{load1[0]:.1f} at end")
+          f"prompt {args.prompt_len} tokens, temperature 1, median of {args.rounds} x {args.repeats} runs "
+          f"(each after {args.warmup} warm-up), max_num_seqs {args.max_num_seqs}; load average "
+          f"{load0[0]:.1f} at start, {load1[0]:.1f} at end")
     hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<8} {'tok/s':>8} "
            f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5} {'x vllm':>6}  GFLOP/s")
     print(hdr)
@@ -300,7 +300,8 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
                         continue
                     print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<8} "
                           f"{r['tok_s']:>8.0f} {r['ttft_ms']:>8.1f} {r['rss_mb']:>7.0f} {limit:>7.0f} "
-                          f"{100 * r['tok_s'] / limit:>4.0f}% {ratio(r, hf, 5)} {ratio(r, vllm, 6)}  {gflops:.0f}")
+                          f"{100 * r['tok_s'] / limit:>4.0f}% {ratio(r, hf, 5)} {ratio(r, vllm, 6)}  "
+                          f"{gflops:.0f}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
     python bench/step.py                       # tiny model, 8 prompts x 8 responses x 64 new tokens
     python bench/step.py --model small --steps 5
-    python bench/step.py --vllm-python .venv-vllm/bin/python   # adds rollout.engine vllm at rollout TP 1 and 2
-    python bench/step.py --megatron --no-trl   # instead: 2-rank fp32 rows of fsdp2 and megatron (tp 1, tp 2, pp 2)
+    python bench/step.py --vllm-python .venv-vllm/bin/python  # adds rollout.engine vllm at rollout TP 1 and 2
+    python bench/step.py --megatron --no-trl   # instead: 2-rank fp32 rows of fsdp2 and megatron
+                                               # (tp 1, tp 2, pp 2)
 
 Every spmdrl row is a real ``python -m spmdrl.train`` (torchrun for 2 ranks)
 run of configs/grpo.yaml at the same global batch; the figure is the median
@@ -40,17 +41,19 @@ sys.path.insert(0, str(REPO))  # runnable from a checkout without pip install
 
 
 def spmdrl_run(model: str, run: tuple, a: argparse.Namespace, tmp: Path) -> list[dict]:
-    """The metrics.jsonl rows of one training run (world, colocate, dtype, engine, rollout TP, training engine),
-    warm-up step dropped; vllm runs use ``--vllm-python``."""
+    """The metrics.jsonl rows of one training run (world, colocate, dtype, engine, rollout TP, training
+    engine), warm-up step dropped; vllm runs use ``--vllm-python``."""
     world, colocate, dtype, engine, tp, train = run
     out = tmp / f"w{world}_c{int(colocate)}_{dtype}_{engine}{tp}_{train}"
     shutil.rmtree(out, ignore_errors=True)
     args = [
-        "--config", "configs/grpo.yaml", "--model.path", f"builtin:{model}", "--trainer.total_steps", str(a.steps),
+        "--config", "configs/grpo.yaml", "--model.path", f"builtin:{model}",
+        "--trainer.total_steps", str(a.steps),
         "--data.train_batch_size", str(a.prompts), "--actor.ppo_mini_batch_size", str(a.prompts),
         "--rollout.n", str(a.n), "--data.max_response_length", str(a.new_tokens),
         "--actor.ppo_micro_batch_size_per_gpu", str(a.prompts * a.n), "--actor.use_kl_loss", "true",
-        "--trainer.colocate", str(colocate).lower(), "--trainer.progress_bar", "false", "--trainer.resume", "off",
+        "--trainer.colocate", str(colocate).lower(), "--trainer.progress_bar", "false",
+        "--trainer.resume", "off",
         "--trainer.logger", "[jsonl]", "--trainer.output_dir", str(out),
         "--rollout.dtype", DTYPES[dtype], "--actor.param_dtype", DTYPES[dtype],
         "--rollout.ignore_eos", "true",  # every response is new_tokens long, in TRL's run too: equal work
@@ -66,7 +69,7 @@ def spmdrl_run(model: str, run: tuple, a: argparse.Namespace, tmp: Path) -> list
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"spmdrl run failed ({run}):\n{done.stderr[-3000:]}")
-    return [json.loads(l) for l in open(out / "metrics.jsonl")][1:]
+    return [json.loads(line) for line in open(out / "metrics.jsonl")][1:]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -82,10 +85,12 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
-def trl_run(model_dir: str, data: str, dtype: str, a: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+def trl_run(model_dir: str, data: str, dtype: str, a: argparse.Namespace,
+            tmp: Path) -> dict[str, list[float]]:
     """Seconds and mean completion length of every optimizer step of one TRL run, warm-up step dropped."""
     cmd = [sys.executable, str(REPO / "bench" / "trl_grpo.py"), "--model", model_dir, "--data", data,
-           "--steps", str(a.steps), "--prompts", str(a.prompts), "--n", str(a.n), "--new-tokens", str(a.new_tokens),
+           "--steps", str(a.steps), "--prompts", str(a.prompts), "--n", str(a.n),
+           "--new-tokens", str(a.new_tokens),
            "--out", str(tmp / f"trl_{dtype}")] + (["--bf16"] if dtype == "bf16" else [])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(a.threads)}
     out = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
@@ -100,14 +105,16 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="CPU threads per run, split over ranks")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2,
+                   help="CPU threads per run, split over ranks")
     p.add_argument("--rounds", type=int, default=2, help="times every runner runs, interleaved")
     p.add_argument("--no-trl", action="store_true")
     p.add_argument("--vllm-python", default=None,
-                   help="python of a venv with vllm (.venv-vllm/bin/python): adds 2-rank rows with rollout.engine vllm")
+                   help="python of a venv with vllm (.venv-vllm/bin/python): adds 2-rank rows with "
+                        "rollout.engine vllm")
     p.add_argument("--megatron", action="store_true",
-                   help="instead of the main rows: 2-rank colocated fp32 rows of actor.strategy fsdp2 and megatron "
-                        "(tp 1, tp 2, pp 2)")
+                   help="instead of the main rows: 2-rank colocated fp32 rows of actor.strategy fsdp2 and "
+                        "megatron (tp 1, tp 2, pp 2)")
     p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
                    help="compute and rollout dtype of the main rows (auto: bf16 where native, else fp32)")
     a = p.parse_args()
@@ -130,7 +137,8 @@ def main() -> None:
     runs = [(1, True, main_dtype, "native", 1, "fsdp2"), (1, False, main_dtype, "native", 1, "fsdp2"),
             (2, True, main_dtype, "native", 1, "fsdp2"), (2, False, main_dtype, "native", 1, "fsdp2")]
     runs += [(1, True, "fp32", "native", 1, "fsdp2")] if main_dtype != "fp32" else []
-    if a.vllm_python:  # the same 2-rank colocated work, rolled out by vLLM: one engine per rank, then one over both
+    # the same 2-rank colocated work, rolled out by vLLM: one engine per rank, then one over both
+    if a.vllm_python:
         runs += [(2, True, main_dtype, "vllm", 1, "fsdp2"), (2, True, main_dtype, "vllm", 2, "fsdp2")]
     if a.megatron:  # the Megatron engine computes in float32: against FSDP2 in float32 on the same work
         runs = [(2, True, "fp32", "native", 1, t) for t in TRAIN_ENGINES]
@@ -147,27 +155,29 @@ def main() -> None:
                     trl_steps[d][k] += v
             for run in runs:
                 spmdrl_steps[run] += spmdrl_run(a.model, run, a, tmp)
-    trl = {d: {k: statistics.median(v) if v else float("nan") for k, v in r.items()} for d, r in trl_steps.items()}
+    trl = {d: {k: statistics.median(v) if v else float("nan") for k, v in r.items()}
+           for d, r in trl_steps.items()}
     rows = [(run, summarize(spmdrl_steps[run])) for run in runs]
     tokens = a.prompts * a.n * a.new_tokens
     base = trl.get("fp32")
     print(f"\nGRPO step, {a.model} model, {a.prompts} prompts x {a.n} responses x {a.new_tokens} new tokens, "
-          f"KL to reference, one PPO epoch, {a.threads} CPU threads; medians of {a.rounds} x {a.steps - 1} steps after warm-up "
-          f"(rounds interleaved). "
-          f"bf16 = bf16 compute with float32 master weights (TRL: bf16=True autocast; spmdrl: FSDP2 param_dtype "
-          f"and rollout dtype). 'vs TRL' divides TRL fp32's s/step by the row's.\n")
-    print("| runner | training | rollout | precision | ranks | sleep/wake | resp len | s/step | gen tok/s | rollout s "
-          "| sync s | update s | peak GB | max phase GB | vs TRL fp32 |")
+          f"KL to reference, one PPO epoch, {a.threads} CPU threads; medians of {a.rounds} x {a.steps - 1} "
+          f"steps after warm-up (rounds interleaved). "
+          f"bf16 = bf16 compute with float32 master weights (TRL: bf16=True autocast; spmdrl: FSDP2 "
+          f"param_dtype and rollout dtype). 'vs TRL' divides TRL fp32's s/step by the row's.\n")
+    print("| runner | training | rollout | precision | ranks | sleep/wake | resp len | s/step | gen tok/s "
+          "| rollout s | sync s | update s | peak GB | max phase GB | vs TRL fp32 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d, r in trl.items():
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
-        print(f"| TRL GRPOTrainer | transformers | transformers | {d} | 1 | - | {r['length']:.1f} | {r['step_s']:.2f} | "
-              f"{tokens / r['step_s']:.0f} | | | | | | {ratio} |")
+        print(f"| TRL GRPOTrainer | transformers | transformers | {d} | 1 | - | {r['length']:.1f} | "
+              f"{r['step_s']:.2f} | {tokens / r['step_s']:.0f} | | | | | | {ratio} |")
     for (world, colocate, d, engine, tp, train), r in rows:
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
-        print(f"| spmdrl | {train} | {engine} tp={tp} | {d} | {world} | {'on' if colocate else 'off'} | {r['length']:.1f} | "
-              f"{r['step_s']:.2f} | {tokens / r['step_s']:.0f} | {r['rollout_s']:.2f} | {r['sync_s']:.3f} | "
-              f"{r['update_s']:.2f} | {r['peak_gb']:.2f} | {r['max_phase_gb']:.2f} | {ratio} |")
+        print(f"| spmdrl | {train} | {engine} tp={tp} | {d} | {world} | {'on' if colocate else 'off'} | "
+              f"{r['length']:.1f} | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} | {r['rollout_s']:.2f} | "
+              f"{r['sync_s']:.3f} | {r['update_s']:.2f} | {r['peak_gb']:.2f} | {r['max_phase_gb']:.2f} | "
+              f"{ratio} |")
 
 
 if __name__ == "__main__":

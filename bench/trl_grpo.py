@@ -43,7 +43,8 @@ def main() -> None:
     from spmdrl.reward.scorers import compute_score
 
     ds = datasets.load_dataset("parquet", data_files=a.data, split="train")
-    ds = ds.map(lambda row: {"prompt": list(row["prompt"]), "ground_truth": row["reward_model"]["ground_truth"]},
+    ds = ds.map(lambda row: {"prompt": list(row["prompt"]),
+                             "ground_truth": row["reward_model"]["ground_truth"]},
                 remove_columns=[c for c in ds.column_names if c not in ("prompt", "data_source")])
 
     def reward(completions, ground_truth, data_source, **_):
@@ -70,8 +71,9 @@ def main() -> None:
     clock = Clock()
     cfg = GRPOConfig(
         output_dir=a.out, per_device_train_batch_size=a.prompts * a.n, num_generations=a.n,
-        max_completion_length=a.new_tokens, max_steps=a.steps, beta=0.001, num_iterations=1, learning_rate=1e-3,
-        use_cpu=True, bf16=a.bf16, logging_steps=1, report_to="none", save_strategy="no", temperature=1.0,
+        max_completion_length=a.new_tokens, max_steps=a.steps, beta=0.001, num_iterations=1,
+        learning_rate=1e-3, use_cpu=True, bf16=a.bf16, logging_steps=1, report_to="none", save_strategy="no",
+        temperature=1.0,
         gradient_accumulation_steps=1, disable_dropout=True, seed=1,
         # Every completion runs to max_completion_length, as spmdrl's rollout.ignore_eos does: equal work.
         generation_kwargs={"min_new_tokens": a.new_tokens},

@@ -47,8 +47,8 @@ def main() -> None:
     path = resolve_builtin_model(f"builtin:{a.model}")
     weights = dict(Decoder.iter_checkpoint(path))  # hf_name -> full float32 tensor
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    engines = {"vllm": build_rollout("vllm", path, mesh=dims.rollout_mesh, dtype=torch.float32, max_num_seqs=8,
-                                     max_model_len=128, seed=0)}
+    engines = {"vllm": build_rollout("vllm", path, mesh=dims.rollout_mesh, dtype=torch.float32,
+                                     max_num_seqs=8, max_model_len=128, seed=0)}
     if a.tp == 1:
         engines["native"] = build_rollout("native", path, dtype=torch.float32, max_num_seqs=8)
     dst = {k: torch.empty_like(v) for k, v in weights.items()}
@@ -70,8 +70,8 @@ def main() -> None:
     if rank == 0:
         base = statistics.median(times["memcpy"][1:])
         print(f"\nweight sync, {a.model} model ({nbytes / 2**20:.1f} MiB float32, {len(weights)} tensors), "
-              f"vLLM TP {a.tp} on {world} rank(s), torch threads {torch.get_num_threads()}, {os.cpu_count()} cores; "
-              f"median of {a.rounds} rounds after one warm-up, rows interleaved\n")
+              f"vLLM TP {a.tp} on {world} rank(s), torch threads {torch.get_num_threads()}, "
+              f"{os.cpu_count()} cores; median of {a.rounds} rounds after one warm-up, rows interleaved\n")
         print("| row | s/sync | GB/s | x memcpy time |")
         print("|---|---|---|---|")
         for name, ts in times.items():
