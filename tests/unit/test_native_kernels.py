@@ -82,12 +82,19 @@ def test_decode_logits_match_torch_path(tmp_path, tiny_model_dir, kind, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_transformers_arithmetic(dtype):
-    x, w = torch.randn(6, 5, 256, dtype=dtype), torch.randn(256, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 5, 256, generator=g).to(dtype), torch.randn(256, generator=g).to(dtype)
     xf = x.float()
     ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     out = torch.ops.spmdrl_native.rms_norm(x, w, 1e-6)
-    torch.testing.assert_close(out, ref, atol=1e-6 if dtype == torch.float32 else 0, rtol=1e-6 if dtype ==
-                               torch.float32 else 0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        return
+    # The mean of squares is summed in another order than torch's (which itself differs between AVX2
+    # and AVX-512), so a value on a bf16 rounding boundary may round the other way: allow one bf16
+    # step of the normalised value (two of its product with w) on a few elements, the rest bit-equal.
+    torch.testing.assert_close(out, ref, atol=0, rtol=2**-6)
+    assert (out != ref).float().mean() < 0.01
 
 
 def test_greedy_and_logprobs_same_with_and_without_kernels(tiny_model_dir):
