@@ -13,3 +13,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from spmdrl.builtin.models import build_model
 
     return build_model(tmp_path_factory.mktemp("tiny_model") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _seeded_torch() -> None:
+    """Every test starts from the same global torch seed, so a result never depends on test order or luck."""
+    import torch
+
+    torch.manual_seed(0)
