@@ -1,7 +1,8 @@
 """Where checkpoints live and whether one is complete: folder names, the manifest, resume resolution, and the
 fsync / atomic-replace / rename-then-delete helpers that keep a killed save from looking finished.
 
-    {output_dir}/checkpoints/global_step_N/manifest.json     written last (see manager.py for the folder)
+    {output_dir}/checkpoints/global_step_N/manifest.json     written last (see manager.py for the folder):
+                                                         every file's size and sha256
     {output_dir}/checkpoints/latest                          names the newest complete one
 
 A folder counts as a checkpoint only when its name is ``global_step_N`` and
@@ -11,6 +12,7 @@ and ``*.superseded`` never do.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,6 +26,7 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "spmdrl-checkpoint/1"
+DIGESTS = "sha256"  # manifest key: file -> sha256 of its content (absent in manifests before it)
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -48,8 +51,24 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def file_digest(path: Path) -> str:
+    """sha256 of a file, read in chunks (hashlib releases the GIL while it hashes)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _confined(path: Path, rel: object, key: str) -> Path:
+    """``path / rel`` when it stays inside the checkpoint folder ``path`` (symbolic links resolved)."""
+    target = path / rel if isinstance(rel, str) and rel and not Path(rel).is_absolute() else None
+    if target is None or ".." in Path(rel).parts or not target.resolve().is_relative_to(path.resolve()):
+        raise ConfigError(f"checkpoint {str(path)!r} is refused: {MANIFEST} {key} names {rel!r}, which is "
+                          f"not inside the checkpoint folder (an absolute path, '..' or a symbolic link out)")
+    return target
+
+
 def read_manifest(path: Path) -> dict:
-    """The manifest of the checkpoint folder ``path``; ConfigError naming the problem when it is not one."""
+    """The manifest of the checkpoint folder ``path``; ConfigError naming the problem when it is not one, or
+    when a path it names (``files``, ``model_files``) leads outside the folder."""
     if not path.is_dir():
         what = "is not a folder" if path.exists() else "does not exist"
         raise ConfigError(f"checkpoint {str(path)!r} {what}")
@@ -64,14 +83,26 @@ def read_manifest(path: Path) -> dict:
         for key in ("step", "world_size", "files", "roles", "model_shapes"):
             if key not in manifest:
                 raise ValueError(f"key {key!r} is missing")
+        if not isinstance(manifest["files"], dict) or not isinstance(manifest.get(DIGESTS, {}), dict):
+            raise ValueError(f"files and {DIGESTS} must map file names to values")
     except (OSError, ValueError, AttributeError) as err:
         raise ConfigError(f"checkpoint {str(path)!r} has a corrupt {MANIFEST} ({err})") from err
+    for rel in [*manifest["files"], *manifest.get(DIGESTS, {})]:
+        _confined(path, rel, "files")
+    if "model_files" in manifest:
+        _confined(path, manifest["model_files"], "model_files")
     return manifest
 
 
-def verify_checkpoint(path: Path) -> dict:
-    """Manifest of ``path`` after checking that every file it lists exists with its recorded size."""
+def verify_checkpoint(path: Path, digests: bool = True) -> dict:
+    """Manifest of ``path`` after checking that no symbolic link in it leads out of it, and that every file
+    it lists exists with its recorded size and (with ``digests``, for manifests that record them) sha256."""
     manifest = read_manifest(path)
+    root = path.resolve()
+    for p in path.rglob("*"):  # a file loaded without being listed must not lead elsewhere either
+        if p.is_symlink() and not p.resolve().is_relative_to(root):
+            raise ConfigError(f"checkpoint {str(path)!r} is refused: {p.relative_to(path)} is a symbolic "
+                              f"link out of the checkpoint folder")
     for rel, size in manifest["files"].items():
         f = path / rel
         if not f.is_file():
@@ -79,6 +110,10 @@ def verify_checkpoint(path: Path) -> dict:
         if f.stat().st_size != size:
             raise ConfigError(f"checkpoint {str(path)!r} is corrupt: {rel} has {f.stat().st_size} bytes, "
                               f"the manifest says {size}")
+    for rel, digest in manifest.get(DIGESTS, {}).items() if digests else ():
+        if not (path / rel).is_file() or file_digest(path / rel) != digest:
+            raise ConfigError(f"checkpoint {str(path)!r} is corrupt: the content of {rel} is not what was "
+                              f"saved (its sha256 differs from the manifest's)")
     return manifest
 
 
@@ -104,7 +139,7 @@ def resolve_resume(spec: str, out_dir: Path) -> Optional[Path]:
         if not found:
             raise ConfigError(f"trainer.resume is {spec!r}, which holds no complete global_step_N checkpoint")
         path = found[-1][1]
-    read_manifest(path)
+    verify_checkpoint(path, digests=False)  # sizes: cheap; the contents are hashed where it is loaded
     return path
 
 

@@ -20,8 +20,8 @@ adapter, a replay buffer) checkpoints without a change here:
 
 One checkpoint is a folder ``{output_dir}/checkpoints/global_step_N/`` (names: ``layout.py``):
 
-    manifest.json        written last: step, world size, parts and their layouts, every file with its size,
-                         model shapes and strategy of each sharded part
+    manifest.json        written last: step, world size, parts and their layouts, every file with its size
+                         and sha256, model shapes and strategy of each sharded part
     config.yaml          the resolved config of the run that saved it
     trainer_state.json   the step and the shared parts
     actor/ critic/       the sharded parts: model, optimizer, LR schedule, engine step
@@ -33,7 +33,9 @@ Atomicity: everything is written under ``global_step_N.tmp/``; after every rank
 has finished, rank 0 writes the manifest, renames the folder into place and
 then updates ``latest`` (tmp file + os.replace). A save killed at any point
 leaves nothing resume would pick. Old checkpoints (beyond ``trainer.keep_last``)
-are renamed away before they are deleted.
+are renamed away before they are deleted. Resuming verifies every file's size
+and sha256; ``auto`` passes over a checkpoint that fails (saying which and why)
+to the newest one that verifies, a named checkpoint that fails is an error.
 
 Loading never runs arbitrary pickle (``safe_load.py``); the per-rank files load
 weights-only and the rest is JSON.
@@ -61,10 +63,12 @@ import torch.distributed as dist
 from spmdrl import __version__
 from spmdrl.checkpoint.layout import (
     CHECKPOINTS,
+    DIGESTS,
     FORMAT,
     LATEST,
     MANIFEST,
     complete_checkpoints,
+    file_digest,
     fsync_dir,
     remove_tree,
     replace_atomically,
@@ -212,10 +216,12 @@ class CheckpointManager:
         shared = {"step": step, **{name: part.state_dict() for name, part in self._named("shared").items()}}
         write_synced(tmp / SHARED_STATE, json.dumps(shared, indent=1))
         write_synced(tmp / "config.yaml", self.config_text)
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in paths}
         manifest = {
             "format": FORMAT, "step": step, "world_size": self.world_size, "roles": sorted(shapes),
             "dtype": self.cfg.model.dtype, "model_shapes": shapes, "files": files,
+            DIGESTS: {str(p.relative_to(tmp)): file_digest(p) for p in paths},
             "model_files": files_dir.name, "parts": {name: layout_of(p) for name, p in self.parts.items()},
             # The engine format of each sharded part: spmdrl.export picks its reader by it.
             "strategies": {name: getattr(p, "strategy", None) for name, p in self._named("sharded").items()},
@@ -330,15 +336,31 @@ class CheckpointManager:
                 part.reseed(step, self.rank)
 
     def _choose(self, spec: str) -> tuple[Optional[str], Optional[dict]]:
+        """Rank 0: the checkpoint to resume and its verified manifest. ``auto`` passes over checkpoints that
+        fail verification (newest first), saying which and why; a named one must verify."""
         path = resolve_resume(spec, self.out_dir)
         if path is None:
             return None, None
+        if spec == "auto":
+            return self._newest_verified(path.parent)
         try:
             return str(path), verify_checkpoint(path)
         except ConfigError as err:
             older = [p for s, p in complete_checkpoints(path.parent) if p != path]
             hint = f"; set trainer.resume to an older one ({older[-1]}) or move it away" if older else ""
             raise ConfigError(f"{err}{hint}") from err
+
+    def _newest_verified(self, root: Path) -> tuple[str, dict]:
+        skipped = []
+        for _, path in reversed(complete_checkpoints(root)):
+            try:
+                return str(path), verify_checkpoint(path)
+            except ConfigError as err:
+                skipped.append(path.name)
+                self._say(f"trainer.resume=auto skips {path.name}: {err}")
+        raise ConfigError(f"trainer.resume is auto but no checkpoint under {str(root)!r} verifies "
+                          f"({', '.join(skipped)}: see above); move them away to start afresh, or set "
+                          f"trainer.resume to a checkpoint")
 
     def _check_compatible(self, path: Path, manifest: dict, live: dict[str, dict[str, list[int]]]) -> None:
         if sorted(live) != sorted(manifest["roles"]):
