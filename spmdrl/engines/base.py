@@ -46,7 +46,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from spmdrl.batch import Batch
-from spmdrl.engines.optim import move_optimizer_state
+from spmdrl.engines.optim import move_optimizer_state, restore_settings
+from spmdrl.errors import ConfigError
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -213,7 +214,20 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
-        """Inverse of ``state_dict``."""
+        """Inverse of ``state_dict``, except that the optimizer's hyperparameters and LR schedule stay the
+        configured ones (``_keep_configured``): a resume with a changed lr, betas or schedule applies them."""
+
+    def _keep_configured(self, configured: dict) -> None:
+        """After the checkpoint's optimizer and scheduler state were loaded: the ``configured`` settings
+        (``optim.optimizer_settings`` before the load) win; rank 0 prints one line per changed value, and a
+        change that cannot be applied is a ConfigError on every rank."""
+        try:
+            lines = restore_settings(self.optimizer, self.scheduler, configured, self.role)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            for line in lines:
+                print(f"[checkpoint] {line}", flush=True)
 
     # ------------------------------------------------------------------ hooks of train_step
 

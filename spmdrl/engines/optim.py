@@ -102,3 +102,68 @@ def move_optimizer_state(
                 # Blocking copies: a non-blocking D2H copy may be read before it lands.
                 if isinstance(v, torch.Tensor) and k != "step":
                     state[k] = v.to(where(p))
+
+
+# Param-group values a resume takes from the config rather than the checkpoint (lr and initial_lr follow
+# the schedule); a difference in any other value (amsgrad, maximize, ...) cannot be applied to saved state.
+_APPLIED = ("betas", "weight_decay", "eps", "foreach", "fused", "capturable", "differentiable")
+_SCHEDULE_KEYS = {"warmup_steps": "lr_warmup_steps", "kind": "lr_scheduler", "min_lr_ratio": "min_lr_ratio",
+                  "total_steps": "lr schedule length (optimizer steps)"}
+
+
+def _plain(value: object) -> object:
+    """A list as the tuple it was before a checkpoint round trip (betas)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer,
+                       scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict:
+    """The hyperparameters and schedule an engine was built with (call it before loading a checkpoint)."""
+    return {
+        "groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "base_lrs": list(scheduler.base_lrs),
+        "schedules": [dict(vars(fn)) for fn in scheduler.lr_lambdas],
+    }
+
+
+def restore_settings(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                     configured: dict, role: str) -> list[str]:
+    """After a checkpoint's optimizer and scheduler state were loaded: put back the ``configured``
+    hyperparameters and schedule (``optimizer_settings``), each group's lr being the configured schedule's
+    at the resumed step; the moments and the step count stay the checkpoint's.
+
+    Returns one line per value that differed ("actor.lr: 0.001 in the checkpoint -> 0.0005 configured");
+    raises ValueError for a difference that cannot be applied to the saved state. With nothing changed the
+    values are recomputed by the scheduler's own formula, so a resume stays bitwise exact.
+    """
+    if len(configured["groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's {role} optimizer has {len(optimizer.param_groups)} parameter "
+                         f"groups but this run's has {len(configured['groups'])}; resume with the code and "
+                         f"config that saved it")
+    changes: dict[str, str] = {}
+
+    def note(key: str, saved: object, wanted: object) -> None:
+        if _plain(saved) != _plain(wanted) and key not in changes:
+            changes[key] = f"{role}.{key}: {saved} in the checkpoint -> {wanted} configured"
+
+    for group, wanted in zip(optimizer.param_groups, configured["groups"]):
+        for key, value in wanted.items():
+            if key not in (*_APPLIED, "lr", "initial_lr") and _plain(group.get(key)) != _plain(value):
+                raise ValueError(f"the checkpoint's {role} optimizer has {key}={group.get(key)!r} but this "
+                                 f"run builds {key}={value!r}, which a resume cannot change; resume with "
+                                 f"the settings that saved it or start afresh")
+            if key in _APPLIED:
+                note(key, group.get(key), value)
+            group[key] = value
+    for saved, wanted in zip(scheduler.base_lrs, configured["base_lrs"]):
+        note("lr", saved, wanted)
+    for fn, wanted in zip(scheduler.lr_lambdas, configured["schedules"]):
+        for key, value in wanted.items():
+            note(_SCHEDULE_KEYS.get(key, key), vars(fn).get(key), value)
+        vars(fn).update(wanted)
+    scheduler.base_lrs = list(configured["base_lrs"])
+    for group, base_lr, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base_lr
+        group["lr"] = base_lr * fn(scheduler.last_epoch)  # LambdaLR.get_lr's formula
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    return list(changes.values())

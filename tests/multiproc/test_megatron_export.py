@@ -2,11 +2,14 @@
 blocked) turns a checkpoint the CheckpointManager saved from a 2-rank Megatron actor, at tp=2 and at pp=2,
 into the tensors the live engine's ``export_weights()`` gave, in a folder transformers loads.
 
-One 2-rank spawn trains each layout one GRPO step, saves it and writes the live export to a file.
+One 2-rank spawn trains each layout one GRPO step, saves it and writes the live export to a file; it then
+resumes the tp2 checkpoint into an actor configured with another lr, betas and weight decay.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -50,6 +53,17 @@ def _save(rank: int, world: int, model_dir: str, base: str) -> None:
         del eng
     if rank == 0:  # a file, not the result queue: whole tensors would clog its pipe
         torch.save(live, Path(base) / "live.pt")
+    # tp2's checkpoint resumed by an actor configured with another lr, betas and weight decay.
+    eng = MegatronEngine(model_dir, role="actor", dims=ParallelDims(world, **LAYOUTS["tp2"]).build(),
+                         lr=LR / 2, betas=(0.8, 0.95), weight_decay=0.1, seed=0)
+    cfg.trainer.resume = str(Path(base) / "tp2" / "checkpoints" / "global_step_1")
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        CheckpointManager(Path(base) / "tp2_resumed", {"actor": eng}, cfg=cfg, total_steps=1,
+                          tokenizer=tokenizer).resume()
+    if rank == 0:
+        groups = [{k: g[k] for k in ("lr", "betas", "weight_decay")} for g in eng.optimizer.param_groups]
+        (Path(base) / "resumed.json").write_text(json.dumps({"groups": groups, "log": log.getvalue()}))
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +100,13 @@ def test_megatron_checkpoint_exports_offline_as_the_live_engine(saved, layout, t
     params = dict(model.named_parameters())
     for name, tensor in live[layout].items():
         assert torch.equal(params[name], tensor), name
+
+
+def test_megatron_resume_applies_the_configured_optimizer(saved):
+    base, _ = saved
+    resumed = json.loads((base / "resumed.json").read_text())
+    decay, no_decay = resumed["groups"]
+    assert decay["lr"] == no_decay["lr"] == LR / 2  # the constant schedule's lr at step 1: the configured one
+    assert decay["betas"] == no_decay["betas"] == [0.8, 0.95]  # (JSON makes the tuple a list)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert f"[checkpoint] actor.lr: {LR} in the checkpoint -> {LR / 2} configured" in resumed["log"]

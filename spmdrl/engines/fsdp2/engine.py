@@ -57,7 +57,7 @@ from spmdrl.engines.fsdp2.parallelize import (
 )
 from spmdrl.engines.fsdp2.weights import clip_grad_norm_, iter_full_state, iter_unsharded_state
 from spmdrl.engines.logprobs import token_outputs
-from spmdrl.engines.optim import build_optimizer, build_scheduler
+from spmdrl.engines.optim import build_optimizer, build_scheduler, optimizer_settings
 from spmdrl.precision import resolve_dtype, to_dtype
 
 if TYPE_CHECKING:
@@ -392,6 +392,8 @@ class FSDP2Engine(TrainEngine):
     def load_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, state["model"])
         if self.optimizer is not None:
+            configured = optimizer_settings(self.optimizer, self.scheduler)
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
             self.scheduler.load_state_dict(state["scheduler"])
+            self._keep_configured(configured)
             self.global_step = int(state["step"])

@@ -69,7 +69,7 @@ from spmdrl.engines.megatron.convert import (
 )
 from spmdrl.engines.megatron.cpu import compat_context
 from spmdrl.engines.megatron.setup import init_model_parallel, model_arch, quiet_megatron
-from spmdrl.engines.optim import build_optimizer, build_scheduler, value_head_weight
+from spmdrl.engines.optim import build_optimizer, build_scheduler, optimizer_settings, value_head_weight
 from spmdrl.precision import resolve_dtype
 
 if TYPE_CHECKING:
@@ -512,7 +512,7 @@ class MegatronEngine(TrainEngine):
                 for k, v in saved.items():
                     if live.get(k) is not v:
                         live[k] = v.clone()
+            configured = optimizer_settings(self.optimizer, self.scheduler)
             self.scheduler.load_state_dict(state["scheduler"])
-            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-                group["lr"] = lr
+            self._keep_configured(configured)  # also each group's lr at the resumed step
             self.global_step = int(state["step"])
