@@ -8,12 +8,15 @@ returned; the export test loads the saved checkpoint in this process.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
@@ -37,9 +40,10 @@ class Position:
         self.position = int(state["position"])
 
 
-def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
-    """A ``CheckpointManager`` (``ckpt``) over a real FSDP2 actor, a data position, a KL controller and the
-    RNG streams (``actor``, ``train_loader``, ``kl_ctrl``, ``rollout``: the parts, as the loop names them)."""
+def _run(model_dir: str, out: str, seed: int = 0, optim: Optional[dict] = None, **trainer) -> SimpleNamespace:
+    """A ``CheckpointManager`` (``ckpt``) over a real FSDP2 actor (AdamW lr 1e-3 unless ``optim`` says
+    otherwise), a data position, a KL controller and the RNG streams (``actor``, ``train_loader``,
+    ``kl_ctrl``, ``rollout``: the parts, as the loop names them)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -55,7 +59,8 @@ def _run(model_dir: str, out: str, seed: int = 0, **trainer) -> SimpleNamespace:
     for key, value in {"save_freq": 1, "keep_last": 2, **trainer}.items():
         setattr(cfg.trainer, key, value)
     dims = ParallelDims(dist.get_world_size()).build()
-    actor = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", lr=1e-3, seed=0)
+    actor = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", seed=0,
+                        **{"lr": 1e-3, **(optim or {})})
     rollout = SimpleNamespace(generator=torch.Generator().manual_seed(100 + seed + dist.get_rank()))
     parts = {"actor": actor, "data": Position(), "kl_ctrl": build_kl_controller("adaptive", 0.1, 0.05, 100),
              "rng": RNGState(rollout, torch.device("cpu"), cfg.trainer.seed)}
@@ -110,9 +115,9 @@ def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, othe
 
     r = _run(model_dir, out, seed=7)
     ckpt = r.ckpt
-    path = ckpt.resume()  # auto: newest complete, on a world size other than the one that saved
+    path, log = _printed(ckpt.resume)  # auto: newest complete, on a world size other than the one that saved
     result = {
-        "path": str(path), "step": ckpt.resumed_step, "position": r.train_loader.position,
+        "path": str(path), "log": log, "step": ckpt.resumed_step, "position": r.train_loader.position,
         "kl": r.kl_ctrl.value, "params": _params(r.actor), "optim": _optim(r.actor),
         "sched": r.actor.scheduler.state_dict()["last_epoch"], "engine_step": r.actor.global_step,
         "errors": {},
@@ -140,7 +145,43 @@ def _resume_and_bad_inputs(rank: int, world: int, model_dir: str, out: str, othe
         "listing": sorted(p.name for p in root.iterdir()), "latest": (root / "latest").read_text().strip(),
         "world_size_3": json.loads((root / "global_step_3" / "manifest.json").read_text())["world_size"],
     }
+    result["fallback"] = _auto_skips_a_corrupt_newest(model_dir, out)
+    result["changed_optim"] = _resume_with_changed_optimizer(model_dir, out)
     return result
+
+
+def _printed(fn: Callable[[], Any]) -> tuple[Any, str]:
+    """``fn()`` and what it printed (rank 0's ``[checkpoint]`` lines)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        value = fn()
+    return value, buf.getvalue()
+
+
+def _auto_skips_a_corrupt_newest(model_dir: str, out: str) -> dict:
+    """Step 3's shard gets a same-size corruption (one flipped byte): auto resumes step 2 and says why."""
+    copy = Path(out).with_name("run_corrupt_newest")
+    shutil.copytree(out, copy, copy_function=os.link)
+    shard = copy / "checkpoints" / "global_step_3" / "actor" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.unlink()  # a fresh inode: the good checkpoint shares the old one
+    shard.write_bytes(bytes(data))
+    r = _run(model_dir, str(copy))
+    path, log = _printed(r.ckpt.resume)
+    return {"path": str(path), "step": r.ckpt.resumed_step, "log": log}
+
+
+def _resume_with_changed_optimizer(model_dir: str, out: str) -> dict:
+    """Resume step 3 (saved with lr 1e-3, betas (0.9, 0.999), no weight decay) into an actor configured
+    otherwise: the configured values win, each change is printed once."""
+    r = _run(model_dir, out, optim=dict(lr=5e-4, betas=(0.8, 0.95), weight_decay=0.1),
+             resume=str(Path(out) / "checkpoints" / "global_step_3"))
+    _, log = _printed(r.ckpt.resume)
+    groups = [{k: v for k, v in g.items() if k in ("lr", "initial_lr", "betas", "weight_decay")}
+              for g in r.actor.optimizer.param_groups]
+    return {"groups": groups, "last_lr": r.actor.scheduler.get_last_lr(), "log": log,
+            "base_lrs": r.actor.scheduler.base_lrs, "engine_step": r.actor.global_step}
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
@@ -167,6 +208,14 @@ def _bad_copies(ckpt: Path, base: Path) -> dict[str, str]:
     metadata = copy("bad_metadata") / "actor" / ".metadata"  # same size, not DCP metadata: refused unpickling
     evil = b"cos\nsystem\n(S'true'\ntR."  # pickle for os.system("true"): must be refused, not run
     rewrite(metadata, evil + b"." * (metadata.stat().st_size - len(evil)))
+    # Whoever plants it also records its digest in the manifest, so it reaches the unpickler.
+    planted = json.loads((metadata.parent.parent / "manifest.json").read_text())
+    planted["sha256"]["actor/.metadata"] = hashlib.sha256(metadata.read_bytes()).hexdigest()
+    rewrite(metadata.parent.parent / "manifest.json", json.dumps(planted).encode())
+    flipped = copy("same_size") / "actor" / "__1_0.distcp"
+    data = bytearray(flipped.read_bytes())
+    data[-100] ^= 0xFF
+    rewrite(flipped, bytes(data))
     no_manifest = copy("no_manifest")
     (no_manifest / "manifest.json").unlink()
     tmp = copy("tmp").with_name("global_step_3.tmp")
@@ -174,6 +223,7 @@ def _bad_copies(ckpt: Path, base: Path) -> dict[str, str]:
     return {
         "missing": str(base / "nowhere"), "truncated": str(truncated), "bad_manifest": str(manifest.parent),
         "bad_metadata": str(metadata.parent.parent), "no_manifest": str(no_manifest), "tmp": str(tmp),
+        "same_size": str(flipped.parent.parent),
         "incompatible": str(ckpt),
     }
 
@@ -243,7 +293,10 @@ def test_bad_checkpoints_fail_with_one_sentence_and_touch_nothing(results):
         "missing": "which does not exist",
         "truncated": "is corrupt: actor/__1_0.distcp has",
         "bad_manifest": "has a corrupt manifest.json",
-        "bad_metadata": "could not be loaded (actor: os.system is not allowed in checkpoint metadata)",
+        "bad_metadata": "could not be loaded (actor/.metadata: os.system is not allowed in checkpoint "
+                        "metadata)",
+        "same_size": "is corrupt: the content of actor/__1_0.distcp is not what was saved (its sha256 "
+                     "differs",
         "no_manifest": "is incomplete (no manifest.json",
         "tmp": "is incomplete (a .tmp folder",
         "incompatible": "is incompatible: actor weight model.layers.0.mlp.down_proj.weight has shape "
@@ -273,3 +326,30 @@ def test_export_matches_the_trained_actor(results, tmp_path):
     logp = logits.gather(-1, resp.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)  # [N, R]
     trained = np.concatenate([r["logp"] for r in results["saved"]])
     np.testing.assert_allclose(logp.numpy(), trained, rtol=0, atol=1e-5)
+
+
+def test_auto_resume_skips_a_corrupt_newest_checkpoint_and_says_why(results):
+    fallback = results["resumed"]["fallback"]
+    assert fallback["path"].endswith("run_corrupt_newest/checkpoints/global_step_2") and fallback["step"] == 2
+    skipped = [line for line in fallback["log"].splitlines() if "skips" in line]
+    assert len(skipped) == 1
+    assert skipped[0].startswith("[checkpoint] trainer.resume=auto skips global_step_3: checkpoint ")
+    assert "is corrupt: the content of actor/__0_0.distcp is not what was saved" in skipped[0]
+
+
+def test_resume_applies_the_configured_optimizer_and_says_what_changed(results):
+    changed = results["resumed"]["changed_optim"]
+    decay, no_decay = changed["groups"]
+    assert decay["betas"] == no_decay["betas"] == (0.8, 0.95)
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)  # 1-D weights never decay
+    assert decay["initial_lr"] == no_decay["initial_lr"] == 5e-4 and changed["base_lrs"] == [5e-4, 5e-4]
+    # the constant schedule at step 3: the configured lr itself, also what the scheduler reports
+    assert decay["lr"] == no_decay["lr"] == 5e-4 and changed["last_lr"] == [5e-4, 5e-4]
+    assert changed["engine_step"] == 3  # the moments and step stay the checkpoint's
+    lines = [line for line in changed["log"].splitlines() if "configured" in line]
+    assert sorted(lines) == [
+        "[checkpoint] actor.betas: (0.9, 0.999) in the checkpoint -> (0.8, 0.95) configured",
+        "[checkpoint] actor.lr: 0.001 in the checkpoint -> 0.0005 configured",
+        "[checkpoint] actor.weight_decay: 0.0 in the checkpoint -> 0.1 configured",
+    ]
+    assert "in the checkpoint ->" not in results["resumed"]["log"]  # an unchanged config says nothing
