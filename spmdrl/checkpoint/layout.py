@@ -34,6 +34,12 @@ def step_of(path: Path) -> Optional[int]:
     return int(m.group(1)) if (m := _STEP_DIR.match(path.name)) else None
 
 
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every ``global_step_N`` folder under ``root``, complete or not, oldest first."""
+    return sorted((step_of(c), c) for c in (root.iterdir() if root.is_dir() else ())
+                  if step_of(c) is not None and c.is_dir())
+
+
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every complete checkpoint under ``root``, oldest first.
 
@@ -41,14 +47,13 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     manifest (a save killed before the rename cannot produce one) are skipped.
     """
     found = []
-    for child in root.iterdir() if root.is_dir() else ():
-        if step_of(child) is not None and child.is_dir():
-            try:
-                json.loads((child / MANIFEST).read_text())
-            except (OSError, ValueError):
-                continue
-            found.append((step_of(child), child))
-    return sorted(found)
+    for step, child in step_folders(root):
+        try:
+            json.loads((child / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        found.append((step, child))
+    return found
 
 
 def file_digest(path: Path) -> str:

@@ -73,6 +73,7 @@ from spmdrl.checkpoint.layout import (
     remove_tree,
     replace_atomically,
     resolve_resume,
+    step_folders,
     verify_checkpoint,
     write_synced,
 )
@@ -352,7 +353,7 @@ class CheckpointManager:
 
     def _newest_verified(self, root: Path) -> tuple[str, dict]:
         skipped = []
-        for _, path in reversed(complete_checkpoints(root)):
+        for _, path in reversed(step_folders(root)):  # a folder whose manifest does not parse is said too
             try:
                 return str(path), verify_checkpoint(path)
             except ConfigError as err:

@@ -332,9 +332,11 @@ def test_auto_resume_skips_a_corrupt_newest_checkpoint_and_says_why(results):
     fallback = results["resumed"]["fallback"]
     assert fallback["path"].endswith("run_corrupt_newest/checkpoints/global_step_2") and fallback["step"] == 2
     skipped = [line for line in fallback["log"].splitlines() if "skips" in line]
-    assert len(skipped) == 1
-    assert skipped[0].startswith("[checkpoint] trainer.resume=auto skips global_step_3: checkpoint ")
-    assert "is corrupt: the content of actor/__0_0.distcp is not what was saved" in skipped[0]
+    assert len(skipped) == 2  # newest first: the manifest-less step 8 the fixture left, then step 3
+    assert skipped[0].startswith("[checkpoint] trainer.resume=auto skips global_step_8: checkpoint ")
+    assert "is incomplete (no manifest.json" in skipped[0]
+    assert skipped[1].startswith("[checkpoint] trainer.resume=auto skips global_step_3: checkpoint ")
+    assert "is corrupt: the content of actor/__0_0.distcp is not what was saved" in skipped[1]
 
 
 def test_resume_applies_the_configured_optimizer_and_says_what_changed(results):
