@@ -192,16 +192,20 @@ class CheckpointManager:
             state = part.state_dict()
             shapes[name] = self._all_shapes(state.get("model", {}))
             save_state(state, tmp / name, self._pg)
-        error = None
+        error, own = None, {}
         try:
             for name, part in self._named("per_rank").items():
                 torch.save(part.state_dict(), tmp / f"{name}_rank{self.rank}.pt")
+            own = self._own_digests(tmp)
         except OSError as err:
             error = str(err)
         self._all_ok(error, RuntimeError)
+        shares: list = [None] * self.world_size
+        dist.all_gather_object(shares, own, group=self._pg)
+        digests = {rel: digest for share in shares for rel, digest in share.items()}
         if self.cfg.trainer.export_hf_on_save:
             self._export_hf(tmp)
-        nbytes = self._from_rank0(lambda: self._finish(tmp, final, step, shapes))  # also the barrier
+        nbytes = self._from_rank0(lambda: self._finish(tmp, final, step, shapes, digests))  # also the barrier
         self._say(f"saved {final} ({nbytes / 2**20:.1f} MiB) in {time.perf_counter() - start:.2f} s")
         return final
 
@@ -211,8 +215,18 @@ class CheckpointManager:
             shutil.rmtree(tmp)
         tmp.mkdir()
 
-    def _finish(self, tmp: Path, final: Path, step: int, shapes: dict[str, dict[str, list[int]]]) -> int:
-        """Rank 0, after every rank wrote its files: the small files, the manifest, the rename, ``latest``."""
+    def _own_digests(self, tmp: Path) -> dict[str, str]:
+        """sha256 of the big files this rank wrote, so that every rank hashes its share at once: its DCP data
+        files (``__{rank}_{i}.distcp``) and per-rank files. Rank 0 hashes the rest in ``_finish``."""
+        mine = [p for name in self._named("sharded")
+                for p in sorted((tmp / name).glob(f"__{self.rank}_*.distcp"))]
+        mine += [tmp / f"{name}_rank{self.rank}.pt" for name in self._named("per_rank")]
+        return {str(p.relative_to(tmp)): file_digest(p) for p in mine}
+
+    def _finish(self, tmp: Path, final: Path, step: int, shapes: dict[str, dict[str, list[int]]],
+                digests: dict[str, str]) -> int:
+        """Rank 0, after every rank wrote its files: the small files, the manifest (with the ``digests`` the
+        ranks computed, and the missing ones), the rename, ``latest``."""
         files_dir = self._write_model_files(tmp)
         shared = {"step": step, **{name: part.state_dict() for name, part in self._named("shared").items()}}
         write_synced(tmp / SHARED_STATE, json.dumps(shared, indent=1))
@@ -222,7 +236,7 @@ class CheckpointManager:
         manifest = {
             "format": FORMAT, "step": step, "world_size": self.world_size, "roles": sorted(shapes),
             "dtype": self.cfg.model.dtype, "model_shapes": shapes, "files": files,
-            DIGESTS: {str(p.relative_to(tmp)): file_digest(p) for p in paths},
+            DIGESTS: {rel: digests.get(rel) or file_digest(tmp / rel) for rel in files},
             "model_files": files_dir.name, "parts": {name: layout_of(p) for name, p in self.parts.items()},
             # The engine format of each sharded part: spmdrl.export picks its reader by it.
             "strategies": {name: getattr(p, "strategy", None) for name, p in self._named("sharded").items()},

@@ -267,6 +267,11 @@ def test_keep_last_and_latest(results):
     manifest = json.loads((results["root"] / "global_step_3" / "manifest.json").read_text())
     assert manifest["step"] == 3 and manifest["world_size"] == 2 and manifest["roles"] == ["actor"]
     assert {"rng_rank0.pt", "rng_rank1.pt", "trainer_state.json", "config.yaml"} <= set(manifest["files"])
+    # every file's sha256, the big ones hashed by the rank that wrote them
+    assert sorted(manifest["sha256"]) == sorted(manifest["files"])
+    for rel in ("actor/__1_0.distcp", "rng_rank1.pt", "actor/.metadata", "config.yaml"):
+        data = (results["root"] / "global_step_3" / rel).read_bytes()
+        assert manifest["sha256"][rel] == hashlib.sha256(data).hexdigest(), rel
 
 
 def test_two_rank_save_resumes_on_one_rank_exactly(results):
