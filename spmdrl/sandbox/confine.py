@@ -4,8 +4,9 @@ Two levels (``rollout.multi_turn.sandbox``):
 
 - ``process``: the worker is its own session and process group (the trainer kills the whole group at a
   timeout), starts in a fresh temporary directory with an environment built from ``ENV_ALLOWLIST`` (no
-  credentials, no rendezvous address), writes stdout/stderr to a file there, and runs under
-  ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and ``RLIMIT_CORE=0``.
+  credentials, no rendezvous address), writes stdout/stderr to a file there, runs under
+  ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` and ``RLIMIT_CORE=0``, and holds no
+  capabilities (a trainer run as root does not hand root's powers to tools).
 - ``isolated``: the same, inside new user, mount, network and PID namespaces (``unshare(2)``, unprivileged):
   no network interface but a down loopback, every mount read-only except the work directory, and the
   trainer's processes out of reach (they have no PID in the worker's namespace). The worker becomes PID 1
@@ -14,7 +15,8 @@ Two levels (``rollout.multi_turn.sandbox``):
     env = worker_env(workdir)                 # trainer side: the environment of a new worker
     problem = isolation_problem()             # trainer side: "" where this kernel allows ``isolated``
     isolate(workdir)                          # worker side, first thing
-    apply_limits(limits)                      # worker side, before importing user code
+    apply_limits(limits, isolated)            # worker side, before importing user code
+    drop_capabilities()                       # worker side, last
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 1, 32, 4096, 16384, 1 
 # repeat them.
 _KEPT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
                "relatime": 1 << 21}
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
+_CAP_LAST = 63  # past the kernel's last capability, PR_CAPBSET_DROP fails with EINVAL: harmless
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
 @dataclass
@@ -119,6 +123,20 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def drop_capabilities() -> None:
+    """Give up every capability for good: this process and what it executes keep its uid but not root's
+    powers, so a worker run by root is held by RLIMIT_NPROC, and a worker that is root of its own user
+    namespace cannot undo the read-only mounts. Without capabilities (an ordinary user) it changes
+    nothing."""
+    libc = _libc()
+    for cap in range(_CAP_LAST + 1):  # the bounding set: execve cannot grant them back, even to uid 0
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable (two words each): none
+    _check(libc.capset(header, data), "dropping capabilities")
+    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "setting no_new_privs")
+
+
 def _remount_read_only(workdir: str) -> None:
     """Every mount read-only except ``workdir`` (made its own mount first), in this mount namespace."""
     libc = _libc()
@@ -154,26 +172,68 @@ def isolate(workdir: str) -> None:
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
+def descendants(root: int) -> list[int]:
+    """PIDs of every living (not zombie) descendant of ``root`` (by parent links in /proc), nearest
+    first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):  # exited while we looked
+            continue
+        if state != "Z":  # a zombie is dead already; its parent reaps it
+            children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(root: int, *, including_root: bool) -> None:
+    """SIGKILL every descendant of ``root`` (then ``root``). Workers are child subreapers, so a process
+    whose parent dies (a double fork, one that started its own session) is re-parented to the worker and
+    found on the next round, until none is left."""
+    for _ in range(20):
+        pids = descendants(root)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    if including_root:
+        try:
+            os.kill(root, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process instead of init, so it can find them."""
+    _libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
 def kill_strays(isolated: bool) -> None:
-    """SIGKILL what the last call left running: in the namespace, every process but this one (PID 1);
-    otherwise the processes of this worker's process group (one that started its own session escapes)."""
+    """SIGKILL what the last call left running, and reap it: in the namespace, every process but this one
+    (PID 1); otherwise every descendant of this worker (a subreaper: the orphans are its children)."""
     if isolated:
         try:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:  # nothing else runs
             pass
-        return
-    me, group = os.getpid(), os.getpgrp()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == me:
-            continue
+    else:
+        kill_tree(os.getpid(), including_root=False)
+    while True:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            if int(stat.rsplit(")", 1)[1].split()[2]) == group:
-                os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
-            pass
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
 
 
 @functools.lru_cache(maxsize=None)

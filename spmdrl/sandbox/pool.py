@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from spmdrl.sandbox.confine import Limits, worker_env
+from spmdrl.sandbox.confine import Limits, kill_tree, worker_env
 from spmdrl.sandbox.frames import FrameError, FrameReader, encode
 
 MAX_REPLY_BYTES = 16 * 1024 * 1024
@@ -102,7 +102,8 @@ class _Worker:
             return ""
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group (its every descendant still in it), reap it, clean up."""
+        """SIGKILL the worker's every descendant, its process group and itself; reap it; clean up."""
+        kill_tree(self.proc.pid, including_root=False)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -53,6 +53,7 @@ def _answer(handler: Callable[[Any], Any], msg: dict, max_bytes: int) -> bytes:
 
 def main(reply_fd: int) -> None:
     confine.die_with_parent()
+    confine.become_subreaper()
     setup = read_frame(0)
     if setup is None:
         return
@@ -62,6 +63,7 @@ def main(reply_fd: int) -> None:
         confine.die_with_parent()
     limits = confine.Limits(**setup["limits"])
     confine.apply_limits(limits, isolated)
+    confine.drop_capabilities()
     handler = _resolve(setup["setup"])(*setup["args"])
     write_frame(reply_fd, encode({"ready": True}))
     while (msg := read_frame(0)) is not None:
