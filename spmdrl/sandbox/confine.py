@@ -153,6 +153,7 @@ def _remount_read_only(workdir: str) -> None:
         for opt in fields[5].split(","):
             flags |= _KEPT_FLAGS.get(opt, 0)
         _check(libc.mount(None, point.encode(), None, flags, None), f"remounting {point} read-only")
+    os.chdir(workdir)  # the old working directory is the read-only one underneath the new mount
 
 
 def isolate(workdir: str) -> None:
