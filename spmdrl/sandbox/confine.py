@@ -9,8 +9,8 @@ Two levels (``rollout.multi_turn.sandbox``):
   capabilities (a trainer run as root does not hand root's powers to tools).
 - ``isolated``: the same, inside new user, mount, network and PID namespaces (``unshare(2)``, unprivileged):
   no network interface but a down loopback, every mount read-only except the work directory, and the
-  trainer's processes out of reach (they have no PID in the worker's namespace). The worker becomes PID 1
-  of its namespace, so every process a tool starts dies with it.
+  trainer's processes out of reach (they have no PID in the worker's namespace). The worker runs under
+  the namespace's PID 1, so every process a tool starts dies with it.
 
     env = worker_env(workdir)                 # trainer side: the environment of a new worker
     problem = isolation_problem()             # trainer side: "" where this kernel allows ``isolated``
@@ -156,10 +156,25 @@ def _remount_read_only(workdir: str) -> None:
     os.chdir(workdir)  # the old working directory is the read-only one underneath the new mount
 
 
+def _fork_and_wait() -> None:
+    """Fork; the child returns, the parent waits for it (reaping the orphans it inherits meanwhile) and
+    exits with its status (128 + the signal that killed it)."""
+    child = os.fork()
+    if child == 0:
+        return
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+            os._exit(code if code >= 0 else 128 - code)
+
+
 def isolate(workdir: str) -> None:
     """Move into new user, mount, network and PID namespaces, make the file system read-only outside
-    ``workdir``, and fork: the caller returns as PID 1 of the new namespace; the process it was waits for
-    it and exits with its status (the trainer still sees and kills the original PID and its group)."""
+    ``workdir``, and fork twice: the caller returns as PID 2 of the new namespace, under a PID 1 that only
+    reaps (the kernel shields a namespace's PID 1 from signals it does not handle, SIGXCPU included, so
+    the worker must not be it) and whose exit kills every process in the namespace. The original process
+    waits too, so the trainer still sees and kills the PID it started, and its group."""
     uid, gid = os.getuid(), os.getgid()
     _check(_libc().unshare(_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID),
            "unshare(user, mount, network, pid)")
@@ -167,10 +182,9 @@ def isolate(workdir: str) -> None:
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
     _remount_read_only(workdir)
-    pid = os.fork()
-    if pid:
-        _, status = os.waitpid(pid, 0)
-        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    _fork_and_wait()
+    die_with_parent()
+    _fork_and_wait()
 
 
 def descendants(root: int) -> list[int]:
@@ -222,7 +236,8 @@ def become_subreaper() -> None:
 
 def kill_strays(isolated: bool) -> None:
     """SIGKILL what the last call left running, and reap it: in the namespace, every process but this one
-    (PID 1); otherwise every descendant of this worker (a subreaper: the orphans are its children)."""
+    and PID 1 (which reaps the orphans); otherwise every descendant of this worker (a subreaper: the
+    orphans are its children)."""
     if isolated:
         try:
             os.kill(-1, signal.SIGKILL)
