@@ -56,7 +56,9 @@ class Limits:
     memory_mb: int = 1024  # RLIMIT_AS of each process
     nproc: int = 32  # processes and threads a worker may add (RLIMIT_NPROC over what its user already runs)
     file_mb: int = 64  # RLIMIT_FSIZE: largest file it may write, its captured stdout/stderr included
-    cpu_s: int = 60  # RLIMIT_CPU of each call, on top of the worker's CPU time before the call
+    # RLIMIT_CPU of each call, on top of the worker's CPU time before it; None: the pool makes it
+    # max(60, 4 x its timeout), a backstop the wall clock beats unless a call keeps over four cores busy
+    cpu_s: Optional[int] = None
 
 
 def worker_env(workdir: str) -> dict[str, str]:
@@ -110,7 +112,7 @@ def limit_cpu(limits: Limits) -> None:
     which also bounds each child the call forks."""
     used = resource.getrusage(resource.RUSAGE_SELF)
     hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-    soft = int(used.ru_utime + used.ru_stime) + limits.cpu_s
+    soft = int(used.ru_utime + used.ru_stime) + (limits.cpu_s or 60)
     resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard),
                                              hard))
 

@@ -27,6 +27,7 @@ directory and allowlisted environment, confined as ``spmdrl.sandbox.confine`` de
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import select
 import shutil
@@ -141,8 +142,11 @@ class WorkerPool:
                  num_workers: int, timeout_s: float, name: str, start_timeout_s: float,
                  timeout_note: str = "", context: str = "", limits: Optional[Limits] = None,
                  level: str = "process", max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
+        limits = limits or Limits()
+        if limits.cpu_s is None:
+            limits = dataclasses.replace(limits, cpu_s=max(60, 4 * math.ceil(timeout_s)))
         self.setup_frame = {"setup": f"{setup.__module__}:{setup.__qualname__}", "args": list(setup_args),
-                            "limits": dataclasses.asdict(limits or Limits()), "level": level,
+                            "limits": dataclasses.asdict(limits), "level": level,
                             "max_reply_bytes": max_reply_bytes}
         encode(self.setup_frame)  # setup arguments that are not plain data fail here, not in a worker
         self.name, self.max_reply_bytes = name, max_reply_bytes
@@ -256,8 +260,13 @@ class WorkerPool:
                 if w.wfd in writable:
                     try:
                         w.flush()
-                    except OSError:  # broken pipe: its reply pipe reports the death
+                    except OSError:  # broken pipe: it died before taking its item (killed while idle)
                         w.outbox = b""
+                        if w.ready:  # a worker that never started is reported by its reply pipe
+                            if w.item is not None:
+                                pending.appendleft(w.item)
+                            self._replace(w)
+                            continue
                 if w.rfd in readable:
                     self._receive(w, outcomes)
             self._expire(outcomes)

@@ -338,3 +338,15 @@ def test_isolated_level_is_refused_with_one_sentence_where_unavailable(monkeypat
     msg = confine.probe_level("isolated")
     assert msg and msg.startswith("rollout.multi_turn.sandbox is 'isolated'") and "\n" not in msg
     assert confine.probe_level("process") is None
+
+
+def test_a_worker_killed_while_idle_is_replaced_and_its_next_item_runs(tmp_path):
+    pool = _pool(tmp_path)
+    try:
+        (first,) = pool.run([_call("result = 1")])
+        os.kill(pool.workers[0].proc.pid, signal.SIGKILL)  # the OOM killer, between two batches
+        pool.workers[0].proc.wait()
+        (second,) = pool.run([_call("result = 2")])  # the write to the dead worker fails: retried
+        assert first.value == ["1", {}] and second.value == ["2", {}] and not second.error
+    finally:
+        pool.close()
