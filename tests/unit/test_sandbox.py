@@ -350,3 +350,17 @@ def test_a_worker_killed_while_idle_is_replaced_and_its_next_item_runs(tmp_path)
         assert first.value == ["1", {}] and second.value == ["2", {}] and not second.error
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_the_ranks_proc_environ(tmp_path, level):
+    """The rank's start-up environment through /proc: refused where the worker cannot ptrace-read the
+    rank (a namespace, or a root rank with capabilities the worker gave up); readable by the same
+    ordinary user at the process level (the README says so)."""
+    code = (f"try:\n    result = str(len(open('/proc/{os.getpid()}/environ').read()))\n"
+            f"except OSError as e:\n    result = str(e)")
+    (out,) = _run(_pool(tmp_path, level), code)
+    if level == "isolated" or os.getuid() == 0:
+        assert "Permission denied" in out.value[0]
+    else:
+        assert out.value[0].isdigit()
