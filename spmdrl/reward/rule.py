@@ -14,10 +14,15 @@ keys come back per item in ``out.extra``).
 
 With ``num_workers=0`` scoring runs in this process: a scorer that raises
 scores 0 and is counted, but a scorer that hangs hangs the run. With
-``num_workers>0`` each item runs in a worker process (forkserver, or spawn
-where that is missing) with a per-item clock of ``timeout_s`` that starts when
-the worker receives the item; a worker that overruns is killed and replaced,
-and its item scores 0 (the pool is ``spmdrl.sandbox.pool.WorkerPool``).
+``num_workers>0`` each item runs in a worker process with a per-item clock of
+``timeout_s`` that starts when the item is sent; a worker that overruns is
+killed with its every descendant and replaced, and its item scores 0. Workers
+run at the ``process`` sandbox level with ``REWARD_LIMITS`` (address space,
+processes, file size, CPU), in a temporary directory with an allowlisted
+environment; items and scores cross as JSON, so ``ground_truth`` and
+``extra_info`` reach the function as plain data (numpy arrays as lists) and a
+dict's extra values come back as plain values (the pool is
+``spmdrl.sandbox.pool.WorkerPool``).
 """
 
 from __future__ import annotations
