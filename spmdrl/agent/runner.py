@@ -8,12 +8,12 @@ A tool that raises, returns something other than a string, hangs, allocates
 past ``memory_mb`` (RLIMIT_AS), forks past its process limit or crashes the
 interpreter (segfault, ``os._exit``) costs its own call only: the call comes
 back as an error message for the model, is counted, and a hung or dead worker
-is killed with every process in its group and replaced. Output past
+is killed with its every descendant and replaced. Output past
 ``MAX_OUTPUT_CHARS`` is cut in the worker, and what a tool prints goes to a
 capped file in its work directory, never to the rank's stdout. The call's
 parameters, its state and its result cross the process boundary as JSON
 (``spmdrl.sandbox.frames``): a tool's state must be plain data (dicts, lists,
-strings, numbers, booleans, None) and at most ``MAX_REPLY_BYTES`` as JSON.
+strings, numbers, booleans, None) and at most 16 MiB as JSON (``pool.MAX_REPLY_BYTES``).
 
 What each ``sandbox`` level isolates is in ``spmdrl.sandbox.confine`` and the
 README ("What the sandbox isolates"); the processes, clocks and replacement are
