@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass
@@ -35,28 +35,47 @@ class ParsedCall:
     error: str = ""
 
 
+def _blocks(text: str) -> list[str]:
+    """The text of every ``<tool_call>...</tool_call>`` block, in order, in one pass (a regex with a lazy
+    group rescans to the end from every unclosed opening: quadratic in a response full of them)."""
+    blocks, pos = [], 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            break
+        blocks.append(text[start + len(_OPEN):end])
+        pos = end + len(_CLOSE)
+    return blocks
+
+
+def _json(text: str) -> tuple[Any, str]:
+    """(value, "") or (None, why ``text`` is not usable JSON); never raises."""
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as err:
+        return None, f"not valid JSON ({err.msg})"
+    except RecursionError:  # "[[[[..." nested past the interpreter's limit: the model's text, not our bug
+        return None, "nested too deeply to parse"
+    except ValueError as err:  # e.g. an integer past sys.get_int_max_str_digits()
+        return None, f"not usable JSON ({str(err)[:80]})"
+
+
 def parse_hermes(text: str) -> list[ParsedCall]:
     """Every ``<tool_call>{json}</tool_call>`` block of ``text``, in order; malformed blocks carry
-    ``error``."""
+    ``error``. Linear in ``len(text)`` and never raises, whatever the model wrote."""
     calls = []
-    for block in _HERMES.findall(text):
-        try:
-            obj = json.loads(block)
-        except json.JSONDecodeError as err:
-            calls.append(ParsedCall(error=f"the tool call is not valid JSON ({err.msg})"))
-            continue
-        except RecursionError:  # "[[[[..." nested past the interpreter's limit: the model's text, not our bug
-            calls.append(ParsedCall(error="the tool call is nested too deeply to parse"))
+    for block in _blocks(text):
+        obj, why = _json(block)
+        if why:
+            calls.append(ParsedCall(error=f"the tool call is {why}"))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             calls.append(ParsedCall(error='a tool call must be a JSON object with a "name" string'))
             continue
         args: Any = obj.get("arguments", {})
         if isinstance(args, str):  # some models write the arguments as a JSON string, as OpenAI's API does
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
+            decoded, why = _json(args)
+            args = args if why else decoded
         if not isinstance(args, dict):
             calls.append(ParsedCall(obj["name"], error='"arguments" must be a JSON object'))
             continue
@@ -92,6 +111,10 @@ class ChatTokens:
         self.end_ids = set(end_of_turn_ids)
         self.max_len, self.side = max_tool_response_length, truncate_side
         self._before = self.render(self._BASE, add_generation_prompt=False)
+        specials = set(getattr(tokenizer, "all_special_tokens", [])) | set(tokenizer.get_added_vocab())
+        # Longest first, so a token that contains another is matched whole.
+        pattern = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True) if len(t) > 1)
+        self._specials = re.compile(pattern) if pattern else None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -106,6 +129,24 @@ class ChatTokens:
         """``content`` cut to ``max_tool_response_length`` tokens (decoded back to text for the template)."""
         ids, cut = truncate(self.encode(content), self.max_len, self.side)
         return (self.tokenizer.decode(ids) if cut else content), cut
+
+    def plain(self, text: str) -> str:
+        """``text`` with every special or added token's text broken by a zero-width space after its first
+        character, so it tokenizes as plain text: a tool that prints ``<|im_end|>`` cannot end its turn or
+        open another."""
+        if self._specials is None:
+            return text
+        for _ in range(8):  # a break cannot create a new match unless a token contains U+200B itself
+            new = self._specials.sub(lambda m: m[0][0] + "\u200b" + m[0][1:], text)
+            if new == text:
+                return text
+            text = new
+        return text
+
+    def tool_content(self, text: str) -> str:
+        """A tool's output as it goes into the conversation: special-token text neutralised, cut to
+        ``max_tool_response_length`` tokens, and neutralised again (a middle cut can join two halves)."""
+        return self.plain(self.clip(self.plain(text))[0])
 
     def tool_turn(self, contents: Sequence[str]) -> list[int]:
         """Tokens after the assistant's end-of-turn token: the tool messages ``contents`` and the next

@@ -35,6 +35,7 @@ from spmdrl.agent.chat import PARSERS, ChatTokens, ParsedCall
 from spmdrl.agent.runner import ToolCall, ToolRunner
 from spmdrl.agent.tools import Tool, ToolSpec, load_tool_config
 from spmdrl.rollout.base import GenerationOutput, SamplingParams, left_pad
+from spmdrl.sandbox.confine import LEVELS, probe_level
 
 if TYPE_CHECKING:
     from spmdrl.batch import Batch
@@ -55,7 +56,7 @@ def check_multi_turn_config(cfg: "Config", dims: "ParallelDims") -> list[ToolSpe
         # another would split them, so multi-turn runs keep one rank per rollout replica for now.
         raise ValueError(f"rollout.multi_turn.enable with parallel.rollout_tp={dims.rollout_tp} is not "
                          f"supported yet; use rollout_tp 1")
-    for key in ("max_tool_response_length", "tool_num_workers", "tool_memory_mb"):
+    for key in ("max_tool_response_length", "tool_num_workers", "tool_memory_mb", "max_parallel_calls"):
         if getattr(mt, key) < 1:
             raise ValueError(f"rollout.multi_turn.{key} is {getattr(mt, key)}; it must be >= 1")
     if mt.tool_timeout_s <= 0:
@@ -65,6 +66,11 @@ def check_multi_turn_config(cfg: "Config", dims: "ParallelDims") -> list[ToolSpe
                          f">= 1 or null")
     if mt.format not in PARSERS:
         raise ValueError(f"rollout.multi_turn.format is {mt.format!r}; valid formats: {', '.join(PARSERS)}")
+    if mt.sandbox not in LEVELS:
+        raise ValueError(f"rollout.multi_turn.sandbox is {mt.sandbox!r}; valid levels: {', '.join(LEVELS)}")
+    refusal = probe_level(mt.sandbox)
+    if refusal:
+        raise ValueError(refusal)
     return load_tool_config(mt.tool_config_path)
 
 
@@ -94,9 +100,12 @@ class ToolAgent:
     def __init__(self, specs: Sequence[ToolSpec], tokenizer: Any, eos_token_ids: Sequence[int], *,
                  max_assistant_turns: Optional[int] = None, max_tool_response_length: int = 256,
                  truncate_side: str = "middle", format: str = "hermes", num_workers: int = 2,
-                 timeout_s: float = 10.0, memory_mb: int = 1024) -> None:
+                 timeout_s: float = 10.0, memory_mb: int = 1024, max_parallel_calls: int = 1,
+                 sandbox: str = "process") -> None:
         self.tools: dict[str, Tool] = {s.name: s.build() for s in specs}
-        self.runner = ToolRunner(specs, num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb)
+        self.runner = ToolRunner(specs, num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb,
+                                 sandbox=sandbox)
+        self.max_calls = max_parallel_calls
         self.chat = ChatTokens(tokenizer, eos_token_ids, max_tool_response_length=max_tool_response_length,
                                truncate_side=truncate_side)
         self.tokenizer = tokenizer
@@ -110,7 +119,8 @@ class ToolAgent:
                    max_assistant_turns=mt.max_assistant_turns,
                    max_tool_response_length=mt.max_tool_response_length,
                    truncate_side=mt.tool_response_truncate_side, format=mt.format,
-                   num_workers=mt.tool_num_workers, timeout_s=mt.tool_timeout_s, memory_mb=mt.tool_memory_mb)
+                   num_workers=mt.tool_num_workers, timeout_s=mt.tool_timeout_s, memory_mb=mt.tool_memory_mb,
+                   max_parallel_calls=mt.max_parallel_calls, sandbox=mt.sandbox)
 
     def close(self) -> None:
         self.runner.close()
@@ -171,13 +181,16 @@ class ToolAgent:
 
     def _run_tools(self, trajs: list[Trajectory], paused: list[int], R: int) -> None:
         """Execute the calls of every paused row in one batch, then append their tool turns. Calls of one
-        turn run concurrently, each from the tool's state before the turn; the last successful one's state
-        is kept."""
+        turn (at most ``max_parallel_calls``) run concurrently, each from the tool's state before the turn;
+        the last successful one's state is kept."""
         calls: list[ToolCall] = []
         owners: list[tuple[int, ParsedCall]] = []
         for i in paused:
             t = trajs[i]
-            for pc in self.parse(t.messages[-1]["content"]):
+            for k, pc in enumerate(self.parse(t.messages[-1]["content"])):
+                if k >= self.max_calls:  # still answered, so the template's one response per call holds
+                    pc = ParsedCall(pc.name, pc.arguments, f"not run: at most {self.max_calls} tool calls "
+                                    f"run per turn (rollout.multi_turn.max_parallel_calls)")
                 if not pc.error and pc.name in self.tools and pc.name not in t.states:
                     kwargs = ((t.extra_info.get("tools_kwargs") or {}).get(pc.name, {})
                               .get("create_kwargs", {}))
@@ -194,7 +207,7 @@ class ToolAgent:
             text = f"Error: {pc.error}" if pc.error else res.text
             if not pc.error and not res.error:
                 t.states[pc.name] = res.state
-            text, _ = self.chat.clip(text)
+            text = self.chat.tool_content(text)
             replies[i].append(text)
             t.tool_calls.append({"name": pc.name, "arguments": pc.arguments, "error": pc.error or res.error})
             t.tool_errors += bool(pc.error or res.error)

@@ -15,9 +15,13 @@
 
 A tool is a class with four methods (``Tool``): ``create`` makes the state of one
 trajectory (in the training process), ``execute`` runs one call with the parsed
-arguments (in a worker process, ``spmdrl.agent.runner``: the state travels to the
-worker and back, so it must pickle), ``calc_reward`` returns an optional reward
-contribution at the end of the trajectory, ``release`` frees what ``create`` made.
+arguments (in a sandboxed worker process, ``spmdrl.agent.runner``), ``calc_reward``
+returns an optional reward contribution at the end of the trajectory, ``release``
+frees what ``create`` made. The state travels to the worker and back as JSON, so it
+must be plain data (dicts, lists, strings, numbers, booleans, None; at most 16 MiB
+as JSON): a reply is never unpickled, and the trainer accepts nothing else from a
+worker. ``execute`` returns a string; text in it that spells a special token of the
+tokenizer (``<|im_end|>``) reaches the model as plain text.
 """
 
 from __future__ import annotations
@@ -49,12 +53,13 @@ class Tool(abc.ABC):
 
     def create(self, **kwargs: Any) -> dict:
         """State of one trajectory (``kwargs``: the row's ``extra_info["tools_kwargs"][name]``, when
-        given)."""
+        given); plain data (JSON-able), since it crosses to the worker and back."""
         return dict(kwargs)
 
     @abc.abstractmethod
     def execute(self, parameters: dict, state: dict) -> str:
-        """The text the model sees for one call; may update ``state`` in place. Runs in a worker process."""
+        """The text the model sees for one call; may update ``state`` in place (plain data only). Runs in a
+        sandboxed worker process (``rollout.multi_turn.sandbox``)."""
 
     def calc_reward(self, state: dict) -> float:
         """Reward this tool adds to its trajectory's score (default: none)."""

@@ -116,6 +116,15 @@ class MultiTurnConfig:
     """Seconds one tool call may run; past that its worker is killed and the model sees an error."""
     tool_memory_mb: int = 1024
     """Address-space limit (RLIMIT_AS) of a tool worker, in MiB."""
+    max_parallel_calls: int = 1
+    """Most tool calls run per assistant turn (verl's key and default); each call past it gets an error
+    message instead of running."""
+    sandbox: Literal["process", "isolated"] = "process"
+    """How tool workers are confined. process: own process group killed at the timeout, rlimits (memory,
+    processes, CPU, file size), allowlisted environment, output captured, fresh temp directory. isolated:
+    also new user/mount/network/PID namespaces (no network, read-only file system outside the work
+    directory, the trainer's processes out of reach); refused where the kernel does not allow unprivileged
+    namespaces. README: "What the sandbox isolates"."""
 
 
 @dataclass

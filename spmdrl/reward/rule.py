@@ -14,10 +14,15 @@ keys come back per item in ``out.extra``).
 
 With ``num_workers=0`` scoring runs in this process: a scorer that raises
 scores 0 and is counted, but a scorer that hangs hangs the run. With
-``num_workers>0`` each item runs in a worker process (forkserver, or spawn
-where that is missing) with a per-item clock of ``timeout_s`` that starts when
-the worker receives the item; a worker that overruns is killed and replaced,
-and its item scores 0 (the pool is ``spmdrl.sandbox.pool.WorkerPool``).
+``num_workers>0`` each item runs in a worker process with a per-item clock of
+``timeout_s`` that starts when the item is sent; a worker that overruns is
+killed with its every descendant and replaced, and its item scores 0. Workers
+run at the ``process`` sandbox level with ``REWARD_LIMITS`` (address space,
+processes, file size, CPU), in a temporary directory with an allowlisted
+environment; items and scores cross as JSON, so ``ground_truth`` and
+``extra_info`` reach the function as plain data (numpy arrays as lists) and a
+dict's extra values come back as plain values (the pool is
+``spmdrl.sandbox.pool.WorkerPool``).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from spmdrl.reward import scorers
-from spmdrl.sandbox.pool import WorkerPool
+from spmdrl.sandbox.confine import Limits
+from spmdrl.sandbox.pool import Outcome, WorkerPool
 from spmdrl.sandbox.userfile import import_file
 
 # torch is imported inside functions: worker processes import this module, and
@@ -43,6 +49,8 @@ log = logging.getLogger(__name__)
 
 # Seconds a fresh worker may take to import the reward function before the batch fails.
 _WORKER_START_TIMEOUT_S = 120.0
+# Limits of a reward worker: more address space than a tool's (verifiers import sympy and the like).
+REWARD_LIMITS = Limits(memory_mb=4096)
 
 
 def load_reward_function(spec: str) -> Callable[..., Any]:
@@ -65,7 +73,7 @@ def load_reward_function(spec: str) -> Callable[..., Any]:
 
 
 def _plain(value: Any) -> Any:
-    """A picklable, loggable version of an extra value returned by a scorer."""
+    """A JSON-able, loggable version of an extra value returned by a scorer."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     try:
@@ -119,6 +127,18 @@ class _Result:
     timed_out: bool = False
 
 
+def _pooled(out: Outcome) -> _Result:
+    """A worker's outcome as a result; a reply that is not ``[score, {extras}]`` (a subverted worker can
+    send any JSON) is an error."""
+    if out.error:
+        return _Result(error=out.error, timed_out=out.timed_out)
+    value = out.value
+    if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], (int, float))
+            or isinstance(value[0], bool) or not isinstance(value[1], dict)):
+        return _Result(error="the reward worker's reply is not [score, extras]")
+    return _Result(float(value[0]), value[1])
+
+
 @dataclass
 class RewardOutput:
     """Scores of one batch on this rank, aligned with the inputs."""
@@ -150,7 +170,7 @@ class RewardManager:
         self._pool = WorkerPool(
             _worker_setup, (function,), num_workers=num_workers, timeout_s=timeout_s, name="reward",
             start_timeout_s=_WORKER_START_TIMEOUT_S, timeout_note="reward.timeout_s",
-            context=f"reward.function={function!r}",
+            context=f"reward.function={function!r}", limits=REWARD_LIMITS,
         ) if num_workers > 0 else None
 
     @classmethod
@@ -179,8 +199,7 @@ class RewardManager:
                 scorers.get_scorer(ds)
         items = list(zip(data_sources, solution_strs, ground_truths, extra_infos))
         if self._pool is not None:
-            results = [_Result(*o.value) if not o.error else _Result(error=o.error, timed_out=o.timed_out)
-                       for o in self._pool.run(items)]
+            results = [_pooled(o) for o in self._pool.run(items)]
         else:
             results = [self._score_here(it) for it in items]
 

@@ -1,38 +1,50 @@
 """Worker processes that run user code one item at a time, each item on its own clock.
 
-    pool = WorkerPool(setup, (arg,), num_workers=2, timeout_s=10.0, name="reward")
+    pool = WorkerPool(setup, [arg], num_workers=2, timeout_s=10.0, name="reward", start_timeout_s=60)
     outcomes = pool.run(items)   # aligned with items: .value, .error, .timed_out, .seconds
     pool.close()
 
-``setup(*setup_args)`` runs once in every fresh worker (import the user's
-function, lower the memory limit, build tools) and returns the handler that is
-called on each item; the handler's return value comes back as ``value``. An
-item whose handler raises (anything, ``SystemExit`` and ``MemoryError``
-included) or whose value does not pickle comes back with ``error`` set; an item
-that runs past ``timeout_s`` (counted from when its worker receives it) or
-whose worker dies (segfault, ``os._exit``, the kernel's OOM killer) comes back
-with ``error`` set too, and its worker is killed and replaced, so one bad item
-costs only itself. A worker that dies or hangs while starting means the setup
-itself is broken: ``run`` raises, since every replacement would repeat it.
+``setup(*setup_args)`` (a module-level function, named to the worker as ``module:function``) runs once
+in every fresh worker (import the user's function, build tools) and returns the handler that is called
+on each item; the handler's return value comes back as ``value``. Items, setup arguments and values are
+plain data: they cross the process boundary as JSON frames (``spmdrl.sandbox.frames``), never pickle, so
+a subverted worker can send the trainer wrong data but no code. An item whose handler raises (anything,
+``SystemExit`` and ``MemoryError`` included) or whose value is not JSON or is over ``max_reply_bytes``
+comes back with ``error`` set; an item that runs past ``timeout_s`` (counted from when it is sent), whose
+worker dies (segfault, ``os._exit``, a limit) or whose worker sends a malformed or oversized frame comes
+back with ``error`` set too, and its worker's whole process group is killed and the worker replaced, so
+one bad item costs only itself. The trainer never blocks on a worker: pipes are non-blocking and read
+under ``select`` with the nearest deadline, a frame that is still incomplete at its item's deadline is a
+timeout, and a reply whose id is not the worker's current item is dropped. A worker that dies or hangs
+while starting means the setup itself is broken: ``run`` raises (with the end of its output), since every
+replacement would repeat it.
 
-Workers are our own processes with one pipe each rather than a
-concurrent.futures pool, because a futures pool can neither time an item from
-the moment it starts nor kill one stuck worker without breaking the whole pool.
-Used by ``spmdrl.reward.rule`` (scoring) and ``spmdrl.agent.runner`` (tool calls).
+Each worker is a fresh interpreter (``python -m spmdrl.sandbox.worker``) in its own session, temporary
+directory and allowlisted environment, confined as ``spmdrl.sandbox.confine`` describes at ``level``
+``process`` or ``isolated``. Used by ``spmdrl.reward.rule`` (scoring) and ``spmdrl.agent.runner`` (tools).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import multiprocessing.connection
+import dataclasses
+import math
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-# A handler's error message is cut to this many characters: it travels over the pipe and into logs and
-# prompts.
-_MAX_ERROR_CHARS = 500
+from spmdrl.sandbox.confine import Limits, kill_tree, worker_env
+from spmdrl.sandbox.frames import FrameError, FrameReader, encode
+
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+_LOG_TAIL_BYTES = 2000  # of a worker's output, quoted when it fails to start
 
 
 @dataclass
@@ -42,57 +54,79 @@ class Outcome:
     value: Any = None
     error: str = ""
     timed_out: bool = False
-    seconds: float = 0.0  # from when the worker received the item until its answer, death or timeout
-
-
-def _worker_main(conn: multiprocessing.connection.Connection, setup: Callable[..., Callable[[Any], Any]],
-                 setup_args: tuple) -> None:
-    """Worker process: set up, announce readiness, then handle items until told to stop."""
-    handler = setup(*setup_args)
-    conn.send(("ready",))
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        idx, item = msg
-        try:
-            conn.send(("ok", idx, handler(item)))
-        except BaseException as err:
-            # all the item's own: a SystemExit or MemoryError must not end the worker
-            try:
-                conn.send(("error", idx, f"{type(err).__name__}: {str(err)[:_MAX_ERROR_CHARS]}"))
-            except Exception:  # the pipe is gone: the parent sees a dead worker
-                return
+    seconds: float = 0.0  # from when the item was sent until its answer, death or timeout
 
 
 class _Worker:
-    def __init__(self, ctx: Any, setup: Callable[..., Any], setup_args: tuple, name: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, setup, setup_args), daemon=True,
-                                name=f"spmdrl-{name}")
-        self.proc.start()
-        child.close()
+    """One worker process, its pipes and its work directory."""
+
+    def __init__(self, setup_frame: dict, name: str, max_reply_bytes: int) -> None:
+        self.workdir = os.path.realpath(tempfile.mkdtemp(prefix=f"spmdrl-{name}-"))
+        self.log_path = os.path.join(self.workdir, "output.log")
+        reply_r, reply_w = os.pipe()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "spmdrl.sandbox.worker", str(reply_w)], stdin=subprocess.PIPE,
+                stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, env=worker_env(self.workdir),
+                pass_fds=(reply_w,), start_new_session=True)
+        os.close(reply_w)
+        self.rfd = reply_r
+        self.wfd = self.proc.stdin.fileno()
+        os.set_blocking(self.rfd, False)
+        os.set_blocking(self.wfd, False)
+        self.reader = FrameReader(max_reply_bytes)
+        self.outbox = encode({**setup_frame, "workdir": self.workdir})
         self.ready = False
         self.born = time.monotonic()
         self.item: Optional[int] = None  # index of the item being handled
+        self.seq = -1  # id the reply to that item must carry
         self.started = 0.0  # when that item was sent
 
-    def send(self, idx: int, item: Any) -> None:
-        self.conn.send((idx, item))
-        self.item, self.started = idx, time.monotonic()
+    def send(self, idx: int, seq: int, frame: bytes) -> None:
+        self.outbox += frame
+        self.item, self.seq, self.started = idx, seq, time.monotonic()
+
+    def flush(self) -> None:
+        """Write what the pipe takes now (BrokenPipeError when the worker is gone)."""
+        try:
+            written = os.write(self.wfd, self.outbox)
+        except BlockingIOError:
+            return
+        self.outbox = self.outbox[written:]
+
+    def output_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - _LOG_TAIL_BYTES))
+                return f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
+        """SIGKILL the worker's every descendant, its process group and itself; reap it; clean up."""
+        kill_tree(self.proc.pid, including_root=False)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # unkillable (D state): leave it to the kernel
+            pass
+        for close in (lambda: os.close(self.rfd), self.proc.stdin.close):
+            try:
+                close()
+            except OSError:
+                pass
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def stop(self) -> None:
+        """Close its stdin (it exits when idle), give it a moment, then kill what is left."""
         try:
-            self.conn.send(None)
-        except OSError:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=2)
+        except (OSError, subprocess.TimeoutExpired):
             pass
-        self.proc.join(timeout=2)
         self.kill()
 
 
@@ -104,28 +138,113 @@ class WorkerPool:
     ``run`` that needs them and are kept for later ones.
     """
 
-    def __init__(self, setup: Callable[..., Callable[[Any], Any]], setup_args: tuple, *, num_workers: int,
-                 timeout_s: float, name: str, start_timeout_s: float, timeout_note: str = "",
-                 context: str = "") -> None:
-        methods = mp.get_all_start_methods()
-        self.ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-        self.setup, self.setup_args, self.name = setup, setup_args, name
+    def __init__(self, setup: Callable[..., Callable[[Any], Any]], setup_args: Sequence[Any], *,
+                 num_workers: int, timeout_s: float, name: str, start_timeout_s: float,
+                 timeout_note: str = "", context: str = "", limits: Optional[Limits] = None,
+                 level: str = "process", max_reply_bytes: int = MAX_REPLY_BYTES) -> None:
+        limits = limits or Limits()
+        if limits.cpu_s is None:
+            limits = dataclasses.replace(limits, cpu_s=max(60, 4 * math.ceil(timeout_s)))
+        self.setup_frame = {"setup": f"{setup.__module__}:{setup.__qualname__}", "args": list(setup_args),
+                            "limits": dataclasses.asdict(limits), "level": level,
+                            "max_reply_bytes": max_reply_bytes}
+        encode(self.setup_frame)  # setup arguments that are not plain data fail here, not in a worker
+        self.name, self.max_reply_bytes = name, max_reply_bytes
         self.num_workers, self.timeout_s, self.start_timeout_s = num_workers, timeout_s, start_timeout_s
         self.timeout_note = f" ({timeout_note})" if timeout_note else ""
         self.context = context
         self.workers: list[_Worker] = []
+        self.seq = 0
+        self.dropped = 0  # replies that named an item their worker was not handling
 
     def _spawn(self) -> _Worker:
-        return _Worker(self.ctx, self.setup, self.setup_args, self.name)
+        return _Worker(self.setup_frame, self.name, self.max_reply_bytes)
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
         self.workers[self.workers.index(w)] = self._spawn()
 
-    def _start_failed(self, what: str, detail: str = "") -> RuntimeError:
+    def _start_failed(self, w: _Worker, what: str, detail: str = "") -> RuntimeError:
+        tail = w.output_tail()
         self.close()
         notes = ", ".join(n for n in (detail, self.context) if n)
-        return RuntimeError(f"a {self.name} worker {what}" + (f" ({notes})" if notes else ""))
+        return RuntimeError(f"a {self.name} worker {what}" + (f" ({notes})" if notes else "")
+                            + (f"; its output ends with:\n{tail}" if tail else ""))
+
+    def _fail(self, w: _Worker, out: Outcome, error: str, timed_out: bool = False) -> None:
+        out.error, out.timed_out, out.seconds = error, timed_out, time.monotonic() - w.started
+        self._replace(w)
+
+    def _assign(self, items: Sequence[Any], pending: deque, outcomes: list[Outcome]) -> None:
+        for w in self.workers:
+            while w.ready and w.item is None and pending:
+                idx = pending.popleft()
+                self.seq += 1
+                try:
+                    frame = encode({"id": self.seq, "item": items[idx]})
+                except (TypeError, ValueError, RecursionError) as err:
+                    outcomes[idx].error = f"the item is not plain data (JSON): {err}"
+                    continue
+                w.send(idx, self.seq, frame)
+
+    def _wait(self) -> tuple[list[int], list[int]]:
+        """Readable and writable pipe ends, waiting at most until the nearest deadline."""
+        deadlines = [w.started + self.timeout_s for w in self.workers if w.item is not None]
+        deadlines += [w.born + self.start_timeout_s for w in self.workers if not w.ready]
+        wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        writers = [w.wfd for w in self.workers if w.outbox]
+        readable, writable, _ = select.select([w.rfd for w in self.workers], writers, [], wait_s)
+        return readable, writable
+
+    def _receive(self, w: _Worker, outcomes: list[Outcome]) -> None:
+        """Read what ``w`` sent and act on each whole frame."""
+        try:
+            chunk = os.read(w.rfd, 1 << 20)
+        except BlockingIOError:
+            return
+        if not chunk:  # the process died (crash, os._exit, a limit, the OOM killer) or closed its pipe
+            try:
+                w.proc.wait(timeout=1)  # reap it, so the exit code is known for the message
+            except subprocess.TimeoutExpired:
+                pass
+            if not w.ready:
+                raise self._start_failed(w, "exited during start-up", f"exit code {w.proc.returncode}")
+            if w.item is not None:
+                self._fail(w, outcomes[w.item], f"{self.name} worker died (exit code {w.proc.returncode})")
+            else:
+                self._replace(w)
+            return
+        try:
+            frames = w.reader.feed(chunk)
+        except FrameError as err:
+            if not w.ready:
+                raise self._start_failed(w, "sent a malformed frame", str(err)) from None
+            if w.item is not None:
+                self._fail(w, outcomes[w.item], f"{self.name} worker sent a malformed reply: {err}")
+            else:
+                self._replace(w)
+            return
+        for frame in frames:
+            if not w.ready and frame == {"ready": True}:
+                w.ready = True
+            elif w.item is not None and isinstance(frame, dict) and frame.get("id") == w.seq and (
+                    "ok" in frame or isinstance(frame.get("error"), str)):
+                out = outcomes[w.item]
+                out.seconds = time.monotonic() - w.started
+                out.value, out.error = frame.get("ok"), frame.get("error", "")
+                w.item = None
+            else:  # not a reply to the item this worker holds: a forged or stale id
+                self.dropped += 1
+
+    def _expire(self, outcomes: list[Outcome]) -> None:
+        now = time.monotonic()
+        for w in list(self.workers):
+            if w.item is not None and now - w.started >= self.timeout_s:
+                partial = " with its reply incomplete" if w.reader.partial else ""
+                self._fail(w, outcomes[w.item], f"timed out after {self.timeout_s:g} s{partial}"
+                                                f"{self.timeout_note}", timed_out=True)
+            elif not w.ready and now - w.born >= self.start_timeout_s:
+                raise self._start_failed(w, f"did not start within {self.start_timeout_s:g} s")
 
     def run(self, items: Sequence[Any]) -> list[Outcome]:
         """Outcomes aligned with ``items``; a failing item is an outcome with ``error`` set, never an
@@ -135,54 +254,22 @@ class WorkerPool:
             self.workers.append(self._spawn())
         pending = deque(range(len(items)))
         while pending or any(w.item is not None for w in self.workers):
-            for w in self.workers:
-                if w.ready and w.item is None and pending:
-                    idx = pending.popleft()
-                    try:
-                        w.send(idx, items[idx])
-                    except OSError:  # died while idle: retry the item on its replacement
-                        pending.appendleft(idx)
-                        self._replace(w)
-                    except Exception as err:  # the item does not pickle
-                        outcomes[idx].error = f"{type(err).__name__}: {err}"
-            now = time.monotonic()
-            deadlines = [w.started + self.timeout_s for w in self.workers if w.item is not None]
-            deadlines += [w.born + self.start_timeout_s for w in self.workers if not w.ready]
-            wait_s = max(0.0, min(deadlines) - now) if deadlines else None
-            ready = multiprocessing.connection.wait([w.conn for w in self.workers], timeout=wait_s)
-            for w in [w for w in self.workers if w.conn in ready]:
-                try:
-                    msg = w.conn.recv()
-                except (EOFError, OSError):  # the process died (crash, os._exit, memory limit, OOM kill)
-                    w.proc.join(timeout=1)  # reap it, so the exit code is known for the message
-                    if not w.ready:
-                        raise self._start_failed("exited during start-up",
-                                                 f"exit code {w.proc.exitcode}") from None
-                    if w.item is not None:
-                        out = outcomes[w.item]
-                        out.error = f"{self.name} worker died (exit code {w.proc.exitcode})"
-                        out.seconds = time.monotonic() - w.started
-                    self._replace(w)
-                    continue
-                if msg[0] == "ready":
-                    w.ready = True
-                    continue
-                out = outcomes[msg[1]]
-                out.seconds = time.monotonic() - w.started
-                if msg[0] == "ok":
-                    out.value = msg[2]
-                else:
-                    out.error = msg[2]
-                w.item = None
-            now = time.monotonic()
+            self._assign(items, pending, outcomes)
+            readable, writable = self._wait()
             for w in list(self.workers):
-                if w.item is not None and now - w.started >= self.timeout_s:
-                    out = outcomes[w.item]
-                    out.timed_out, out.seconds = True, now - w.started
-                    out.error = f"timed out after {self.timeout_s:g} s{self.timeout_note}"
-                    self._replace(w)
-                elif not w.ready and now - w.born >= self.start_timeout_s:
-                    raise self._start_failed(f"did not start within {self.start_timeout_s:g} s")
+                if w.wfd in writable:
+                    try:
+                        w.flush()
+                    except OSError:  # broken pipe: it died before taking its item (killed while idle)
+                        w.outbox = b""
+                        if w.ready:  # a worker that never started is reported by its reply pipe
+                            if w.item is not None:
+                                pending.appendleft(w.item)
+                            self._replace(w)
+                            continue
+                if w.rfd in readable:
+                    self._receive(w, outcomes)
+            self._expire(outcomes)
         return outcomes
 
     def close(self) -> None:

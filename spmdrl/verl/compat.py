@@ -366,7 +366,7 @@ TABLE: list[Rule] = [
       for k in ("n", "do_sample", "temperature", "top_p", "top_k")],
     *[m(f"{RO}.multi_turn.{k}", f"rollout.multi_turn.{k}", _path if k == "tool_config_path" else None)
       for k in ("enable", "max_assistant_turns", "max_tool_response_length", "tool_response_truncate_side",
-                "tool_config_path")],
+                "tool_config_path", "max_parallel_calls")],
     m(f"{RO}.multi_turn.format", "rollout.multi_turn.format", _multi_turn_format,
       "chatml (older verl) means hermes"),
     # reference policy

@@ -168,3 +168,18 @@ def test_multi_turn_needs_a_tool_config_and_one_rollout_tp_rank(capsys):
             main(["--config", GRPO_TOOLS, *extra])
         err = capsys.readouterr().err
         assert exc.value.code == 2 and needle in err, err
+
+
+def test_sandbox_and_call_cap_keys_are_checked_before_any_work(capsys, monkeypatch):
+    """isolated where the kernel refuses namespaces (simulated), and a call cap below 1: exit 2, one
+    sentence."""
+    from spmdrl.sandbox import confine
+    from spmdrl.train import main
+
+    monkeypatch.setattr(confine, "isolation_problem", lambda: "unshare(user): Operation not permitted")
+    for extra, needle in ((["--rollout.multi_turn.sandbox", "isolated"], "refuses unprivileged namespaces"),
+                          (["--rollout.multi_turn.max_parallel_calls", "0"], "max_parallel_calls is 0")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--config", GRPO_TOOLS, *extra])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and needle in err, err
