@@ -123,8 +123,8 @@ def _check_row(path: str, row: int, prompt_key: str, prompt: Any, data_source: A
                 raise ValueError(f"message {j} in column {prompt_key!r} of {at} is {str(got)[:120]}; a chat "
                                  f"message needs a string content and a role among {', '.join(ROLES)}")
     else:
-        raise ValueError(f"column {prompt_key!r} of {at} is {_kind(prompt)}; it must be a string or a list "
-                         f"of {{'role', 'content'}} chat messages")
+        raise ValueError(f"column {prompt_key!r} of {at} is neither a string nor a list of chat messages "
+                         f"({{'role', 'content'}} dicts): {_kind(prompt)}")
     if data_source is not None and not isinstance(data_source, str):
         raise ValueError(f"column 'data_source' of {at} is {_kind(data_source)}; it must be a string")
     for key, value, holds in (("reward_model", reward_model, "ground_truth"),

@@ -286,7 +286,13 @@ def _check_data(cfg: Config) -> None:
 
 def _check_model_folders(cfg: Config) -> None:
     """Model folders (config, weights, tokenizer), cheaply, before the backends' checks read them."""
-    from spmdrl.config.model_folder import validate_model_folder, validate_tokenizer_folder
+    from spmdrl.config.model_folder import (
+        check_vocab,
+        read_config,
+        text_config,
+        validate_model_folder,
+        validate_tokenizer_folder,
+    )
 
     try:
         for key, path, tokenizer in (("model.path", cfg.model.path, cfg.model.tokenizer_path is None),
@@ -295,9 +301,17 @@ def _check_model_folders(cfg: Config) -> None:
                 validate_model_folder(path, key, need_tokenizer=tokenizer)
         tok = cfg.model.tokenizer_path
         if tok is not None and not tok.startswith("builtin:"):
-            validate_tokenizer_folder(tok, "model.tokenizer_path")
+            tokenizer = validate_tokenizer_folder(tok, "model.tokenizer_path")
+            if not cfg.model.path.startswith("builtin:"):
+                check_vocab(read_config(cfg.model.path, "model.path"), tokenizer, "model.tokenizer_path", tok)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    if not cfg.model.path.startswith("builtin:"):
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        limit = text_config(read_config(cfg.model.path, "model.path")).get("max_position_embeddings")
+        _check(limit is None or limit >= longest,
+               f"model.path {cfg.model.path!r} has max_position_embeddings {limit}, fewer than "
+               f"data.max_prompt_length + data.max_response_length = {longest} positions a sequence may take")
 
 
 def _check_backends(cfg: Config) -> None:
