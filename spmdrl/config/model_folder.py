@@ -152,11 +152,15 @@ def _check_shapes(folder: Path, cfg: dict, shapes: dict[str, list[int]], key: st
 
     args = {k: v for k, v in cfg.items() if k != "model_type"}
     arch = (cfg.get("architectures") or [""])[0]
-    cls = getattr(transformers, arch, None) if arch.endswith("Model") or "For" in arch else None
     try:
         conf = transformers.CONFIG_MAPPING[cfg["model_type"]](**args)
+        # The class config.json names (a reward model's *ForSequenceClassification) when it fits the config.
+        cls = getattr(transformers, arch, None) if arch.isidentifier() else None
         with torch.device("meta"):
-            model = cls(conf) if cls is not None else transformers.AutoModelForCausalLM.from_config(conf)
+            if isinstance(cls, type) and getattr(cls, "config_class", None) is type(conf):
+                model = cls(conf)
+            else:
+                model = transformers.AutoModelForCausalLM.from_config(conf)
     except Exception as err:  # transformers' own validation: many exception types
         raise ValueError(f"{key}: transformers cannot build the model {str(folder / 'config.json')!r} "
                          f"describes ({_first_line(err)})") from err
