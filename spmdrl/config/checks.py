@@ -333,8 +333,10 @@ def _check_inputs(cfg: Config, dims: "ParallelDims") -> None:
         for f in _files(getattr(d, key)):
             if f.startswith("builtin:"):
                 continue
+            what = "is a folder" if Path(f).is_dir() else "does not exist"
             _check(Path(f).is_file(),
-                   f"data.{key} names {f!r}, which does not exist; give parquet files or builtin:<task>")
+                   f"data.{key} names {f!r}, which {what}; give parquet files or builtin:<task>")
+    _check(bool(_files(d.train_files)), "data.train_files is empty; give parquet files or builtin:<task>")
     if cfg.reward.function != "builtin":
         path, _, fn = cfg.reward.function.rpartition(":")
         _check(

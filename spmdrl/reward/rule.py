@@ -27,6 +27,7 @@ and its item scores 0 (the pool is ``spmdrl.sandbox.pool.WorkerPool``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass, field
@@ -78,6 +79,20 @@ def _plain(value: Any) -> Any:
         return float(value)  # numpy / torch scalars
     except (TypeError, ValueError):
         return str(value)
+
+
+def _check_signature(fn: Callable[..., Any], function: str) -> None:
+    """A function verl's keywords cannot call would raise on every item and score 0 each time: refuse it."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without an inspectable signature: the calls decide
+        return
+    try:
+        signature.bind(data_source=None, solution_str="", ground_truth=None, extra_info=None)
+    except TypeError as err:
+        raise ConfigError(f"reward.function {function!r} cannot be called as verl calls it, with the "
+                          f"keywords data_source, solution_str, ground_truth and extra_info "
+                          f"({err})") from None
 
 
 def _returned(result: Any) -> Any:
@@ -161,6 +176,7 @@ class RewardManager:
         self.function = function
         # Loading here, in the parent, turns a bad path or name into an error before any training work.
         self._fn = load_reward_function(function)
+        _check_signature(self._fn, function)
         self._pool = WorkerPool(
             _worker_setup, (function,), num_workers=num_workers, timeout_s=timeout_s, name="reward",
             start_timeout_s=_WORKER_START_TIMEOUT_S, timeout_note="reward.timeout_s",

@@ -92,6 +92,7 @@ VALUES = [
     (["--data.val_files", "[builtin:arith, builtin:nope]"], "data.val_files: unknown built-in task"),
     (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:large-rm"],
      "reward_model.model.path: unknown built-in model 'builtin:large-rm'"),
+    (["--data.train_files", "[]"], "data.train_files is empty; give parquet files or builtin:<task>"),
 ]
 
 
@@ -161,6 +162,24 @@ def test_a_bad_validation_file_names_its_key(tmp_path, capsys):
     pq.write_table(_rows(extra_info=["x"] * 4), f)
     assert_one_sentence(*run_main(["--config", GRPO, "--data.val_files", str(f)], capsys),
                         f"data.val_files: column 'extra_info' of row 0 of '{f}'")
+
+
+def test_a_folder_instead_of_a_data_file(tmp_path, capsys):
+    assert_one_sentence(*run_main(["--config", GRPO, "--data.train_files", str(tmp_path)], capsys),
+                        f"data.train_files names '{tmp_path}', which is a folder; give parquet files")
+
+
+def test_a_reward_function_verl_could_not_call(tmp_path):
+    """A signature verl's keywords do not fit raised on every item and scored 0 each time; now it stops."""
+    from spmdrl.errors import ConfigError
+    from spmdrl.reward.rule import RewardManager
+
+    score = tmp_path / "score.py"
+    score.write_text("def f(solution, gt):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match=r"reward.function '.*score.py:f' cannot be called as verl calls "
+                                          r"it, with the keywords data_source, solution_str, ground_truth "
+                                          r"and extra_info \(missing a required argument: 'solution'\)"):
+        RewardManager(f"{score}:f")
 
 
 def test_good_rows_pass_and_a_map_column_reads_as_a_dict(tmp_path):
