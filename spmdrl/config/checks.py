@@ -385,11 +385,16 @@ def _check_reward_model(cfg: Config) -> None:
         from spmdrl.config.model_folder import read_config
 
         # A causal LM folder would load with a fresh, random score head (a warning only): refuse it here.
-        arch = read_config(rm.model.path, "reward_model.model.path").get("architectures") or []
+        rm_config = read_config(rm.model.path, "reward_model.model.path")
+        arch = rm_config.get("architectures") or []
         _check(any(a.endswith("ForSequenceClassification") for a in arch),
                f"reward_model.model.path {rm.model.path!r} holds "
                f"{', '.join(arch) or 'no architectures entry'}; the reward model must be a "
                f"*ForSequenceClassification model with one label")
+        # transformers' default without id2label is 2 labels; a score per label is not one reward.
+        labels = len(rm_config.get("id2label") or {}) or rm_config.get("num_labels", 2)
+        _check(labels == 1, f"reward_model.model.path {rm.model.path!r} has {labels} labels in config.json; "
+                            f"the reward model must output one score (num_labels 1)")
         _check(bool(getattr(AutoTokenizer.from_pretrained(rm.model.path), "chat_template", None)),
                f"reward_model.model.path {rm.model.path!r} has a tokenizer without a chat template; the "
                f"reward model scores prompt + response rendered with its own chat template")

@@ -352,3 +352,21 @@ def test_cli_stops_before_start_up(tmp_path):
     assert out.stderr.startswith(f"spmdrl.train: error: data.train_files: row 0 of '{f}' has data_source "
                                  f"'my/math', which no built-in scorer handles")
     assert out.stderr.count("\n") == 1 and out.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_a_reward_model_with_two_labels(tmp_path, capsys):
+    """A classifier with a score per label (shapes consistent) is not one reward per response."""
+    from safetensors.torch import load_file, save_file
+
+    from spmdrl.builtin.models import build_model
+
+    folder = build_model(tmp_path / "rm", "tiny", seed=0, reward=True)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["score.weight"] = torch.cat([tensors["score.weight"]] * 2)  # [2, H]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    _edit(folder, id2label={"0": "bad", "1": "good"}, label2id={"bad": 0, "good": 1})
+    capsys.readouterr()  # building the folder printed progress bars
+    code, err = run_main(["--config", GRPO, "--reward_model.enable", "true", "--reward_model.model.path",
+                          str(folder)], capsys)
+    assert_one_sentence(code, err, f"reward_model.model.path '{folder}' has 2 labels in config.json; the "
+                                   f"reward model must output one score (num_labels 1)")
