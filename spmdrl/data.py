@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "filter")
+ROLES = ("system", "user", "assistant", "tool")  # chat roles a prompt's messages may have
 
 
 @dataclass
@@ -57,7 +58,9 @@ def data_files(files: Union[str, Sequence[str], None]) -> list[str]:
     return [files] if isinstance(files, str) else list(files)
 
 
-def _read_rows(path: str, prompt_key: str) -> dict[str, list]:
+def read_rows(path: str, prompt_key: str) -> dict[str, list]:
+    """Columns prompt, data_source, reward_model and extra_info of a verl-layout parquet file, each row
+    checked (``_check_row``); ValueError naming the file, row and column of the first bad one."""
     import pyarrow.parquet as pq
 
     if not Path(path).is_file():
@@ -77,13 +80,72 @@ def _read_rows(path: str, prompt_key: str) -> dict[str, list]:
     except Exception as e:
         raise ValueError(f"cannot read {path!r} as parquet: {e}") from e
     n = table.num_rows
-    cols = {c: table.column(c).to_pylist() for c in wanted}
-    return {
+    cols = {c: _pylist(table.column(c)) for c in wanted}
+    rows = {
         "prompt": cols[prompt_key],
         "data_source": cols.get("data_source", [None] * n),
         "reward_model": cols.get("reward_model", [None] * n),
         "extra_info": cols.get("extra_info", [None] * n),
     }
+    for i in range(n):
+        _check_row(path, i, prompt_key, *(rows[k][i] for k in ("prompt", "data_source", "reward_model",
+                                                               "extra_info")))
+    return rows
+
+
+def _pylist(column: Any) -> list:
+    """Python values of a parquet column; a map column (pandas writes dicts of one value type so) becomes
+    dicts, as a struct column does."""
+    import pyarrow as pa
+
+    values = column.to_pylist()
+    if pa.types.is_map(column.type):
+        values = [None if v is None else dict(v) for v in values]
+    return values
+
+
+def _check_row(path: str, row: int, prompt_key: str, prompt: Any, data_source: Any, reward_model: Any,
+               extra_info: Any) -> None:
+    """One row in verl's layout, or a ValueError naming the file, the row, the column and what it must be."""
+    at = f"row {row} of {path!r}"
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"column {prompt_key!r} of {at} is an empty prompt")
+        if prompt.lstrip().startswith("[{") and _is_json_messages(prompt):
+            raise ValueError(f"column {prompt_key!r} of {at} is JSON text of chat messages; store it as a "
+                             f"list of {{'role', 'content'}} structs, as verl's datasets do")
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise ValueError(f"column {prompt_key!r} of {at} is an empty list of chat messages")
+        for j, m in enumerate(prompt):
+            if not (isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ROLES):
+                got = {k: v for k, v in m.items() if k in ("role", "content")} if isinstance(m, dict) else m
+                raise ValueError(f"message {j} in column {prompt_key!r} of {at} is {str(got)[:120]}; a chat "
+                                 f"message needs a string content and a role among {', '.join(ROLES)}")
+    else:
+        raise ValueError(f"column {prompt_key!r} of {at} is neither a string nor a list of chat messages "
+                         f"({{'role', 'content'}} dicts): {_kind(prompt)}")
+    if data_source is not None and not isinstance(data_source, str):
+        raise ValueError(f"column 'data_source' of {at} is {_kind(data_source)}; it must be a string")
+    for key, value, holds in (("reward_model", reward_model, "ground_truth"),
+                              ("extra_info", extra_info, "per-row values")):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"column {key!r} of {at} is {_kind(value)}; verl's layout has a struct there "
+                             f"(a dict with {holds}, not JSON text)")
+
+
+def _kind(value: Any) -> str:
+    return f"the {type(value).__name__} {str(value)[:80]!r}"
+
+
+def _is_json_messages(text: str) -> bool:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value)
 
 
 class PromptDataset:
@@ -131,7 +193,7 @@ class PromptDataset:
 
     def _load(self, path: str, tokenizer: Any, prompt_key: str, max_len: int, truncation: str, chat: bool,
               tools: Optional[list[dict]] = None) -> None:
-        rows = _read_rows(path, prompt_key)
+        rows = read_rows(path, prompt_key)
         texts, templated = [], []
         for i, prompt in enumerate(rows["prompt"]):
             text, used_template = self._render(prompt, tokenizer, chat, path, i, prompt_key, tools)

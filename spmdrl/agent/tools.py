@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 import ast
 import importlib
+import inspect
 import math
 import operator
 from dataclasses import dataclass
@@ -211,6 +212,14 @@ def load_tool_class(spec: str) -> type[Tool]:
             and all(callable(getattr(cls, m, None)) for m in ("execute", "create", "release"))):
         raise ValueError(f"tool class {spec!r}: {cls_name!r} is not a class with create/execute/release "
                          f"methods")
+    coroutines = [m for m in ("create", "execute", "calc_reward", "release")
+                  if inspect.iscoroutinefunction(getattr(cls, m, None))]
+    if coroutines:
+        # verl's BaseTool keeps each trajectory's state inside the tool object, keyed by an instance id; here
+        # a call runs in a worker process, so the state has to travel with it as a plain dict.
+        raise ValueError(f"tool class {spec!r}: {cls_name!r} defines async {', '.join(coroutines)} (verl's "
+                         f"BaseTool API); spmdrl expects a spmdrl.agent.tools.Tool with plain methods, "
+                         f"execute(parameters, state) -> str, the trajectory's state passed in as a dict")
     if getattr(cls, "__abstractmethods__", None):
         raise ValueError(f"tool class {spec!r}: {cls_name!r} does not implement "
                          f"{', '.join(sorted(cls.__abstractmethods__))}")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional, Union
 
-from spmdrl.builtin.models import resolve_builtin_model
-from spmdrl.builtin.tasks import resolve_builtin_data
+from spmdrl.builtin.models import check_builtin_model, resolve_builtin_model
+from spmdrl.builtin.tasks import check_builtin_task, resolve_builtin_data
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -25,6 +25,28 @@ def _files(files: Union[str, list[str], None], split: str) -> Union[list[str], N
     if files is None:
         return None
     return [resolve_builtin_data(f, split) for f in ([files] if isinstance(files, str) else files)]
+
+
+def check_builtin_names(cfg: "Config") -> None:
+    """Every ``builtin:`` model and data name of ``cfg`` is a known one (ValueError listing them); nothing is
+    built, so this runs before start-up."""
+    rm = cfg.reward_model
+    for key, path in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
+                      ("critic.model_path", cfg.critic.model_path),
+                      ("reward_model.model.path", rm.model.path)):
+        if path is not None and path.startswith("builtin:"):
+            try:
+                check_builtin_model(path)
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}") from None
+    for key in ("train_files", "val_files"):
+        files = getattr(cfg.data, key)
+        for spec in [files] if isinstance(files, str) else files or []:
+            if spec.startswith("builtin:"):
+                try:
+                    check_builtin_task(spec)
+                except ValueError as err:
+                    raise ValueError(f"data.{key}: {err}") from None
 
 
 def resolve_builtins(cfg: "Config") -> "Config":

@@ -150,6 +150,16 @@ def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = Fal
     return out
 
 
+def check_builtin_model(path: str) -> tuple[str, str, bool]:
+    """(name, size, is a reward model) of a ``builtin:`` model path; ValueError listing the valid ones."""
+    name = path.split(":", 1)[1]
+    size, reward = (name[: -len("-rm")], True) if name.endswith("-rm") else (name, False)
+    if size not in SIZES:
+        valid = [f"builtin:{s}" for s in SIZES] + [f"builtin:{s}-rm" for s in SIZES]
+        raise ValueError(f"unknown built-in model {path!r}; valid: {', '.join(valid)}")
+    return name, size, reward
+
+
 def resolve_builtin_model(path: str, seed: int = 0) -> str:
     """Map ``builtin:<size>`` (a policy) or ``builtin:<size>-rm`` (a reward model of that size) to a cache
     folder, building it when missing; other paths pass through.
@@ -160,11 +170,7 @@ def resolve_builtin_model(path: str, seed: int = 0) -> str:
         return path
     import torch.distributed as dist
 
-    name = path.split(":", 1)[1]
-    size, reward = (name[: -len("-rm")], True) if name.endswith("-rm") else (name, False)
-    if size not in SIZES:
-        valid = [f"builtin:{s}" for s in SIZES] + [f"builtin:{s}-rm" for s in SIZES]
-        raise ValueError(f"unknown built-in model {path!r}; valid: {', '.join(valid)}")
+    name, size, reward = check_builtin_model(path)
     out = cache_dir() / "models" / f"{name}-seed{seed}"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not (out / "spmdrl_builtin.json").exists():

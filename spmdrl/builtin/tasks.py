@@ -168,6 +168,15 @@ def make_task(
             for split, num in sizes.items()}
 
 
+def check_builtin_task(spec: str) -> str:
+    """The task name of ``builtin:<task>``; ValueError listing the valid ones."""
+    task = spec.split(":", 1)[1]
+    if task not in TASKS:
+        raise ValueError(f"unknown built-in task {spec!r}; valid: "
+                         f"{', '.join('builtin:' + t for t in sorted(TASKS))}")
+    return task
+
+
 def resolve_builtin_data(spec: str, split: str, seed: int = 0) -> str:
     """Map ``builtin:<task>`` to the cached parquet file of ``split``, building it when missing.
 
@@ -178,10 +187,7 @@ def resolve_builtin_data(spec: str, split: str, seed: int = 0) -> str:
         return spec
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r} for {spec!r}; valid splits: {', '.join(SPLITS)}")
-    task = spec.split(":", 1)[1]
-    if task not in TASKS:
-        raise ValueError(f"unknown built-in task {spec!r}; valid: "
-                         f"{', '.join('builtin:' + t for t in sorted(TASKS))}")
+    task = check_builtin_task(spec)
     import torch.distributed as dist
 
     folder = cache_dir() / "data" / f"{task}-v{BUILTIN_DATA_VERSION}-seed{seed}"

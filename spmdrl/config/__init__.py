@@ -1,5 +1,6 @@
 """The run's configuration: typed sections (``sections``), parsing the command line (``parse``), the checks
-that run before any work (``checks``) and the cheap model-folder checks they use (``model_folder``).
+that run before any work (``checks``) and the cheap model-folder and data-file checks they use
+(``model_folder``, ``inputs``).
 
     from spmdrl.config import Config
     cfg, debug = parse_config(argv)          # spmdrl.config.parse

@@ -27,13 +27,18 @@ def validate_config(cfg: Config, world_size: int) -> None:
     """Range and consistency checks that need no process group, in the order a user meets them (cheap ones
     first, then files on disk and each backend's options); raises ConfigError."""
     _check_ranges(cfg)
+    _check_optimizer(cfg)
+    _check_kl_and_dapo(cfg)
     _check_output_dir(cfg)
     _check_names(cfg)
     _check_features(cfg)
+    _check_device(cfg)
     dims = _check_sizes(cfg, world_size)
+    _check_builtin_names(cfg)
     _check_model_folders(cfg)
     _check_backends(cfg)
     _check_inputs(cfg, dims)
+    _check_data(cfg)
 
 
 def _files(spec) -> list[str]:
@@ -96,6 +101,71 @@ def _check_ranges(cfg: Config) -> None:
     _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
     _check(0 < r.gpu_memory_utilization <= 1,
            f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
+
+
+def _check_optimizer(cfg: Config) -> None:
+    """AdamW and schedule values of the actor and the critic inside the ranges where they mean something."""
+    a, c, t = cfg.actor, cfg.critic, cfg.trainer
+    for role, o in (("actor", a), ("critic", c)):
+        _check(o.lr <= 1, f"{role}.lr is {o.lr}; a learning rate above 1 makes AdamW diverge at once "
+                          f"(typical values: 1e-6 to 1e-3)")
+        _check(o.weight_decay >= 0, f"{role}.weight_decay is {o.weight_decay}; it must be >= 0")
+        _check(o.max_grad_norm >= 0,
+               f"{role}.max_grad_norm is {o.max_grad_norm}; it must be > 0, or 0 to disable clipping")
+        _check(o.lr_warmup_steps >= 0, f"{role}.lr_warmup_steps is {o.lr_warmup_steps}; it must be >= 0")
+        _check(t.total_steps is None or o.lr_warmup_steps <= t.total_steps,
+               f"{role}.lr_warmup_steps ({o.lr_warmup_steps}) is more than trainer.total_steps "
+               f"({t.total_steps}); the learning rate would never reach {role}.lr")
+    _check(len(a.betas) == 2 and all(0 <= b < 1 for b in a.betas),
+           f"actor.betas is {list(a.betas)}; AdamW needs two betas in [0, 1)")
+    _check(0 <= a.min_lr_ratio <= 1, f"actor.min_lr_ratio is {a.min_lr_ratio}; it must be in [0, 1]")
+    _check(cfg.reward.num_workers >= 0, f"reward.num_workers is {cfg.reward.num_workers}; it must be >= 0 "
+                                        f"(0 scores in-process)")
+    _check(cfg.reward.timeout_s > 0, f"reward.timeout_s is {cfg.reward.timeout_s}; it must be > 0")
+
+
+def _check_kl_and_dapo(cfg: Config) -> None:
+    """KL terms, their controller and DAPO's options against each other and the lengths they refer to."""
+    a, alg, d, r = cfg.actor, cfg.algorithm, cfg.data, cfg.rollout
+    kc, fg, ob = alg.kl_ctrl, alg.filter_groups, cfg.reward.overlong_buffer
+    _check(a.clip_ratio_low < 1, f"actor.clip_ratio_low is {a.clip_ratio_low}; it must be < 1 (the ratio's "
+                                 f"lower bound is 1 - clip_ratio_low)")
+    _check(a.clip_ratio_low <= a.clip_ratio_high,
+           f"actor.clip_ratio_low ({a.clip_ratio_low}) is above actor.clip_ratio_high ({a.clip_ratio_high}); "
+           f"DAPO's clip-higher sets clip_ratio_high >= clip_ratio_low")
+    _check(not a.use_kl_loss or a.kl_loss_coef > 0,
+           "actor.use_kl_loss is true but actor.kl_loss_coef is 0, so a reference model would be loaded for "
+           "nothing; set kl_loss_coef > 0 or use_kl_loss false")
+    _check(kc.kl_coef >= 0, f"algorithm.kl_ctrl.kl_coef is {kc.kl_coef}; it must be >= 0")
+    _check(not alg.use_kl_in_reward or kc.kl_coef > 0,
+           "algorithm.use_kl_in_reward is true but algorithm.kl_ctrl.kl_coef is 0, so the penalty stays 0 "
+           "(an adaptive controller only scales it); set kl_coef > 0 or use_kl_in_reward false")
+    if kc.type == "adaptive":
+        _check(kc.target_kl > 0, f"algorithm.kl_ctrl.target_kl is {kc.target_kl}; the adaptive controller "
+                                 f"needs a target KL > 0")
+        _check(kc.horizon >= 1, f"algorithm.kl_ctrl.horizon is {kc.horizon}; the adaptive controller needs a "
+                                f"horizon >= 1")
+    _check(fg.max_num_gen_batches >= 0, f"algorithm.filter_groups.max_num_gen_batches is "
+                                        f"{fg.max_num_gen_batches}; it must be >= 0 (0: no limit)")
+    _check(not fg.enable or r.n >= 2,
+           f"algorithm.filter_groups.enable is true with rollout.n {r.n}: a group of one response always "
+           f"has equal rewards and would be dropped; filter_groups needs rollout.n >= 2")
+    if ob.enable:
+        _check(0 < ob.len <= d.max_response_length,
+               f"reward.overlong_buffer.len is {ob.len}; it must be in (0, data.max_response_length="
+               f"{d.max_response_length}]")
+        _check(ob.penalty_factor >= 0,
+               f"reward.overlong_buffer.penalty_factor is {ob.penalty_factor}; it must be >= 0")
+
+
+def _check_device(cfg: Config) -> None:
+    """trainer.device names a device this machine has."""
+    from spmdrl.parallel import resolve_device_type
+
+    try:
+        resolve_device_type(cfg.trainer.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
 
 
 def _check_output_dir(cfg: Config) -> None:
@@ -197,9 +267,32 @@ def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":
     return dims
 
 
+def _check_builtin_names(cfg: Config) -> None:
+    """Every ``builtin:`` model and task name is one spmdrl knows (they are built only after start-up)."""
+    from spmdrl.builtin import check_builtin_names
+
+    try:
+        check_builtin_names(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+
+
+def _check_data(cfg: Config) -> None:
+    """Parquet rows (types, chat messages, ground truths) and their data sources against the scorers."""
+    from spmdrl.config.inputs import check_data_files
+
+    check_data_files(cfg)
+
+
 def _check_model_folders(cfg: Config) -> None:
     """Model folders (config, weights, tokenizer), cheaply, before the backends' checks read them."""
-    from spmdrl.config.model_folder import validate_model_folder, validate_tokenizer_folder
+    from spmdrl.config.model_folder import (
+        check_vocab,
+        read_config,
+        text_config,
+        validate_model_folder,
+        validate_tokenizer_folder,
+    )
 
     try:
         for key, path, tokenizer in (("model.path", cfg.model.path, cfg.model.tokenizer_path is None),
@@ -208,9 +301,17 @@ def _check_model_folders(cfg: Config) -> None:
                 validate_model_folder(path, key, need_tokenizer=tokenizer)
         tok = cfg.model.tokenizer_path
         if tok is not None and not tok.startswith("builtin:"):
-            validate_tokenizer_folder(tok, "model.tokenizer_path")
+            tokenizer = validate_tokenizer_folder(tok, "model.tokenizer_path")
+            if not cfg.model.path.startswith("builtin:"):
+                check_vocab(read_config(cfg.model.path, "model.path"), tokenizer, "model.tokenizer_path", tok)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    if not cfg.model.path.startswith("builtin:"):
+        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+        limit = text_config(read_config(cfg.model.path, "model.path")).get("max_position_embeddings")
+        _check(limit is None or limit >= longest,
+               f"model.path {cfg.model.path!r} has max_position_embeddings {limit}, fewer than "
+               f"data.max_prompt_length + data.max_response_length = {longest} positions a sequence may take")
 
 
 def _check_backends(cfg: Config) -> None:
@@ -232,8 +333,10 @@ def _check_inputs(cfg: Config, dims: "ParallelDims") -> None:
         for f in _files(getattr(d, key)):
             if f.startswith("builtin:"):
                 continue
+            what = "is a folder" if Path(f).is_dir() else "does not exist"
             _check(Path(f).is_file(),
-                   f"data.{key} names {f!r}, which does not exist; give parquet files or builtin:<task>")
+                   f"data.{key} names {f!r}, which {what}; give parquet files or builtin:<task>")
+    _check(bool(_files(d.train_files)), "data.train_files is empty; give parquet files or builtin:<task>")
     if cfg.reward.function != "builtin":
         path, _, fn = cfg.reward.function.rpartition(":")
         _check(
@@ -282,11 +385,16 @@ def _check_reward_model(cfg: Config) -> None:
         from spmdrl.config.model_folder import read_config
 
         # A causal LM folder would load with a fresh, random score head (a warning only): refuse it here.
-        arch = read_config(rm.model.path, "reward_model.model.path").get("architectures") or []
+        rm_config = read_config(rm.model.path, "reward_model.model.path")
+        arch = rm_config.get("architectures") or []
         _check(any(a.endswith("ForSequenceClassification") for a in arch),
                f"reward_model.model.path {rm.model.path!r} holds "
                f"{', '.join(arch) or 'no architectures entry'}; the reward model must be a "
                f"*ForSequenceClassification model with one label")
+        # transformers' default without id2label is 2 labels; a score per label is not one reward.
+        labels = len(rm_config.get("id2label") or {}) or rm_config.get("num_labels", 2)
+        _check(labels == 1, f"reward_model.model.path {rm.model.path!r} has {labels} labels in config.json; "
+                            f"the reward model must output one score (num_labels 1)")
         _check(bool(getattr(AutoTokenizer.from_pretrained(rm.model.path), "chat_template", None)),
                f"reward_model.model.path {rm.model.path!r} has a tokenizer without a chat template; the "
                f"reward model scores prompt + response rendered with its own chat template")

@@ -40,6 +40,7 @@ def build_parser() -> ArgumentParser:
 def _one_sentence(err: Exception) -> str:
     text = " ".join(str(err).split())
     text = re.sub(r"<class '(\w+)'>", r"\1", text)
+    text = re.sub(r"Expected a typing\.Literal\[(.*?)\]", r"Expected one of \1", text)
     text = text.replace('Parser key "', 'config key "')
     return text
 

@@ -12,27 +12,33 @@ verl's signature ``compute_score(data_source, solution_str, ground_truth,
 extra_info=None) -> float | dict`` (a dict must hold ``"score"``; its other
 keys come back per item in ``out.extra``).
 
-With ``num_workers=0`` scoring runs in this process: a scorer that raises
-scores 0 and is counted, but a scorer that hangs hangs the run. With
-``num_workers>0`` each item runs in a worker process with a per-item clock of
-``timeout_s`` that starts when the item is sent; a worker that overruns is
-killed with its every descendant and replaced, and its item scores 0. Workers
-run at the ``process`` sandbox level with ``REWARD_LIMITS`` (address space,
-processes, file size, CPU), in a temporary directory with an allowlisted
-environment; items and scores cross as JSON, so ``ground_truth`` and
-``extra_info`` reach the function as plain data (numpy arrays as lists) and a
-dict's extra values come back as plain values (the pool is
+A scorer that raises (or calls ``sys.exit``) scores 0 and is counted. A
+scorer that returns something other than a finite number or such a dict
+(``None``, a string, NaN) is a bug that would train on zeros: it stops the run
+with a ConfigError naming the function and the value.
+
+With ``num_workers=0`` scoring runs in this process, and a scorer that hangs
+hangs the run. With ``num_workers>0`` each item runs in a worker process with a
+per-item clock of ``timeout_s`` that starts when the item is sent; a worker that
+overruns is killed with its every descendant and replaced, and its item scores
+0. Workers run at the ``process`` sandbox level with ``REWARD_LIMITS`` (address
+space, processes, file size, CPU), in a temporary directory with an allowlisted
+environment; items and return values cross as JSON, so ``ground_truth`` and
+``extra_info`` reach the function as plain data (numpy arrays as lists) and the
+trainer judges the plain return value (the pool is
 ``spmdrl.sandbox.pool.WorkerPool``).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from spmdrl.errors import ConfigError
 from spmdrl.reward import scorers
 from spmdrl.sandbox.confine import Limits
 from spmdrl.sandbox.pool import Outcome, WorkerPool
@@ -82,37 +88,59 @@ def _plain(value: Any) -> Any:
         return str(value)
 
 
-def _normalise(result: Any) -> tuple[float, dict[str, Any]]:
-    """(score, extras) from a scorer's float or dict; a bad return value raises so it is counted as an
-    error."""
-    extra: dict[str, Any] = {}
+def _check_signature(fn: Callable[..., Any], function: str) -> None:
+    """A function verl's keywords cannot call would raise on every item and score 0 each time: refuse it."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without an inspectable signature: the calls decide
+        return
+    try:
+        signature.bind(data_source=None, solution_str="", ground_truth=None, extra_info=None)
+    except TypeError as err:
+        raise ConfigError(f"reward.function {function!r} cannot be called as verl calls it, with the "
+                          f"keywords data_source, solution_str, ground_truth and extra_info "
+                          f"({err})") from None
+
+
+def _returned(result: Any) -> Any:
+    """A scorer's return value as plain data (what crosses from a worker): a dict's values and a lone
+    value made plain, so the trainer judges it without unpickling anything of the scorer's."""
     if isinstance(result, dict):
-        if "score" not in result:
-            raise ValueError(f"reward function returned a dict without 'score': keys {sorted(result)}")
-        extra = {str(k): _plain(v) for k, v in result.items() if k != "score"}
-        result = result["score"]
-    score = float(result)
-    if not math.isfinite(score):
-        raise ValueError(f"reward function returned a non-finite score {score}")
-    return score, extra
+        return {str(k): _plain(v) for k, v in result.items()}
+    return _plain(result)
 
 
-def _call(fn: Callable[..., Any], item: tuple) -> tuple[float, dict[str, Any]]:
+def _normalise(result: Any, function: str, data_source: Any) -> tuple[float, dict[str, Any]]:
+    """(score, extras) from a scorer's plain return value; anything but a finite number or a dict holding
+    one under "score" is a ConfigError naming ``function`` and the value."""
+    score = result.get("score") if isinstance(result, dict) else result
+    if isinstance(score, (bool, int, float)) and math.isfinite(score):
+        extra = {k: v for k, v in result.items() if k != "score"} if isinstance(result, dict) else {}
+        return float(score), extra
+    keyless = isinstance(result, dict) and "score" not in result
+    what = f"a dict without 'score' (keys {sorted(result)})" if keyless else repr(result)[:200]
+    raise ConfigError(f"reward.function {function!r} returned {what} for data_source {data_source!r}; it "
+                      f"must return a finite number or a dict with a numeric 'score' (scoring 0 silently "
+                      f"would train on wrong rewards)")
+
+
+def _call(fn: Callable[..., Any], item: tuple) -> Any:
+    """The scorer's plain return value for ``item``."""
     data_source, solution_str, ground_truth, extra_info = item
     # Keywords, as verl calls it, so user functions may order or default their parameters freely.
-    return _normalise(fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                         extra_info=extra_info))
+    return _returned(fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                        extra_info=extra_info))
 
 
-def _worker_setup(spec: str) -> Callable[[tuple], tuple[float, dict[str, Any]]]:
+def _worker_setup(spec: str) -> Callable[[tuple], Any]:
     """In a worker process: the scoring function for items ``(data_source, solution, ground_truth,
-    extra_info)``."""
+    extra_info)``; it answers the scorer's plain return value, which the trainer checks."""
     try:
         fn = load_reward_function(spec)
     except Exception as e:  # reported per item, so the pool need not special-case start-up
         load_error = f"{type(e).__name__}: {e}"
 
-        def fail(item: tuple) -> tuple[float, dict[str, Any]]:
+        def fail(item: tuple) -> Any:
             raise RuntimeError(load_error)
 
         return fail
@@ -127,16 +155,11 @@ class _Result:
     timed_out: bool = False
 
 
-def _pooled(out: Outcome) -> _Result:
-    """A worker's outcome as a result; a reply that is not ``[score, {extras}]`` (a subverted worker can
-    send any JSON) is an error."""
+def _pooled(out: Outcome, function: str, data_source: Any) -> _Result:
+    """A worker's outcome as a result: its plain return value judged here, as an in-process one is."""
     if out.error:
         return _Result(error=out.error, timed_out=out.timed_out)
-    value = out.value
-    if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], (int, float))
-            or isinstance(value[0], bool) or not isinstance(value[1], dict)):
-        return _Result(error="the reward worker's reply is not [score, extras]")
-    return _Result(float(value[0]), value[1])
+    return _Result(*_normalise(out.value, function, data_source))
 
 
 @dataclass
@@ -167,6 +190,7 @@ class RewardManager:
         self.function = function
         # Loading here, in the parent, turns a bad path or name into an error before any training work.
         self._fn = load_reward_function(function)
+        _check_signature(self._fn, function)
         self._pool = WorkerPool(
             _worker_setup, (function,), num_workers=num_workers, timeout_s=timeout_s, name="reward",
             start_timeout_s=_WORKER_START_TIMEOUT_S, timeout_note="reward.timeout_s",
@@ -199,7 +223,7 @@ class RewardManager:
                 scorers.get_scorer(ds)
         items = list(zip(data_sources, solution_strs, ground_truths, extra_infos))
         if self._pool is not None:
-            results = [_pooled(o) for o in self._pool.run(items)]
+            results = [_pooled(o, self.function, ds) for o, ds in zip(self._pool.run(items), data_sources)]
         else:
             results = [self._score_here(it) for it in items]
 
@@ -218,11 +242,11 @@ class RewardManager:
 
     def _score_here(self, item: tuple) -> _Result:
         try:
-            score, extra = _call(self._fn, item)
-            return _Result(score, extra)
+            result = _call(self._fn, item)
         # SystemExit too: sys.exit() in a reward function must not end this rank while the others wait.
         except (Exception, SystemExit) as e:
             return _Result(error=f"{type(e).__name__}: {e}")
+        return _Result(*_normalise(result, self.function, item[0]))
 
     def close(self) -> None:
         """Stop the worker processes (they are daemons, so exiting the program also ends them)."""

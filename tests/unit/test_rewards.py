@@ -27,6 +27,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return float("nan")
     if solution_str == "nodict":
         return {"acc": 1.0}
+    if solution_str == "none":
+        return None
+    if solution_str == "text":
+        return "0.5"
     if solution_str == "exit":
         raise SystemExit(4)
     return {"score": float(solution_str == ground_truth), "len": len(solution_str), "idx": extra_info["i"]}
@@ -64,15 +68,34 @@ def test_builtin_dispatch_by_data_source() -> None:
 
 def test_user_file_in_process_contains_errors(user_file: Path) -> None:
     rm = RewardManager(f"{user_file}:compute_score")
-    out = _score(rm, ["ok", "raise", "bad", "nan", "nodict"])
-    assert out.scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
-    assert out.num_errors == 3 and out.num_timeouts == 0
+    out = _score(rm, ["ok", "raise", "bad"])
+    assert out.scores.tolist() == [1.0, 0.0, 0.0]
+    assert out.num_errors == 1 and out.num_timeouts == 0
     # sys.exit() in the user's function ends neither this process nor the batch
     exited = _score(rm, ["exit", "ok"])
     assert (exited.scores.tolist() == [0.0, 1.0] and exited.num_errors == 1
             and "SystemExit: 4" in exited.errors[0])
     assert "RuntimeError: scorer bug" in out.errors[0]
-    assert out.extra["len"] == [2, None, 3, None, None] and out.extra["idx"] == [0, None, 2, None, None]
+    assert out.extra["len"] == [2, None, 3] and out.extra["idx"] == [0, None, 2]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("solution, shown", [
+    ("none", "returned None"), ("nan", "returned nan"), ("text", "returned '0.5'"),
+    ("nodict", "returned a dict without 'score' (keys ['acc'])"),
+])
+def test_a_bad_return_value_stops_the_run(user_file: Path, workers: int, solution: str, shown: str) -> None:
+    """A scorer returning None, NaN, a string or a dict without "score" is a bug that used to score 0 on every
+    batch: it is a ConfigError naming the function and the value, in-process and from a worker."""
+    from spmdrl.errors import ConfigError
+
+    spec = f"{user_file}:compute_score"
+    with RewardManager(spec, num_workers=workers, timeout_s=30.0) as rm:
+        with pytest.raises(ConfigError) as err:
+            _score(rm, ["ok", solution])
+    text = str(err.value)
+    assert f"reward.function {spec!r} {shown} for data_source 'custom'" in text, text
+    assert "\n" not in text
 
 
 def test_missing_file_and_function_errors(tmp_path: Path, user_file: Path) -> None:
