@@ -9,7 +9,8 @@ verl's parquet layout::
      "reward_model": {"style": "rule", "ground_truth": "7"},
      "extra_info": {"split": "train", "index": 0, ...}}
 
-Each row's ``data_source`` names its scorer in ``spmdrl.reward.scorers``. The
+Each row's ``data_source`` names its scorer in ``spmdrl.reward.scorers``. ``arith_sft`` holds the
+``arith`` problems in verl's SFT layout (``prompt``, ``response``) for ``spmdrl.sft``'s warm start. The
 tasks exist so that a small model can show learning with GRPO on a laptop CPU
 within minutes.
 
