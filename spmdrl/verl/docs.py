@@ -145,7 +145,13 @@ def render_docs() -> str:
         "|---|---|---|",
     ]
     lines += _rows(TABLE)
-    lines += [
+    lines += _sft_section()
+    return "\n".join(lines) + "\n"
+
+
+def _sft_section() -> list[str]:
+    """verl's SFT trainer: its defaults and its table (spmdrl.verl.sft)."""
+    return [
         "",
         "## verl's SFT trainer (`spmdrl.sft`)",
         "",
@@ -166,7 +172,6 @@ def render_docs() -> str:
         "|---|---|---|",
         *_rows(SFT_TABLE),
     ]
-    return "\n".join(lines) + "\n"
 
 
 def _rows(table: list[Rule]) -> list[str]:
