@@ -28,7 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg, debug = parse_sft_config(argv)
         check_sft_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as err:
-        exit_with(err, debug)
+        exit_with(err, debug, prog="spmdrl.sft")
 
     from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
     from spmdrl.sft.loop import run
@@ -43,7 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finished = True
     except ConfigError as err:
         finished, code = True, 2
-        exit_with(err, debug)
+        exit_with(err, debug, prog="spmdrl.sft")
     finally:
         if finished and dist.is_initialized():
             dist.barrier()

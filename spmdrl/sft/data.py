@@ -87,7 +87,7 @@ def _messages(value: Any, where: str) -> list[dict]:
     for j, msg in enumerate(value):
         if not isinstance(msg, dict) or not msg.get("role"):
             raise ConfigError(f"{where}: message {j} has no role (each message needs role and content)")
-        if msg.get("content") is None:
+        if msg.get("content") is None and not msg.get("tool_calls"):
             raise ConfigError(f"{where}: message {j} ({msg['role']}) has no content")
         out.append({k: v for k, v in msg.items() if v is not None})
     return out
@@ -133,7 +133,11 @@ class SFTDataset:
         tok = self.tokenizer
         if not any(msg["role"] == "assistant" for msg in messages):
             raise ConfigError(f"{where}: the chat has no assistant turn, so nothing would be trained")
-        text = tok.apply_chat_template(messages, tokenize=False)
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False)
+        except Exception as err:  # the template's own error (jinja): a fact about this row
+            raise ConfigError(f"{where}: the tokenizer's chat template cannot render it "
+                              f"({type(err).__name__}: {' '.join(str(err).split())})") from err
         spans = []
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant":

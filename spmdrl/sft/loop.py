@@ -133,23 +133,33 @@ def export_hf(r: SFTRun) -> Path:
     gathers, rank 0 writes it beside and then swaps it in, so a reader never sees half a folder."""
     out = r.out_dir / "hf"
     weights = r.engine.export_weights()
+    error: Optional[Exception] = None
     if r.rank == 0:
-        tmp = out.with_name("hf.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        with tempfile.TemporaryDirectory(dir=r.out_dir) as files:
-            for name in ("config.json", "generation_config.json"):
-                if (Path(r.cfg.model.path) / name).is_file():
-                    shutil.copyfile(Path(r.cfg.model.path) / name, Path(files) / name)
-            r.tokenizer.save_pretrained(files)
-            write_hf_folder(weights, tmp, Path(files))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        print(f"[spmdrl.sft] wrote {out}: use it as model.path", flush=True)
-    for _ in weights:  # the other ranks take part in every all-gather
+        try:
+            _write_hf(r, weights, out)
+        except Exception as err:  # the other ranks are still gathering: finish the stream, then fail
+            error = err
+    for _ in weights:  # every rank takes part in each all-gather
         pass
     dist.barrier()
+    if error is not None:
+        raise error
     return out
+
+
+def _write_hf(r: SFTRun, weights, out: Path) -> None:
+    tmp = out.with_name("hf.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory(dir=r.out_dir) as files:
+        for name in ("config.json", "generation_config.json"):
+            if (Path(r.cfg.model.path) / name).is_file():
+                shutil.copyfile(Path(r.cfg.model.path) / name, Path(files) / name)
+        r.tokenizer.save_pretrained(files)
+        write_hf_folder(weights, tmp, Path(files))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    print(f"[spmdrl.sft] wrote {out}: use it as model.path", flush=True)
 
 
 def run(cfg: SFTConfig, dims: ParallelDims) -> None:

@@ -139,6 +139,11 @@ def test_bad_input_is_one_sentence_naming_file_row_and_key(tmp_path, tok):
     no_role = [{"content": "hi"}, {"role": "assistant", "content": "x"}]
     text = _error(tmp_path, tok, [{"messages": no_role}], **mt)
     assert "row 0" in text and "message 0 has no role" in text
+    # An assistant turn of tool calls only, which the tiny model's template cannot render.
+    calls = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}]
+    text = _error(tmp_path, tok, [{"messages": calls}], **mt)
+    assert "row 0" in text and "chat template cannot render it" in text
 
 
 def test_collate_shifts_the_mask_onto_targets(tmp_path, tok):
