@@ -12,7 +12,21 @@ from __future__ import annotations
 from typing import Any
 
 from spmdrl.errors import ConfigError
-from spmdrl.verl.compat import PERF, Ctx, Rule, _choice, _logger, _path, _per_gpu, _strategy, ignore, m, only
+from spmdrl.verl.compat import (
+    PERF,
+    Ctx,
+    Rule,
+    _choice,
+    _ckpt_contents,
+    _logger,
+    _path,
+    _per_gpu,
+    _strategy,
+    _warmup_steps,
+    ignore,
+    m,
+    only,
+)
 
 PLACEMENT = "torchrun decides where ranks run"
 
@@ -62,6 +76,8 @@ SFT_TABLE: list[Rule] = [
     Rule("data.micro_batch_size", "data.micro_batch_size_per_gpu", _per_gpu("data.micro_batch_size_per_gpu"),
          "deprecated global size, divided by the world size"),
     ignore("data.balance_dp_token", PERF),
+    only("data.use_dynamic_bsz", (False,), "micro-batches have a fixed number of rows"),
+    ignore("data.max_token_len_per_gpu", "used only with data.use_dynamic_bsz"),
     ignore("data.use_shm", "files are read from local paths"),
     only("data.chat_template", (None,), "the tokenizer's own chat template renders every row"),
     only("data.custom_cls.path", (None,), "rows are read by spmdrl.sft's dataset (verl's SFT layouts)"),
@@ -92,6 +108,7 @@ SFT_TABLE: list[Rule] = [
          "ratio x trainer.total_training_steps (which it needs)"),
     Rule("optim.lr_warmup_steps_ratio", "actor.lr_warmup_steps", _warmup_ratio,
          "ratio x trainer.total_training_steps (which it needs)"),
+    m("optim.lr_warmup_steps", "actor.lr_warmup_steps", _warmup_steps, "-1 (use the ratio) sets nothing"),
     m("optim.lr_scheduler", "actor.lr_scheduler", _choice("optim.lr_scheduler", SCHEDULES)),
     m("optim.warmup_style", "actor.lr_scheduler", _choice("optim.warmup_style", SCHEDULES)),
     m("optim.min_lr_ratio", "actor.min_lr_ratio"),
@@ -115,6 +132,9 @@ SFT_TABLE: list[Rule] = [
     m("trainer.resume_mode", "trainer.resume",
       _choice("trainer.resume_mode", {"auto": "auto", "disable": "off"})),
     only("trainer.default_hdfs_dir", (None,), "write to a shared file system"),
+    Rule("trainer.checkpoint.save_contents", "trainer.export_hf_on_save", _ckpt_contents,
+         "model, optimizer and extra are always saved; hf_model sets trainer.export_hf_on_save"),
+    ignore("trainer.checkpoint.load_contents", "every saved part is loaded"),
     ignore("trainer.nnodes", PLACEMENT),
     ignore("trainer.n_gpus_per_node", PLACEMENT),
 ]
