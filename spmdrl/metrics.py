@@ -179,6 +179,9 @@ class MetricsSink:
         ("actor/kl_loss", "kl", "{:.4f}"),
         ("actor/entropy", "ent", "{:.3f}"),
         ("actor/grad_norm", "gnorm", "{:.3f}"),
+        ("train/loss", "loss", "{:.4f}"),  # spmdrl.sft
+        ("val/loss", "val_loss", "{:.4f}"),
+        ("train/grad_norm", "gnorm", "{:.3f}"),
         ("perf/tokens_per_s", "tok/s", "{:.0f}"),
         ("timing/step", "s", "{:.2f}"),
     )

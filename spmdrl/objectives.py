@@ -1,4 +1,4 @@
-"""The actor's and critic's loss callables, built once from the config.
+"""The actor's, critic's and SFT's loss callables, built once from the config.
 
 The pure functions live in ``spmdrl.algos``; this file binds the config's
 scalars to them and returns ``LossFn`` closures that the training engine calls
@@ -59,5 +59,22 @@ def critic_loss_fn(cfg: Config) -> LossFn:
             global_tokens=scale.global_tokens, global_seqs=scale.global_seqs,
             norm_len=cfg.actor.loss_scale_factor or cfg.data.max_response_length,
         )
+
+    return loss_fn
+
+
+def sft_loss_fn() -> LossFn:
+    """Token-mean negative log-likelihood of the target tokens (``response_mask``: SFT's response or assistant
+    tokens), over the global token count of the batch, so micro-batching and DP do not change it.
+
+    Its metrics are the sums ``sft/nll_sum`` and ``sft/tokens`` of each micro-batch: averaged over
+    micro-batches and ranks by the engine, their ratio is the exact token-mean loss of the whole batch.
+    """
+
+    def loss_fn(outputs: dict, mb: Batch, scale: LossScale):
+        mask = mb["response_mask"]  # [b, L-1]
+        nll = -outputs["logp"]  # [b, L-1]
+        loss = agg_loss(nll, mask, "token-mean", global_tokens=scale.global_tokens)
+        return loss, {"sft/nll_sum": float((nll.detach() * mask).sum()), "sft/tokens": float(mask.sum())}
 
     return loss_fn

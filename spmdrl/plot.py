@@ -14,7 +14,9 @@ Figures (each skipped when no run has its metrics):
 - ``timing.png``: seconds per phase, stacked (one panel per run: stacks of
   several runs on one axis cannot be read);
 - ``memory.png``: peak memory per phase (colour: phase, line style: run);
-- ``throughput.png``: tokens/s and seconds per step.
+- ``throughput.png``: tokens/s and seconds per step;
+- ``loss.png``: only for SFT runs (``spmdrl.sft``, which get it and ``throughput.png``): training and
+  validation loss and the learning rate.
 
 Runs overlay on the same axes with the run folder's name as the legend.
 Training writes the same figures into ``{output_dir}/plots`` every
@@ -228,6 +230,18 @@ def plot_throughput(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
     return _finish(fig, (tps, step), path, drawn)
 
 
+def plot_sft_loss(runs: Sequence[RunMetrics], path: Path) -> Optional[Path]:
+    fig, (loss, lr) = _new_figure("SFT loss")
+    drawn = False
+    for i, run in enumerate(runs):
+        drawn |= _line(loss, run, "train/loss", _label(runs, run, "train"), "-", f"C{i}")
+        drawn |= _line(loss, run, "val/loss", _label(runs, run, "val"), "--", f"C{i}", "o")
+        _line(lr, run, "train/lr", run.name, color=f"C{i}")
+    loss.set_title("token-mean NLL of the targets (nats / token)")
+    lr.set_title("learning rate")
+    return _finish(fig, (loss, lr), path, drawn)
+
+
 FIGURES = {
     "reward": plot_reward,
     "kl_entropy": plot_kl_entropy,
@@ -236,15 +250,19 @@ FIGURES = {
     "memory": plot_memory,
     "throughput": plot_throughput,
 }
+# An SFT run (spmdrl.sft) has no rollouts: its loss, and its speed.
+SFT_FIGURES = {"loss": plot_sft_loss, "throughput": plot_throughput}
 
 
 def plot_runs(run_dirs: Sequence[Path], out_dir: Path) -> list[Path]:
-    """Every figure of ``FIGURES`` for these runs into ``out_dir``; returns the PNGs written."""
+    """Every figure of ``FIGURES`` (``SFT_FIGURES`` when every run is an SFT run) for these runs into
+    ``out_dir``; returns the PNGs written."""
     runs = [read_run(Path(d), name) for d, name in zip(run_dirs, _names(run_dirs))]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, draw in FIGURES.items():
+    sft = all("train/loss" in run.keys() and "reward/mean" not in run.keys() for run in runs)
+    for name, draw in (SFT_FIGURES if sft else FIGURES).items():
         png = draw(runs, out_dir / f"{name}.png")
         if png is not None:
             written.append(png)

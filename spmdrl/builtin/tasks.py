@@ -9,7 +9,8 @@ verl's parquet layout::
      "reward_model": {"style": "rule", "ground_truth": "7"},
      "extra_info": {"split": "train", "index": 0, ...}}
 
-Each row's ``data_source`` names its scorer in ``spmdrl.reward.scorers``. The
+Each row's ``data_source`` names its scorer in ``spmdrl.reward.scorers``. ``arith_sft`` holds the
+``arith`` problems in verl's SFT layout (``prompt``, ``response``) for ``spmdrl.sft``'s warm start. The
 tasks exist so that a small model can show learning with GRPO on a laptop CPU
 within minutes.
 
@@ -115,8 +116,18 @@ def generate_calc(split: str, num: int, seed: int) -> list[Row]:
     return rows
 
 
+def generate_arith_sft(split: str, num: int, seed: int) -> list[Row]:
+    """The ``arith`` problems in verl's SFT layout for ``spmdrl.sft``: ``prompt`` (the user turn, a string the
+    SFT dataset wraps in the chat template as the RL data loader does) and ``response`` (the bare answer, the
+    response the arith scorer pays 1.0 for); the RL columns ride along."""
+    return [{**{k: r[k] for k in ("data_source", "ability", "reward_model", "extra_info")},
+             "prompt": r["prompt"][0]["content"], "response": r["reward_model"]["ground_truth"]}
+            for r in generate_arith(split, num, seed)]
+
+
 TASKS: dict[str, Callable[[str, int, int], list[Row]]] = {
     "arith": generate_arith,
+    "arith_sft": generate_arith_sft,
     "copy": generate_copy,
     "reverse": generate_reverse,
     "calc": generate_calc,

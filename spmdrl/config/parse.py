@@ -62,11 +62,11 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, bool]:
     return Config(**{k: ns[k] for k in asdict(Config()).keys()}), debug
 
 
-def exit_with(err: BaseException, debug: bool) -> None:
-    """Print a user error as one line (or a traceback with --debug) and exit 2."""
+def exit_with(err: BaseException, debug: bool, prog: str = "spmdrl.train") -> None:
+    """Print a user error as one line (or a traceback with --debug) and exit 2; ``prog`` starts the line."""
     if debug:
         raise err
     rank = os.environ.get("RANK")
     where = f" (rank {rank})" if rank not in (None, "0") else ""
-    print(f"spmdrl.train: error{where}: {err}", file=sys.stderr)
+    print(f"{prog}: error{where}: {err}", file=sys.stderr)
     sys.exit(2)

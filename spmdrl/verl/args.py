@@ -24,9 +24,11 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from spmdrl.errors import ConfigError
-from spmdrl.verl.compat import VERL_DEFAULTS, check_world_size, translate
+from spmdrl.verl.compat import TABLE, VERL_DEFAULTS, Rule, check_world_size, rule_for, translate
 
 _OVERRIDE = re.compile(r"^(\+{0,2})([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)+)=(.*)$", re.S)
+# An undotted key: verl's SFT trainer has a few (ulysses_sequence_parallel_size=1).
+_TOP_LEVEL = re.compile(r"^(\+{0,2})([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 _INT = re.compile(r"^[-+]?\d+$")
 
@@ -126,8 +128,10 @@ def _resolve_interpolations(flat: dict[str, Any], where: str) -> None:
     raise ConfigError(f"{where}: the interpolations of {', '.join(sorted(pending))} never resolve (a cycle)")
 
 
-def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any], list[str]]:
-    """argv -> (--config words, --verl-config files, verl key=value overrides, every other word)."""
+def split_argv(argv: Sequence[str], table: Optional[list[Rule]] = None
+               ) -> tuple[list[str], list[str], dict[str, Any], list[str]]:
+    """argv -> (--config words, --verl-config files, verl key=value overrides, every other word). An undotted
+    ``key=value`` is a verl word only when ``table`` has a row for it (verl's SFT trainer has a few)."""
     configs: list[str] = []
     verl_files: list[str] = []
     overrides: dict[str, Any] = {}
@@ -149,8 +153,8 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any
                 i += 1
                 break
         else:
-            match = _OVERRIDE.match(w)
-            if match:
+            match = _OVERRIDE.match(w) or _TOP_LEVEL.match(w)
+            if match and ("." in match.group(2) or rule_for(match.group(2), table) is not None):
                 overrides[match.group(2)] = parse_value(match.group(3))
             else:
                 rest.append(w)
@@ -158,17 +162,20 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any
     return configs, verl_files, overrides, rest
 
 
-def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None) -> tuple[list[str], dict[str, str]]:
+def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None, *, table: list[Rule] = TABLE,
+                 defaults: Optional[dict[str, Any]] = None, config_cls: Optional[type] = None,
+                 prog: str = "spmdrl.train") -> tuple[list[str], dict[str, str]]:
     """Replace verl words by one YAML ``--config`` in precedence order; returns (argv, spmdrl key -> verl
-    key).
+    key). ``table``, ``defaults`` and ``config_cls`` (whose keys are spmdrl's): the RL trainer's by default,
+    ``spmdrl.verl.sft``'s for ``spmdrl.sft``.
 
     An argv without verl words comes back unchanged. Raises ConfigError with one sentence.
     """
-    configs, verl_files, overrides, rest = split_argv(argv)
+    configs, verl_files, overrides, rest = split_argv(argv, table)
     if not verl_files and not overrides:
         return list(argv), {}
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    verl: dict[str, Any] = dict(VERL_DEFAULTS) if not configs else {}
+    verl: dict[str, Any] = dict(VERL_DEFAULTS if defaults is None else defaults) if not configs else {}
     for path in verl_files:
         verl.update(load_verl_yaml(path))
     verl.update(overrides)
@@ -176,9 +183,9 @@ def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None) -> tuple
     # Outside torchrun (WORLD_SIZE unset), --print_config shows the config of a run meant for more ranks.
     if not (any(w.startswith("--print_config") for w in rest) and "WORLD_SIZE" not in os.environ):
         check_world_size(verl, world)
-    flat, origin, notes = translate(verl, world)
+    flat, origin, notes = translate(verl, world, table=table, config_cls=config_cls)
     if notes and os.environ.get("RANK", "0") == "0":
-        print(f"spmdrl.train: info: verl keys accepted with no effect here: {'; '.join(notes)}",
+        print(f"{prog}: info: verl keys accepted with no effect here: {'; '.join(notes)}",
               file=sys.stderr)
     out: list[str] = []
     for c in configs:

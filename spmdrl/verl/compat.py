@@ -522,24 +522,28 @@ FOLLOWS: dict[str, str] = {
 _TARGET = ignore("*._target_", "Hydra's class marker of a config section, not a setting")
 
 
-def rule_for(key: str) -> Optional[Rule]:
+def rule_for(key: str, table: Optional[list[Rule]] = None) -> Optional[Rule]:
     if key.endswith("._target_"):
         return _TARGET
-    return next((r for r in TABLE if r.matches(key)), None)
+    return next((r for r in (TABLE if table is None else table) if r.matches(key)), None)
 
 
 def _is_empty(value: Any) -> bool:
     return value is None or value == {} or value == []
 
 
-def translate(verl: dict[str, Any], world_size: int) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-    """Flattened verl keys -> (flattened spmdrl keys, spmdrl key -> verl key it came from, info notes)."""
-    verl = {**{t: verl[s] for t, s in FOLLOWS.items() if t not in verl and s in verl}, **verl}
+def translate(verl: dict[str, Any], world_size: int, *, table: Optional[list[Rule]] = None,
+              config_cls: Optional[type] = None) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """Flattened verl keys -> (flattened spmdrl keys, spmdrl key -> verl key it came from, info notes).
+    ``table`` / ``config_cls``: the RL trainer's (TABLE, Config) unless given (spmdrl.verl.sft's)."""
+    table = TABLE if table is None else table
+    if table is TABLE:
+        verl = {**{t: verl[s] for t, s in FOLLOWS.items() if t not in verl and s in verl}, **verl}
     ctx = Ctx(world_size, verl)
-    unknown = [k for k in verl if rule_for(k) is None and not _is_empty(verl[k])]
+    unknown = [k for k in verl if rule_for(k, table) is None and not _is_empty(verl[k])]
     if unknown:
         key = unknown[0]
-        if key in spmdrl_keys():
+        if key in spmdrl_keys(config_cls):
             raise ConfigError(f"{key}={verl[key]!r} is a spmdrl key, not a verl key; write it as --{key} "
                               f"{verl[key]!r} (key=value words are verl's keys, see docs/verl.md)")
         raise ConfigError(f"verl key {key}={verl[key]!r} has no spmdrl equivalent yet; remove it "
@@ -547,9 +551,9 @@ def translate(verl: dict[str, Any], world_size: int) -> tuple[dict[str, Any], di
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
     why: dict[str, list[str]] = {"null or empty, so they set nothing":
-                                 [k for k in verl if rule_for(k) is None]}
+                                 [k for k in verl if rule_for(k, table) is None]}
     # table order: later rows win (clip_ratio_low after clip_ratio, filter after truncation)
-    for rule in TABLE:
+    for rule in table:
         for key in [k for k in verl if rule.matches(k)]:
             if rule.ignored:
                 why.setdefault(rule.note, []).append(key)
@@ -576,9 +580,10 @@ def check_world_size(verl: dict[str, Any], world_size: int) -> None:
 # ----------------------------------------------------------------------------- spmdrl keys
 
 
-@functools.lru_cache(maxsize=1)
-def spmdrl_fields() -> dict[str, Any]:
-    """Every leaf key of spmdrl's Config, dotted, with its type (the tests check each table target)."""
+@functools.lru_cache(maxsize=4)
+def spmdrl_fields(config_cls: Optional[type] = None) -> dict[str, Any]:
+    """Every leaf key of spmdrl's Config (or of ``config_cls``: the SFT config), dotted, with its type (the
+    tests check each table target)."""
     from spmdrl.config import Config
 
     def walk(obj: Any, prefix: str) -> dict[str, Any]:
@@ -590,11 +595,11 @@ def spmdrl_fields() -> dict[str, Any]:
             out.update(walk(value, f"{prefix}{f.name}.") if is_dataclass(value) else leaf)
         return out
 
-    return walk(Config(), "")
+    return walk((config_cls or Config)(), "")
 
 
-def spmdrl_keys() -> set[str]:
-    return set(spmdrl_fields())
+def spmdrl_keys(config_cls: Optional[type] = None) -> set[str]:
+    return set(spmdrl_fields(config_cls))
 
 
 def _nullable(key: str) -> bool:

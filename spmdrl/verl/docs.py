@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from spmdrl.verl.compat import FOLLOWS, TABLE, VERL_DEFAULTS, rule_for
+from spmdrl.verl.compat import FOLLOWS, TABLE, VERL_DEFAULTS, Rule, rule_for
+from spmdrl.verl.sft import SFT_DEFAULTS, SFT_TABLE
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
 
@@ -143,10 +144,42 @@ def render_docs() -> str:
         "| verl key | spmdrl key | conversion / note |",
         "|---|---|---|",
     ]
-    for r in TABLE:
-        target = "*ignored*" if r.ignored else (f"`{r.spmdrl}`" if r.spmdrl else "(checked)")
-        lines.append(f"| `{r.verl}` | {_cell(target)} | {_cell(r.note)} |")
+    lines += _rows(TABLE)
+    lines += _sft_section()
     return "\n".join(lines) + "\n"
+
+
+def _sft_section() -> list[str]:
+    """verl's SFT trainer: its defaults and its table (spmdrl.verl.sft)."""
+    return [
+        "",
+        "## verl's SFT trainer (`spmdrl.sft`)",
+        "",
+        "`python -m verl.trainer.fsdp_sft_trainer` (or its torchrun form) becomes `torchrun -m spmdrl.sft`"
+        " with the same",
+        "words, read through the table below (`spmdrl/verl/sft.py`) with the same rules and precedence as"
+        " above;",
+        "undotted verl SFT keys (`ulysses_sequence_parallel_size=1`) are words too. verl's SFT defaults that"
+        " apply to",
+        "a verl command line without `--config`:",
+        "",
+        "| verl key | verl default | spmdrl key |",
+        "|---|---|---|",
+        *[f"| `{k}` | `{_cell(v)}` | `{_cell(rule_for(k, SFT_TABLE).spmdrl)}` |"
+          for k, v in SFT_DEFAULTS.items()],
+        "",
+        "| verl key | spmdrl key | conversion / note |",
+        "|---|---|---|",
+        *_rows(SFT_TABLE),
+    ]
+
+
+def _rows(table: list[Rule]) -> list[str]:
+    out = []
+    for r in table:
+        target = "*ignored*" if r.ignored else (f"`{r.spmdrl}`" if r.spmdrl else "(checked)")
+        out.append(f"| `{r.verl}` | {_cell(target)} | {_cell(r.note)} |")
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -26,13 +26,14 @@ def spmdrl_cache(tmp_path_factory) -> str:
 
 
 def train(args: list[str], *, cache: str, nproc: int = 1, env: dict | None = None, timeout: float = 600,
-          check: bool = True, extra_torchrun: list[str] = ()) -> subprocess.CompletedProcess:
-    """Run the trainer; ``nproc > 1`` goes through torchrun --standalone."""
+          check: bool = True, extra_torchrun: list[str] = (), module: str = "spmdrl.train"
+          ) -> subprocess.CompletedProcess:
+    """Run the trainer (``module``: spmdrl.sft for SFT); ``nproc > 1`` goes through torchrun --standalone."""
     if nproc > 1 or extra_torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               *extra_torchrun, "-m", "spmdrl.train", *args]
+               *extra_torchrun, "-m", module, *args]
     else:
-        cmd = [sys.executable, "-m", "spmdrl.train", *args]
+        cmd = [sys.executable, "-m", module, *args]
     full_env = {**os.environ, "SPMDRL_CACHE": cache, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
                 "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
                 **(env or {})}

@@ -135,7 +135,7 @@ def test_scorer_registry() -> None:
     assert scorers.compute_score("openai/gsm8k", "#### 4", "4") == 1.0
     with pytest.raises(ValueError, match="known data sources: .*spmdrl/arith"):
         scorers.get_scorer("nope/data")
-    with pytest.raises(ValueError, match="valid tasks: arith, calc, copy, reverse"):
+    with pytest.raises(ValueError, match="valid tasks: arith, arith_sft, calc, copy, reverse"):
         tasks.get_task("sort")
 
 

@@ -1,0 +1,57 @@
+"""Entry point of ``torchrun -m spmdrl.sft``: every rank runs this same program.
+
+    torchrun --standalone --nproc-per-node 2 -m spmdrl.sft --config configs/sft.yaml
+    python -m spmdrl.sft --config configs/sft.yaml --print_config
+
+Parse and check the config (bad input exits 2 before any process group exists), start torch.distributed,
+build the meshes, run ``spmdrl.sft.loop``; bad data files are found on every rank before a model loads and
+exit 2 as well. Teardown as ``spmdrl.train`` does it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+from spmdrl.config.parse import exit_with
+from spmdrl.errors import ConfigError
+from spmdrl.sft.config import check_sft_config, parse_sft_config
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        cfg, debug = parse_sft_config(argv)
+        check_sft_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as err:
+        exit_with(err, debug, prog="spmdrl.sft")
+
+    from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
+    from spmdrl.sft.loop import run
+    from spmdrl.train import _exit_now
+
+    device_type = resolve_device_type(cfg.trainer.device)
+    rank, world_size = init_distributed(device_type)
+    finished, code = False, 0
+    try:
+        dims = ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build()
+        run(cfg, dims)
+        finished = True
+    except ConfigError as err:
+        finished, code = True, 2
+        exit_with(err, debug, prog="spmdrl.sft")
+    finally:
+        if finished and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+            if world_size > 1:
+                _exit_now(code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
