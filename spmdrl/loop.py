@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from spmdrl.algos.kl import apply_kl_penalty, build_kl_controller
 from spmdrl.algos.registry import ADVANTAGES, get_advantage
+from spmdrl.algos.rollout_correction import rollout_correction
 from spmdrl.builtin import resolve_builtins
 from spmdrl.checkpoint.manager import CheckpointManager
 from spmdrl.checkpoint.preemption import Preemption
@@ -156,14 +157,21 @@ def train_step(r: Run) -> dict[str, float]:
         for engine in r.trained:
             engine.onload()
 
+    metrics.update(batch_metrics(batch))
+    kept_mask, rc = None, cfg.algorithm.rollout_correction
+    mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size  # rows per rank per step
+    # One on-policy pass: the loss uses the detached current log-probs and measures the rollout gap from
+    # its own forward (objectives.py), unless something before the update needs the actor's log-probs.
+    one_pass = cfg.actor.ppo_epochs == 1 and mini >= len(batch)
     with t.phase("old_logp"):
-        # On-policy with one optimizer step: the loss uses the detached current log-probs instead.
-        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size  # rows per rank per step
-        one_pass = cfg.actor.ppo_epochs == 1 and mini >= len(batch)
-        if not one_pass or cfg.algorithm.use_kl_in_reward:
+        if rc.bypass_mode:  # the PPO ratio is taken against the rollout policy itself
+            batch["old_logp"] = batch["rollout_logp"]
+        elif not one_pass or cfg.algorithm.use_kl_in_reward or rc.corrects:
             batch["old_logp"] = r.actor.forward_no_grad(
                 batch, cfg.actor.log_prob_micro_batch_size_per_gpu)["logp"]
             metrics.update(rollout_actor_gap(batch, sampling_params(cfg)))
+            kept_mask, corr_metrics = _rollout_correction(r, batch)
+            metrics.update(corr_metrics)
     with t.phase("ref"):
         if r.ref is not None:
             batch["ref_logp"] = r.ref.forward_no_grad(
@@ -174,6 +182,8 @@ def train_step(r: Run) -> dict[str, float]:
                 batch, cfg.critic.ppo_micro_batch_size_per_gpu)["values"]
     with t.phase("adv"):
         metrics.update(_advantages(r, batch))
+    if kept_mask is not None:  # rejected tokens leave the losses, after advantages saw whole responses
+        batch["response_mask"] = kept_mask
     with t.phase("update"):
         if r.critic is not None:
             c = cfg.critic
@@ -184,10 +194,22 @@ def train_step(r: Run) -> dict[str, float]:
                                           cfg.actor.ppo_epochs, entropy_grad=cfg.actor.entropy_coeff != 0))
         r.experience.session.actor_changed()
 
-    metrics.update(batch_metrics(batch))
     metrics.update(t.pop())
     metrics["timing/step"] = time.perf_counter() - start
     return _reduce(r, metrics, tokens=float(batch["attention_mask"].sum()))
+
+
+def _rollout_correction(r: Run, batch) -> tuple[Optional[torch.Tensor], dict[str, float]]:
+    """Importance weights into ``batch`` and the mask without rejected tokens (None when nothing is
+    rejected), with the rollout-vs-training diagnostics (always)."""
+    rc = r.cfg.algorithm.rollout_correction
+    options = {k: v for k, v in asdict(rc).items() if k != "bypass_mode"}  # the function's keywords
+    weights, kept, metrics = rollout_correction(
+        batch["old_logp"], batch["rollout_logp"], batch["response_mask"], **options, group=r.group)
+    if weights is not None:
+        batch["rollout_is_weights"] = weights  # [N, R]
+    rejects = rc.rollout_rs is not None or rc.rollout_token_veto_threshold is not None
+    return (kept if rejects else None), metrics
 
 
 def _advantages(r: Run, batch) -> dict[str, float]:

@@ -8,8 +8,11 @@ per micro-batch with the forward outputs and the mini-batch's global counts
 
 from __future__ import annotations
 
+import torch
+
 from spmdrl.algos.losses import agg_loss, value_loss
 from spmdrl.algos.registry import get_kl, get_policy_loss
+from spmdrl.algos.rollout_correction import rollout_correction
 from spmdrl.batch import Batch
 from spmdrl.config import Config
 from spmdrl.engines.base import LossFn, LossScale
@@ -25,11 +28,16 @@ def actor_loss_fn(cfg: Config) -> LossFn:
     def loss_fn(outputs: dict, mb: Batch, scale: LossScale):
         logp = outputs["logp"]  # [b, R]
         mask = mb["response_mask"]  # [b, R]
-        # On-policy single pass: the sampling policy is the current one, detached.
+        # Without old_logp (one on-policy pass) the policy that sampled is the current one, detached.
         old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
+        advantages = mb["advantages"]  # [b, R]
+        if "rollout_is_weights" in mb:
+            # Every policy loss is positively homogeneous in A (the clips act on the ratio), so weighting
+            # A weights each token's clipped term, as verl multiplies pg_losses (rollout correction).
+            advantages = advantages * mb["rollout_is_weights"]
         counts = dict(global_tokens=scale.global_tokens, global_seqs=scale.global_seqs, norm_len=norm_len)
         loss, metrics = policy_loss(
-            logp, old_logp, mb["advantages"], mask, loss_agg_mode=a.loss_agg_mode,
+            logp, old_logp, advantages, mask, loss_agg_mode=a.loss_agg_mode,
             clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
             **counts,
         )
@@ -43,9 +51,20 @@ def actor_loss_fn(cfg: Config) -> LossFn:
             loss = loss + a.kl_loss_coef * agg_loss(kl, mask, a.loss_agg_mode, **counts)
             metrics["actor/kl_loss"] = float(agg_loss(kl.detach(), mask, a.loss_agg_mode).item())
             metrics["actor/kl_coef"] = a.kl_loss_coef
+        if "old_logp" not in mb and "rollout_logp" in mb:
+            metrics.update(rollout_gap_metrics(logp.detach(), mb["rollout_logp"], mask))
         return loss, metrics
 
     return loss_fn
+
+
+def rollout_gap_metrics(logp: torch.Tensor, rollout_logp: torch.Tensor,
+                        mask: torch.Tensor) -> dict[str, float]:
+    """The rollout-vs-training diagnostics of one micro-batch, from the training forward itself (the loop
+    computes them batch-wide when it has old_logp). The engine averages them over micro-batches and
+    ranks, so batch-wide extremes are left out."""
+    _, _, metrics = rollout_correction(logp, rollout_logp, mask)
+    return {k: v for k, v in metrics.items() if not k.endswith(("_max", "_min"))}
 
 
 def critic_loss_fn(cfg: Config) -> LossFn:

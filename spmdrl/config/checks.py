@@ -220,11 +220,36 @@ def _check_features(cfg: Config) -> None:
     d, t = cfg.data, cfg.trainer
     if cfg.reward_model.enable:
         _check_reward_model(cfg)
+    _check_rollout_correction(cfg)
     _check(t.plot_freq == -1 or "jsonl" in t.logger,
            f"trainer.plot_freq is {t.plot_freq} but trainer.logger {t.logger} has no jsonl; the figures are "
            f"drawn from metrics.jsonl")
     _check(not t.val_only or bool(_files(d.val_files)),
            "trainer.val_only is true but data.val_files is null; validation-only needs validation files")
+
+
+def _check_rollout_correction(cfg: Config) -> None:
+    """algorithm.rollout_correction's bounds and what it needs from sampling."""
+    rc, r = cfg.algorithm.rollout_correction, cfg.rollout
+    key = "algorithm.rollout_correction"
+    _check(rc.rollout_is_threshold > 0,
+           f"{key}.rollout_is_threshold is {rc.rollout_is_threshold}; it must be > 0")
+    _check(rc.rollout_rs is None or rc.rollout_rs_threshold is not None,
+           f"{key}.rollout_rs is {rc.rollout_rs} but rollout_rs_threshold is null; rejection needs its bound")
+    upper, lower = rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower
+    _check(upper is None or upper > 0, f"{key}.rollout_rs_threshold is {upper}; it must be > 0")
+    _check(lower is None or (lower > 0 and (upper is None or lower < upper)),
+           f"{key}.rollout_rs_threshold_lower is {lower}; it must be > 0 and below rollout_rs_threshold "
+           f"({upper})")
+    veto = rc.rollout_token_veto_threshold
+    _check(veto is None or 0 < veto < 1,
+           f"{key}.rollout_token_veto_threshold is {veto}; it must be in (0, 1)")
+    _check(not (rc.bypass_mode and rc.corrects),
+           f"{key}.bypass_mode takes the rollout log-probs as the old ones, so there is no ratio to correct; "
+           f"set rollout_is, rollout_rs and rollout_token_veto_threshold to null or bypass_mode to false")
+    _check(not rc.corrects or (r.top_k <= 0 and r.top_p >= 1.0),
+           f"{key} corrects with the rollout engine's log-probs, which with rollout.top_k {r.top_k} / top_p "
+           f"{r.top_p} are of a truncated distribution; sample from the full one (top_k -1, top_p 1.0)")
 
 
 def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":

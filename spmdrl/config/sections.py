@@ -285,6 +285,38 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's algorithm.rollout_correction: the gap between the rollout engine's distribution and the
+    trainer's (see spmdrl/algos/rollout_correction.py). Its rollout_corr/* diagnostics are always logged."""
+
+    rollout_is: Optional[Literal["token", "sequence"]] = None
+    """Truncated importance sampling: weight each token's policy-gradient term by min(rho, threshold),
+    rho = pi_train / pi_rollout of the token (token) or of the whole response (sequence); null: off."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound of the importance weights (verl's common range: 1.5-5 token, 2-10 sequence)."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the truncated weights by their batch mean (mean 1)."""
+    rollout_rs: Optional[Literal["token", "sequence", "geometric"]] = None
+    """Rejection: tokens, or responses by the product or geometric mean of their ratios, whose ratio is
+    outside [rollout_rs_threshold_lower, rollout_rs_threshold] leave the loss; null: off."""
+    rollout_rs_threshold: Optional[float] = None
+    """Upper ratio bound of rejection (needed with rollout_rs)."""
+    rollout_rs_threshold_lower: Optional[float] = None
+    """Lower ratio bound of rejection; null: 1 / rollout_rs_threshold."""
+    rollout_token_veto_threshold: Optional[float] = None
+    """A response with any token ratio below this leaves the loss; null: off."""
+    bypass_mode: bool = False
+    """Use the rollout log-probs as the PPO old log-probs (no actor forward before the update: the PPO
+    ratio is taken against the distribution that sampled); no diagnostics then."""
+
+    @property
+    def corrects(self) -> bool:
+        """Whether weights or rejection change the loss (else only the diagnostics are logged)."""
+        return self.rollout_is is not None or self.rollout_rs is not None \
+            or self.rollout_token_veto_threshold is not None
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, gpg,
@@ -301,6 +333,7 @@ class AlgorithmConfig:
     """KL estimator for the in-reward penalty."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

@@ -461,6 +461,12 @@ TABLE: list[Rule] = [
       for k in ("enable", "max_num_gen_batches")],
     only("algorithm.filter_groups.metric", ("acc", "score"),
          "groups whose scores are all equal are dropped (the same as acc for 0/1 rewards)"),
+    *[m(f"algorithm.rollout_correction.{k}", f"algorithm.rollout_correction.{k}")
+      for k in ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+                "rollout_rs_threshold", "rollout_rs_threshold_lower", "rollout_token_veto_threshold",
+                "bypass_mode")],
+    only("algorithm.rollout_correction.use_policy_gradient", (False,),
+         "bypass mode keeps the PPO-clip loss, whose ratio is then taken against the rollout policy"),
     # trainer
     m("trainer.total_epochs", "trainer.total_epochs"),
     m("trainer.total_training_steps", "trainer.total_steps"),

@@ -34,6 +34,7 @@ def _batch() -> dict[str, torch.Tensor]:
         values=torch.randn(ROWS, T, generator=g),
         logp=-torch.rand(ROWS, T, generator=g),
         ref_logp=-torch.rand(ROWS, T, generator=g),
+        rollout_logp=-torch.rand(ROWS, T, generator=g),
     )
 
 
@@ -56,6 +57,13 @@ def _compute(b: dict[str, torch.Tensor], group) -> dict:
         b["rewards"], b["logp"], b["ref_logp"], b["mask"], kl_coef=0.1, kl_penalty="low_var_kl", group=group
     )
     out["batch_kl"] = metrics["actor/reward_kl_penalty"]
+    from spmdrl.algos.rollout_correction import rollout_correction
+
+    for level in ("token", "sequence"):  # every option on: weights, rejection, veto, batch normalisation
+        out[f"corr_{level}"] = rollout_correction(
+            b["logp"], b["rollout_logp"], b["mask"], rollout_is=level, rollout_is_threshold=1.5,
+            rollout_is_batch_normalize=True, rollout_rs="geometric" if level == "sequence" else "token",
+            rollout_rs_threshold=1.8, rollout_token_veto_threshold=0.3, group=group)
     return out
 
 
@@ -94,6 +102,13 @@ def test_batch_statistics_match_one_process(bounds):
         assert r["batch_kl"] == pytest.approx(reference["batch_kl"], abs=1e-6)
     whitened = torch.cat([torch.tensor(r["whiten"]).reshape(-1, T) for r in results])
     torch.testing.assert_close(whitened, reference["whiten"], atol=1e-6, rtol=0)
+    for level in ("token", "sequence"):  # rollout correction: weights, kept tokens and every diagnostic
+        weights, kept, metrics = reference[f"corr_{level}"]
+        for i, expected in ((0, weights), (1, kept)):
+            got = torch.cat([torch.tensor(r[f"corr_{level}"][i]).reshape(-1, T) for r in results])
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=f"correction {level} {i}")
+        for r in results:
+            assert r[f"corr_{level}"][2] == pytest.approx(metrics, abs=1e-6), level
 
 
 def _grad_rank(rank: int, world_size: int) -> list:

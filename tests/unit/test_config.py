@@ -22,6 +22,7 @@ def run_main(argv, capsys):
     return exc.value.code, err
 
 
+RC = "--algorithm.rollout_correction."
 BAD = [
     # (extra argv, fragment expected in the message)
     (["--actor.lr", "0"], "actor.lr is 0.0; the learning rate must be > 0"),
@@ -32,6 +33,15 @@ BAD = [
     (["--rollout.top_p", "1.5"], "rollout.top_p is 1.5; it must be in (0, 1]"),
     (["--rollout.top_p", "0"], "rollout.top_p is 0.0"),
     (["--rollout.n", "1"], "needs rollout.n >= 2"),
+    ([f"{RC}rollout_rs", "token"], "rollout_rs is token but rollout_rs_threshold is null"),
+    ([f"{RC}rollout_is", "tokens"], "algorithm.rollout_correction.rollout_is"),
+    ([f"{RC}rollout_is_threshold", "0"], "rollout_is_threshold is 0.0; it must be > 0"),
+    ([f"{RC}rollout_rs", "token", f"{RC}rollout_rs_threshold", "2", f"{RC}rollout_rs_threshold_lower", "3"],
+     "rollout_rs_threshold_lower is 3.0; it must be > 0 and below rollout_rs_threshold"),
+    ([f"{RC}bypass_mode", "true", f"{RC}rollout_is", "token"],
+     "bypass_mode takes the rollout log-probs as the old ones"),
+    ([f"{RC}rollout_is", "token", "--rollout.top_p", "0.9"], "are of a truncated distribution"),
+    ([f"{RC}rollout_token_veto_threshold", "2"], "it must be in (0, 1)"),
     (["--actor.ppo_mini_batch_size", "32"], "is larger than data.train_batch_size"),
     (["--data.train_batch_size", "12", "--actor.ppo_mini_batch_size", "8"],
      "not a multiple of actor.ppo_mini_batch_size"),
