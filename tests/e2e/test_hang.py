@@ -10,6 +10,7 @@ import time
 import pytest
 from conftest import TINY, train
 
+from spmdrl.checkpoint.run_folder import LOCK, OutputLock
 from spmdrl.checkpoint.watchdog import HANG_EXIT_CODE
 
 pytestmark = pytest.mark.e2e
@@ -28,7 +29,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_a_stalled_rank_ends_the_job_with_every_ranks_stacks(tmp_path, spmdrl_cache):
+def test_a_stalled_rank_ends_the_job_with_every_ranks_stacks(tmp_path, spmdrl_cache, caplog):
     reward = tmp_path / "stall.py"
     reward.write_text(STALLING_REWARD)
     mark = tmp_path / "stalled_at"
@@ -47,4 +48,10 @@ def test_a_stalled_rank_ends_the_job_with_every_ranks_stacks(tmp_path, spmdrl_ca
     assert "rank 0 made no progress in phase" in log  # rank 0, waiting in a collective, fired as well
     # faulthandler's dumps: rank 1's stack shows the reward function, rank 0's the collective it waits in.
     assert log.count("Current thread 0x") == 2 and log.count("(most recent call first)") >= 4
-    assert 'in compute_score' in log and "spmdrl/loop.py" in log
+    assert "in compute_score" in log and "spmdrl/loop.py" in log
+    # os._exit(3) skips every finally: the lock file stays, but its flock died with rank 0, so the next run
+    # on this folder takes it over and says so.
+    assert (tmp_path / "run" / LOCK).exists()
+    OutputLock.acquire(tmp_path / "run").release()
+    assert "which is no longer running" in caplog.text
+
