@@ -264,6 +264,7 @@ def run(cfg: Config, dims: ParallelDims) -> None:
             r.step += 1
             if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or r.step == r.total_steps):
                 metrics.update(validation_metrics(r.experience, r.val_loader))
+            r.watchdog.beat("log")
             sink.log(r.step, metrics)
             # A preemption signal (SIGTERM/SIGUSR1) turns into a checkpoint at this step boundary, then exit.
             stop = preemption.stop_requested(r.step)

@@ -63,17 +63,23 @@ class OutputLock:
     @classmethod
     def acquire(cls, out_dir: Path) -> "OutputLock":
         """The lock of ``out_dir``, or ConfigError naming the run that holds it and the way out."""
-        out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / LOCK
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"trainer.output_dir {str(out_dir)!r} cannot be created ({err})") from err
         for _ in range(3):  # a holder releasing (unlinking) between our open and our flock: look again
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 fresh = True
             except FileExistsError:
-                try:
-                    fd = os.open(path, os.O_RDWR)
+                try:  # never through a link: the lock is rewritten in place
+                    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
                 except FileNotFoundError:
                     continue
+                except OSError as err:
+                    raise ConfigError(f"{str(path)!r} is not a lock file spmdrl can use ({err}); move it "
+                                      f"away or choose another trainer.output_dir") from err
                 fresh = False
             lock = cls._hold(path, fd, fresh)
             if lock is not None:

@@ -79,6 +79,18 @@ def test_a_lock_from_another_host_is_refused_with_the_way_out(tmp_path):
     assert str(tmp_path / LOCK) in str(err.value)
 
 
+def test_a_planted_link_is_not_followed_and_an_impossible_folder_is_one_sentence(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("the user's data")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / LOCK).symlink_to(victim)
+    with pytest.raises(ConfigError, match="is not a lock file spmdrl can use"):
+        OutputLock.acquire(tmp_path / "out")
+    assert victim.read_text() == "the user's data"
+    with pytest.raises(ConfigError, match="cannot be created"):  # a file where a folder must go
+        OutputLock.acquire(victim / "out")
+
+
 def test_release_frees_the_folder_for_the_next_run(tmp_path, caplog):
     lock = OutputLock.acquire(tmp_path)
     lock.release()
