@@ -42,9 +42,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from spmdrl.loop import run
     from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
 
-    device_type = resolve_device_type(cfg.trainer.device)
     finished, code, world_size = False, 0, 1
     try:
+        device_type = resolve_device_type(cfg.trainer.device)
         _, world_size = init_distributed(device_type, collective_timeout_s(cfg.trainer.hang_timeout_s))
         dims = ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build()
         run(cfg, dims)
