@@ -30,6 +30,8 @@ from spmdrl.builtin import resolve_builtins
 from spmdrl.checkpoint.manager import CheckpointManager
 from spmdrl.checkpoint.preemption import Preemption
 from spmdrl.checkpoint.rng import RNGState
+from spmdrl.checkpoint.run_folder import set_aside_earlier_run
+from spmdrl.checkpoint.watchdog import Watchdog
 from spmdrl.config import Config, dump_config, output_dir
 from spmdrl.data import PromptLoader, ValidationLoader, build_loaders
 from spmdrl.engines import build_engine
@@ -64,7 +66,8 @@ class Run:
     ref: Optional[TrainEngine]
     critic: Optional[TrainEngine]
     kl_ctrl: Any
-    timer: PhaseTimer
+    timer: PhaseTimer  # each phase start is a heartbeat of ``watchdog``
+    watchdog: Watchdog
     total_steps: int
     actor_loss: LossFn
     critic_loss: LossFn
@@ -112,23 +115,20 @@ def build(user_cfg: Config, dims: ParallelDims) -> Run:
         log.warning("bfloat16 was asked for but this %s has no native bf16: bf16 matmuls are emulated, %s; "
                     "the default (auto) picks float32 here", device.type.upper(), EMULATED_BF16_SLOWDOWN)
     actor, ref, critic = _engines(cfg, dims, device, total_steps)
-    timer = PhaseTimer(device)
+    watchdog = Watchdog(cfg.trainer.hang_timeout_s, rank, dims.world_size)
+    timer = PhaseTimer(device, on_phase=watchdog.beat)
     # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
     rollout_dtype = resolve_dtype(cfg.rollout.dtype, device.type)
     experience = Experience.from_config(cfg, dims, device, tokenizer, rewards, timer,
                                         export_weights=lambda: actor.export_weights(rollout_dtype))
     print(_summary(rank, dims, device, cfg.model.path, actor, precision), flush=True)
     kc = cfg.algorithm.kl_ctrl
-    out_dir = output_dir(cfg)
-    config_text = dump_config(user_cfg)
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(config_text)
     return Run(
-        cfg=cfg, config_text=config_text, dims=dims, device=device, rank=rank, out_dir=out_dir,
-        tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader, experience=experience,
-        actor=actor, ref=ref, critic=critic,
+        cfg=cfg, config_text=dump_config(user_cfg), dims=dims, device=device, rank=rank,
+        out_dir=output_dir(cfg), tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader,
+        experience=experience, actor=actor, ref=ref, critic=critic,
         kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), timer=timer,
+        watchdog=watchdog,
         total_steps=total_steps, actor_loss=actor_loss_fn(cfg), critic_loss=critic_loss_fn(cfg),
     )
 
@@ -265,9 +265,15 @@ def run(cfg: Config, dims: ParallelDims) -> None:
     ckpt = CheckpointManager(r.out_dir, {k: v for k, v in parts.items() if v is not None}, cfg=r.cfg,
                              total_steps=r.total_steps, tokenizer=r.tokenizer, config_text=r.config_text)
     # trainer.resume: auto | off | PATH; restores engines, data, RNG and KL controller; returns the step.
-    if ckpt.resume() is not None:
+    resumed = ckpt.resume()
+    if resumed is not None:
         r.step = ckpt.resumed_step
         r.experience.session.actor_changed()  # the rollout engine still holds the initial weights
+    if r.rank == 0:
+        r.out_dir.mkdir(parents=True, exist_ok=True)
+        if resumed is None:  # a fresh start keeps an earlier run's files (under previous/), never overwrites
+            set_aside_earlier_run(r.out_dir)
+        (r.out_dir / "config.yaml").write_text(r.config_text)
     sink = MetricsSink(r.out_dir, cfg.trainer.logger, r.total_steps, rank=r.rank,
                        progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
                        experiment=cfg.trainer.experiment_name, config=asdict(cfg), initial_step=r.step)
@@ -280,10 +286,12 @@ def run(cfg: Config, dims: ParallelDims) -> None:
             r.step += 1
             if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or r.step == r.total_steps):
                 metrics.update(validation_metrics(r.experience, r.val_loader))
+            r.watchdog.beat("log")
             sink.log(r.step, metrics)
             # A preemption signal (SIGTERM/SIGUSR1) turns into a checkpoint at this step boundary, then exit.
             stop = preemption.stop_requested(r.step)
             if ckpt.due(r.step) or stop:
+                r.watchdog.beat("checkpoint")
                 ckpt.save(r.step)
             f = cfg.trainer.plot_freq
             if r.rank == 0 and f > 0 and (r.step % f == 0 or r.step == r.total_steps or stop):
@@ -293,6 +301,7 @@ def run(cfg: Config, dims: ParallelDims) -> None:
                             r.step)
                 break
     finally:
+        r.watchdog.close()
         sink.close()
         r.experience.rewards.close()
         if r.experience.agent is not None:

@@ -1,6 +1,6 @@
 """Phase timers, per-phase peak memory, and the metric sinks of rank 0.
 
-    timer = PhaseTimer(device)
+    timer = PhaseTimer(device, on_phase=watchdog.beat)   # on_phase: told each phase's name as it starts
     with timer.phase("rollout"): ...
     metrics.update(timer.pop())     # timing/rollout, memory/rollout_peak_gb, ...
 
@@ -19,7 +19,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,8 +49,9 @@ def _reset_rss_peak() -> bool:
 class PhaseTimer:
     """Wall time and peak memory of each named phase of a step."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, on_phase: Optional[Callable[[str], None]] = None) -> None:
         self.device = device
+        self.on_phase = on_phase  # the hang watchdog's heartbeat (spmdrl/checkpoint/watchdog.py)
         self._metrics: dict[str, float] = {}
         self._overall_peak = 0.0
 
@@ -67,6 +68,8 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        if self.on_phase is not None:
+            self.on_phase(name)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._reset_peak()
@@ -168,8 +171,9 @@ def trim_metrics(path: Path, last_step: int) -> None:
 class MetricsSink:
     """Rank 0 writes metrics: a console line, metrics.jsonl, tqdm, and wandb/tensorboard when chosen.
 
-    ``initial_step`` is the step the run starts after (a resumed checkpoint's; 0 on a fresh start): rows of
-    metrics.jsonl after it are dropped first, all of them on a fresh start.
+    ``initial_step`` is the step the run starts after (a resumed checkpoint's; 0 on a fresh start): on a
+    resume, rows of metrics.jsonl after it are dropped first. A fresh start never drops a row: the loop has
+    moved an earlier run's metrics.jsonl aside by then (``checkpoint.run_folder.set_aside_earlier_run``).
     """
 
     CONSOLE_KEYS = (
@@ -208,8 +212,8 @@ class MetricsSink:
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        # No checkpoint is ever taken at step 0, so 0 means a fresh start: its step-0 validation row goes too.
-        trim_metrics(out_dir / "metrics.jsonl", initial_step if initial_step > 0 else -1)
+        if initial_step > 0:  # no checkpoint is ever taken at step 0: 0 is a fresh start
+            trim_metrics(out_dir / "metrics.jsonl", initial_step)
         if "jsonl" in loggers:
             self._jsonl = open(out_dir / "metrics.jsonl", "a")
         if progress_bar:

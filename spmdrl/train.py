@@ -5,9 +5,11 @@
     python -m spmdrl.train --config configs/grpo.yaml --print_config
 
 Parse and check the config (bad input exits 2 before any process group
-exists), start torch.distributed, build the meshes, then hand over to the loop
-in ``spmdrl.loop``. The process group is torn down in ``finally`` so a failing
-rank does not leave the others waiting on a dead store.
+exists), take the output folder's lock on rank 0 (a second run on the same
+folder exits 2 naming the holder), start torch.distributed, build the meshes,
+then hand over to the loop in ``spmdrl.loop``. The process group is torn down
+in ``finally`` so a failing rank does not leave the others waiting on a dead
+store; the lock is released there too.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from spmdrl.checkpoint.run_folder import OutputLock
+from spmdrl.checkpoint.watchdog import collective_timeout_s
+from spmdrl.config import output_dir
 from spmdrl.config.checks import validate_config
 from spmdrl.config.parse import exit_with, parse_config
 from spmdrl.errors import ConfigError
@@ -29,16 +34,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg, debug = parse_config(argv)
         validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        # Rank 0 (the one writer of metrics and config) claims the folder before any model loads.
+        lock = OutputLock.acquire(output_dir(cfg)) if os.environ.get("RANK", "0") == "0" else None
     except ConfigError as err:
         exit_with(err, debug)
 
     from spmdrl.loop import run
     from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
 
-    device_type = resolve_device_type(cfg.trainer.device)
-    rank, world_size = init_distributed(device_type)
-    finished, code = False, 0
+    finished, code, world_size = False, 0, 1
     try:
+        device_type = resolve_device_type(cfg.trainer.device)
+        _, world_size = init_distributed(device_type, collective_timeout_s(cfg.trainer.hang_timeout_s))
         dims = ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build()
         run(cfg, dims)
         finished = True
@@ -49,6 +56,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finished, code = True, 2
         exit_with(err, debug)
     finally:
+        if lock is not None:
+            lock.release()
         # Tear down only when every rank got here: after a rank-local crash the
         # others may sit in a collective and destroy would hang; torchrun ends them.
         # The barrier keeps a fast rank from closing gloo pairs a slow one still uses.

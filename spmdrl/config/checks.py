@@ -8,6 +8,7 @@ allowed; ``spmdrl.train`` prints it and exits 2 before any process group exists.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -92,6 +93,9 @@ def _check_ranges(cfg: Config) -> None:
         _check(value >= 1, f"{key} is {value}; it must be an integer >= 1")
     _check(t.total_steps is None or t.total_steps >= 1,
            f"trainer.total_steps is {t.total_steps}; it must be >= 1 or null")
+    _check(t.hang_timeout_s is None or 0 <= t.hang_timeout_s < math.inf,
+           f"trainer.hang_timeout_s is {t.hang_timeout_s}; it must be a number of seconds > 0, or 0 or null "
+           f"(no watchdog)")
     for key in ("save_freq", "test_freq", "plot_freq"):
         value = getattr(t, key)
         _check(value == -1 or value >= 1, f"trainer.{key} is {value}; it must be -1 (never) or >= 1")

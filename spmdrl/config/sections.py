@@ -423,6 +423,11 @@ class TrainerConfig:
     """Only validate (with the initial or resumed weights), then exit (verl's trainer.val_only)."""
     plot_freq: int = -1
     """Write PNG figures of the run (spmdrl.plot) into output_dir every N steps and at the end (-1: never)."""
+    hang_timeout_s: Optional[float] = 1800.0
+    """Seconds a rank may spend in one phase (rollout, reward, update, checkpoint, ...) before it writes the
+    Python stacks of its threads to stderr and exits with code 3, ending the job (0 or null: no watchdog).
+    The collectives' own timeout is never shorter (at least the 30 minutes it always was), so this watchdog,
+    which names the rank and phase, fires first."""
 
 
 @dataclass

@@ -281,6 +281,8 @@ TABLE: list[Rule] = [
     only(f"{AR}.model.return_last_hidden_state", (False,), "not supported"),
     only(f"{AR}.model.use_fused_loss", (False,), "the loss is computed from full log-probs"),
     only(f"{AR}.hybrid_engine", (True,), "actor and rollout always share the devices"),
+    m(f"{AR}.nccl_timeout", "trainer.hang_timeout_s",
+      note="the hang watchdog's limit per phase; the collective timeout is never shorter"),
     # actor
     m(f"{ACT}.strategy", "actor.strategy", _strategy, "fsdp and fsdp2 both mean fsdp2"),
     m(f"{ACT}.megatron.tensor_model_parallel_size", "parallel.tp"),

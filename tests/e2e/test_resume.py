@@ -104,6 +104,15 @@ def test_sigkill_restart_resumes_to_the_same_params(runs):
         assert torch.equal(a[name], b[name]), name
 
 
+def test_each_run_releases_the_output_folder_and_a_resume_keeps_its_files_in_place(runs):
+    # SIGTERM's checkpoint-and-stop exits through the normal path, so the resumed run found no lock to take
+    # over; a restart after SIGKILL found its killed attempt's lock free; every finished run left none.
+    assert "took over" not in runs["procs"]["resumed"].stderr
+    for name in ("full", "stopped", "faulted"):
+        assert not (runs[name] / "spmdrl.lock").exists(), name
+        assert not (runs[name] / "previous").exists(), name  # resumed in place: nothing set aside
+
+
 def test_export_loads_in_transformers_with_the_actors_logits(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -77,6 +77,8 @@ BAD = [
      "trainer.output_dir is 'out/{experiment}', which the run cannot fill in (KeyError: 'experiment'); "
      "it may use {project_name}"),
     (["--trainer.plot_freq", "0"], "trainer.plot_freq is 0"),
+    (["--trainer.hang_timeout_s", "-5"],
+     "trainer.hang_timeout_s is -5.0; it must be a number of seconds > 0"),
     (["--trainer.plot_freq", "2", "--trainer.logger", "[console]"],
      "trainer.plot_freq is 2 but trainer.logger"),
     (["--trainer.val_only", "true", "--data.val_files", "null"],

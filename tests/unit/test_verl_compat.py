@@ -75,6 +75,7 @@ def test_mapping_conversions_and_verl_defaults():
         "data.filter_overlong_prompts=True", "data.truncation=error", "trainer.resume_mode=disable",
         "custom_reward_function.path=my.py", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
         "data.train_files=[a.parquet,b.parquet]", "+trainer.total_training_steps=3",
+        "actor_rollout_ref.nccl_timeout=1200",
     ])
     assert cfg.actor.lr == 1e-6 and cfg.trainer.logger == ["console", "jsonl", "wandb"]
     assert (cfg.rollout.engine == "vllm" and cfg.parallel.rollout_tp == 2
@@ -86,6 +87,7 @@ def test_mapping_conversions_and_verl_defaults():
     assert cfg.data.truncation == "filter" and cfg.trainer.resume == "off"
     assert cfg.reward.function == "my.py:compute_score"
     assert cfg.data.train_files == ["a.parquet", "b.parquet"] and cfg.trainer.total_steps == 3
+    assert cfg.trainer.hang_timeout_s == 1200  # verl's collective timeout is the hang watchdog's limit
     # verl's defaults where spmdrl's differ (a verl command line without an estimator is PPO), and
     # verl's interpolation critic.ppo_mini_batch_size: ${actor_rollout_ref.actor.ppo_mini_batch_size}.
     assert cfg.algorithm.adv_estimator == "gae" and cfg.rollout.n == 1 and cfg.data.train_batch_size == 1024
