@@ -8,11 +8,17 @@ generation_config.json and a byte-level BPE tokenizer trained with the
 same size and seed always give the same bytes. Nothing is downloaded, so
 ``AutoModelForCausalLM.from_pretrained(out)`` works with ``HF_HUB_OFFLINE=1``.
 
-The default configs say ``model.path: builtin:tiny``; ``resolve_builtin_model``
-builds that folder under the cache on first use (rank 0 builds, the others wait).
+``resolve_builtin_model`` builds ``builtin:tiny`` under the cache on first use (rank 0 builds, the
+others wait).
 ``--reward`` (``builtin:tiny-rm``) writes a reward model instead:
 ``Qwen2ForSequenceClassification`` with one label, the same tokenizer, no
 generation config, for ``reward_model.model.path`` in tests.
+
+A warm start (``builtin:tiny-arith``, the shipped configs' ``model.path``) is a built-in model after a short
+run of ``spmdrl.sft`` on a built-in task: RL then starts, as it does in practice, from a model that already
+answers in the task's form, and raises its accuracy. It is trained on first use by a child
+``python -m spmdrl.sft`` (a process of its own, so the SFT run's process group never meets the RL run's) and
+cached; its folder keeps the SFT run's metrics (``sft_metrics.jsonl``) and recipe (``spmdrl_builtin.json``).
 """
 
 from __future__ import annotations
@@ -22,8 +28,12 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 from spmdrl.cache import cache_dir
 
@@ -35,6 +45,23 @@ SIZES: dict[str, dict] = {
     "small": dict(hidden_size=512, intermediate_size=2560, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4),
 }
+# name -> the spmdrl.sft keys that train it. The schedule is configs/sft.yaml's, cut to 100 steps: greedy
+# accuracy ~0.6, sampled (temperature 1) ~0.35, so GRPO has room to show what it adds.
+WARM_STARTS: dict[str, dict[str, Any]] = {
+    "tiny-arith": {
+        "model.path": "builtin:tiny", "data.train_files": "builtin:arith_sft",
+        "data.val_files": "builtin:arith_sft", "data.train_batch_size": 32,
+        "data.micro_batch_size_per_gpu": 32, "data.max_length": 64, "actor.lr": 1e-3,
+        "actor.lr_warmup_steps": 10, "actor.lr_scheduler": "cosine", "actor.min_lr_ratio": 0.1,
+        "trainer.total_steps": 100,
+    },
+}
+# Bump when a recipe (or the SFT trainer's arithmetic) changes, so a stale cached warm start is not reused.
+WARM_START_VERSION = 1
+# What torchrun sets for its children: without them the SFT child runs as a world of one, not as a member of
+# the RL run's rendezvous.
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen2 uses: generation continues after "<|im_start|>assistant\n".
@@ -151,18 +178,64 @@ def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = Fal
 
 
 def check_builtin_model(path: str) -> tuple[str, str, bool]:
-    """(name, size, is a reward model) of a ``builtin:`` model path; ValueError listing the valid ones."""
+    """(name, size, is a reward model) of a ``builtin:`` model path (a warm start has its base model's size);
+    ValueError listing the valid ones."""
     name = path.split(":", 1)[1]
+    if name in WARM_STARTS:
+        return name, WARM_STARTS[name]["model.path"].split(":", 1)[1], False
     size, reward = (name[: -len("-rm")], True) if name.endswith("-rm") else (name, False)
     if size not in SIZES:
-        valid = [f"builtin:{s}" for s in SIZES] + [f"builtin:{s}-rm" for s in SIZES]
+        valid = [f"builtin:{s}" for s in SIZES] + [f"builtin:{s}-rm" for s in SIZES] + \
+            [f"builtin:{w}" for w in WARM_STARTS]
         raise ValueError(f"unknown built-in model {path!r}; valid: {', '.join(valid)}")
     return name, size, reward
 
 
+def build_warm_start(out: Path, name: str, seed: int = 0) -> Path:
+    """Train the warm start ``name`` with a child ``python -m spmdrl.sft`` and move its Hugging Face folder to
+    ``out``; return ``out``. RuntimeError with the tail of the child's output when it fails."""
+    recipe = WARM_STARTS[name]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    args = [f"--{k}={v}" for k, v in recipe.items()] + [
+        f"--trainer.seed={seed}", f"--trainer.output_dir={tmp / 'run'}", "--trainer.logger=[jsonl]",
+        "--trainer.progress_bar=false", "--trainer.plot_freq=0", "--trainer.resume=off"]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC")}
+    print(f"[spmdrl] building builtin:{name} once: {recipe['trainer.total_steps']} SFT steps of "
+          f"{recipe['model.path']} on {recipe['data.train_files']} (about a minute on 2 CPU cores) -> {out}",
+          flush=True)
+    start = time.perf_counter()
+    try:
+        child = subprocess.run([sys.executable, "-m", "spmdrl.sft", *args], env=env, capture_output=True,
+                               text=True)
+        if child.returncode != 0:
+            raise RuntimeError(f"building builtin:{name} failed: spmdrl.sft exited {child.returncode}\n"
+                               f"{(child.stdout + child.stderr)[-3000:]}")
+        run, hf = tmp / "run", tmp / "run" / "hf"
+        last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+        shutil.copyfile(run / "metrics.jsonl", hf / "sft_metrics.jsonl")
+        info = {"warm_start": name, "version": WARM_START_VERSION, "seed": seed, "sft": recipe,
+                "train/loss": last["train/loss"], "val/loss": last.get("val/loss")}
+        (hf / "spmdrl_builtin.json").write_text(json.dumps(info) + "\n")
+        if out.exists():  # a folder without spmdrl_builtin.json: an earlier build that did not finish
+            shutil.rmtree(out)
+        try:
+            os.rename(hf, out)
+        except OSError:  # another run on this cache finished the same build first: keep its folder
+            if not (out / "spmdrl_builtin.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"[spmdrl] built builtin:{name} in {time.perf_counter() - start:.0f} s "
+          f"(SFT loss {last['train/loss']:.3f}, validation loss {last.get('val/loss', float('nan')):.3f})",
+          flush=True)
+    return out
+
+
 def resolve_builtin_model(path: str, seed: int = 0) -> str:
-    """Map ``builtin:<size>`` (a policy) or ``builtin:<size>-rm`` (a reward model of that size) to a cache
-    folder, building it when missing; other paths pass through.
+    """Map ``builtin:<size>`` (a policy), ``builtin:<size>-rm`` (a reward model of that size) or a warm start
+    (``builtin:tiny-arith``) to a cache folder, building it when missing; other paths pass through.
 
     Call on every rank: rank 0 builds, the others wait at a barrier.
     """
@@ -171,10 +244,15 @@ def resolve_builtin_model(path: str, seed: int = 0) -> str:
     import torch.distributed as dist
 
     name, size, reward = check_builtin_model(path)
-    out = cache_dir() / "models" / f"{name}-seed{seed}"
+    warm = name in WARM_STARTS
+    folder = f"{name}-v{WARM_START_VERSION}-seed{seed}" if warm else f"{name}-seed{seed}"
+    out = cache_dir() / "models" / folder
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0 and not (out / "spmdrl_builtin.json").exists():
-        build_model(out, size, seed, reward=reward)
+        if warm:
+            build_warm_start(out, name, seed)
+        else:
+            build_model(out, size, seed, reward=reward)
     if dist.is_initialized():
         dist.barrier()
     return str(out)

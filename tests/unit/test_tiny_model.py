@@ -57,3 +57,20 @@ def test_cli_and_builtin_resolution(tmp_path, monkeypatch):
     assert resolve_builtin_model("/some/folder") == "/some/folder"
     with pytest.raises(ValueError, match="valid: builtin:tiny, builtin:small"):
         resolve_builtin_model("builtin:huge")
+
+
+def test_warm_start_names_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    """``builtin:tiny-arith`` is a known name with the tiny model's size; a build whose SFT child fails raises
+    one error with the child's message and leaves no folder in the cache (the next run builds again)."""
+    from spmdrl.builtin import models
+
+    assert models.check_builtin_model("builtin:tiny-arith") == ("tiny-arith", "tiny", False)
+    monkeypatch.setenv("SPMDRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RANK", "5")  # torchrun's variables must not reach the child: it would wait for 6
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    bad = {**models.WARM_STARTS["tiny-arith"], "data.train_files": str(tmp_path / "missing.parquet")}
+    monkeypatch.setitem(models.WARM_STARTS, "tiny-arith", bad)
+    with pytest.raises(RuntimeError, match=r"building builtin:tiny-arith failed: spmdrl.sft exited 2(.|\n)*"
+                                           r"missing.parquet"):
+        models.resolve_builtin_model("builtin:tiny-arith")
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if "arith" in p.name] == []

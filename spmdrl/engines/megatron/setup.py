@@ -62,10 +62,11 @@ def model_arch(path: str) -> HFArch | None:
     """The architecture of ``model.path`` before it exists on disk (a built-in model's from its size);
     None for an unknown built-in name, which the config check refuses."""
     if path.startswith("builtin:"):
-        from spmdrl.builtin.models import SIZES
+        from spmdrl.builtin.models import SIZES, check_builtin_model
 
-        size = SIZES.get(path.split(":", 1)[1])
-        if size is None:
+        try:
+            size = SIZES[check_builtin_model(path)[1]]  # a warm start has its base model's size
+        except ValueError:
             return None
         return HFArch.from_dict({"model_type": "qwen2", "vocab_size": 1, **size}, path)
     return HFArch.from_folder(path)
