@@ -6,10 +6,12 @@ row's ``data_source`` (``get_scorer``). Besides the built-in tasks
 (``spmdrl.builtin.tasks``) there are ``gsm8k`` (``#### answer``) and ``math``
 (``\\boxed{answer}``) scorers, because verl users bring those datasets.
 
-The built-in tasks are meant for a randomly initialised ~4.5M-parameter model.
-Such a policy starts near uniform over a 2048-token vocabulary, so a pass/fail
-reward would almost never fire; the scorers give partial credit that random
-text sometimes earns and that rises smoothly on the way to the exact answer.
+The built-in tasks are meant for a ~4.5M-parameter model. The string tasks give
+partial credit that random text sometimes earns and that rises smoothly on the way
+to the exact answer, so a randomly initialised policy can learn them. ``arith`` is
+the main job's task, which starts from an SFT warm start that already answers with
+a number: it pays for the right answer, as verl's gsm8k scorer does, so the
+reward reads as accuracy.
 """
 
 from __future__ import annotations
@@ -37,20 +39,16 @@ def _strip_special(text: str) -> str:
 
 def arith_score(data_source: str, solution_str: str, ground_truth: Any,
                 extra_info: Optional[dict] = None) -> dict:
-    """Graded reward in [0, 1] for a single-integer answer; 1.0 only for the bare correct answer.
+    """Reward in [0, 1] for a single-integer answer; 1.0 only for the bare correct answer.
 
     - no integer in the response: 0
-    - otherwise 0.1 + 0.9 * accuracy * (0.5 + 0.5 * conciseness), with
-      accuracy = 1 for the right first integer, else 0.5 * max(0, 1 - |error| / 10),
-      conciseness = min(1, len(answer) / len(response)): 1 when nothing else was said.
+    - otherwise 0.1 (format credit, verl gsm8k's ``format_score``) + 0.9 * correct * conciseness, with
+      correct = the first integer is the answer and conciseness = min(1, len(answer) / len(response)):
+      1 when nothing else was said.
 
-    So the policy is paid first for emitting a digit at all (random text does
-    that ~7% of the time with the built-in tokenizer), then for a nearer digit
-    and for stopping after it; the unique optimum is "<answer><EOS>". The
-    distance credit makes every group with a few digits informative about the
-    operands rather than only the rare group with the exact answer.
-    Conciseness is measured against the answer's length, not the emitted
-    integer's, so that one long run of digits ("5555...") earns nothing extra.
+    So the reward of a policy that answers with a number is 0.1 + 0.9 x its accuracy, and the unique optimum
+    is "<answer><EOS>". A wrong answer earns the format credit only, however near it is: a near-miss credit
+    would pay sharpening onto a neighbouring digit and hide accuracy in the reward.
     """
     text, answer = _strip_special(solution_str), str(ground_truth).strip()
     m = _INT.search(text)
@@ -58,10 +56,8 @@ def arith_score(data_source: str, solution_str: str, ground_truth: Any,
         return {"score": 0.0, "acc": 0.0, "pred": ""}
     pred, ans = int(m.group()), int(answer)
     correct = pred == ans
-    accuracy = 1.0 if correct else 0.5 * max(0.0, 1.0 - abs(pred - ans) / 10.0)
     conciseness = min(1.0, len(answer) / len(text))
-    return {"score": 0.1 + 0.9 * accuracy * (0.5 + 0.5 * conciseness), "acc": float(correct),
-            "pred": str(pred)}
+    return {"score": 0.1 + 0.9 * float(correct) * conciseness, "acc": float(correct), "pred": str(pred)}
 
 
 # --------------------------------------------------------------------------- copy / reverse

@@ -36,12 +36,12 @@ def test_arith_rows_follow_verl_layout_and_are_reproducible() -> None:
         ("7", 1.0),  # bare correct answer: the optimum
         ("7<|im_end|>", 1.0),  # special token text left in by the decoder does not count as junk
         (" 7\n", 1.0),
-        ("x7", 0.1 + 0.9 * 1.0 * (0.5 + 0.5 * 1 / 2)),  # right digit, half the text is junk
-        ("7 and more", 0.1 + 0.9 * 1.0 * (0.5 + 0.5 * 1 / 10)),
-        ("8", 0.1 + 0.9 * 0.45),  # off by one, concise
-        ("2", 0.1 + 0.9 * 0.25),  # off by five, concise
-        ("5 is it", 0.1 + 0.9 * 0.4 * (0.5 + 0.5 * 1 / 7)),
-        ("17 apples", 0.1),  # the first integer is 17, off by ten: format credit only
+        ("x7", 0.1 + 0.9 * 1 / 2),  # right digit, half the text is junk
+        ("7 and more", 0.1 + 0.9 * 1 / 10),
+        ("8", 0.1),  # off by one: format credit only, however near
+        ("2", 0.1),
+        ("5 is it", 0.1),
+        ("17 apples", 0.1),  # the first integer is 17
         ("5555555555555555", 0.1),  # a long digit run is neither close nor concise
         ("the answer", 0.0),  # no integer at all
         ("", 0.0),
