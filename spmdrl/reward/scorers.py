@@ -42,13 +42,16 @@ def arith_score(data_source: str, solution_str: str, ground_truth: Any,
     """Reward in [0, 1] for a single-integer answer; 1.0 only for the bare correct answer.
 
     - no integer in the response: 0
-    - otherwise 0.1 (format credit, verl gsm8k's ``format_score``) + 0.9 * correct * conciseness, with
-      correct = the first integer is the answer and conciseness = min(1, len(answer) / len(response)):
-      1 when nothing else was said.
+    - otherwise conciseness * (0.1 + 0.9 * correct), with correct = the first integer is the answer and
+      conciseness = min(1, len(answer) / len(response)): 1 when nothing else was said. 0.1 is the format
+      credit (verl gsm8k's ``format_score``).
 
-    So the reward of a policy that answers with a number is 0.1 + 0.9 x its accuracy, and the unique optimum
-    is "<answer><EOS>". A wrong answer earns the format credit only, however near it is: a near-miss credit
-    would pay sharpening onto a neighbouring digit and hide accuracy in the reward.
+    So the reward of a policy that answers with a bare number is 0.1 + 0.9 x its accuracy, and the unique
+    optimum is "<answer><EOS>". A wrong answer earns the format credit only, however near it is: a near-miss
+    credit would pay sharpening onto a neighbouring digit and hide accuracy in the reward. The format credit
+    shrinks with extra text too: otherwise text after a wrong digit costs nothing, GRPO's negative advantages
+    on wrong answers push the end-of-turn token down, and responses drift longer (measured: length 2 -> 4.8
+    and entropy 0.5 -> 3 within 20 steps, 180 steps into a run).
     """
     text, answer = _strip_special(solution_str), str(ground_truth).strip()
     m = _INT.search(text)
@@ -57,7 +60,7 @@ def arith_score(data_source: str, solution_str: str, ground_truth: Any,
     pred, ans = int(m.group()), int(answer)
     correct = pred == ans
     conciseness = min(1.0, len(answer) / len(text))
-    return {"score": 0.1 + 0.9 * float(correct) * conciseness, "acc": float(correct), "pred": str(pred)}
+    return {"score": conciseness * (0.1 + 0.9 * float(correct)), "acc": float(correct), "pred": str(pred)}
 
 
 # --------------------------------------------------------------------------- copy / reverse

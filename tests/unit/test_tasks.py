@@ -36,13 +36,13 @@ def test_arith_rows_follow_verl_layout_and_are_reproducible() -> None:
         ("7", 1.0),  # bare correct answer: the optimum
         ("7<|im_end|>", 1.0),  # special token text left in by the decoder does not count as junk
         (" 7\n", 1.0),
-        ("x7", 0.1 + 0.9 * 1 / 2),  # right digit, half the text is junk
-        ("7 and more", 0.1 + 0.9 * 1 / 10),
+        ("x7", 1 / 2),  # right digit, half the text is junk
+        ("7 and more", 1 / 10),
         ("8", 0.1),  # off by one: format credit only, however near
         ("2", 0.1),
-        ("5 is it", 0.1),
-        ("17 apples", 0.1),  # the first integer is 17
-        ("5555555555555555", 0.1),  # a long digit run is neither close nor concise
+        ("5 is it", 0.1 / 7),  # the format credit shrinks with extra text too
+        ("17 apples", 0.1 / 9),  # the first integer is 17
+        ("5555555555555555", 0.1 / 16),  # a long digit run is neither right nor concise
         ("the answer", 0.0),  # no integer at all
         ("", 0.0),
     ],
@@ -57,8 +57,9 @@ def test_arith_score_optimum_is_bare_answer() -> None:
         assert scorers.arith_score("spmdrl/arith", other, "3")["score"] < best
 
 
-def test_random_policy_gets_small_nonzero_reward(tiny_model_dir) -> None:
-    """A uniform policy over the tiny vocabulary (16 tokens or EOS) earns a little, not nothing."""
+def test_random_policy_earns_almost_nothing(tiny_model_dir) -> None:
+    """A uniform policy over the tiny vocabulary (16 tokens or EOS) earns almost nothing: its digits come with
+    junk around them, which shrinks the format credit. That is why RL starts from the SFT warm start."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -75,8 +76,8 @@ def test_random_policy_gets_small_nonzero_reward(tiny_model_dir) -> None:
         scores.append(scorers.arith_score(r["data_source"], text, r["reward_model"]["ground_truth"])["score"])
     mean = sum(scores) / len(scores)
     nonzero = sum(s > 0 for s in scores) / len(scores)
-    # Measured: mean ~0.007, ~7% of responses contain a digit and earn the format credit.
-    assert 0.005 < mean < 0.05
+    # Measured: mean ~0.0004; ~7% of responses contain a digit, each earning a sliver of the format credit.
+    assert 0 < mean < 0.002
     assert 0.03 < nonzero < 0.15
 
 
