@@ -1,21 +1,35 @@
-"""The README's main job, shortened: GRPO under torchrun on 2 CPU ranks, and the reward rises."""
+"""The README's main job, shortened: SFT warm start -> GRPO under torchrun on 2 CPU ranks, and accuracy rises.
+
+``configs/grpo.yaml`` starts from ``builtin:tiny-arith``, which ``spmdrl.sft`` trains on first use (75
+SFT steps of the random-init tiny model on the task); GRPO then raises the sampled accuracy. The training
+reward of one step swings by ~0.1 (16 prompts), so the check reads validation instead: 4 sampled answers
+(temperature 1, as in training) to each of the 128 validation prompts, before the first step and after the
+last.
+"""
+
+import json
+from pathlib import Path
 
 import pytest
-from conftest import read_metrics, train
+from conftest import SAMPLED_VAL_REWARD as KEY
+from conftest import main_job_short
 
 pytestmark = pytest.mark.e2e
 
-
-def test_grpo_reward_rises(tmp_path, spmdrl_cache):
-    out = tmp_path / "grpo"
-    run = train(["--config", "configs/grpo.yaml", "--trainer.total_steps", "12",
-                 "--trainer.progress_bar", "false", "--trainer.resume", "off",
-                 "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2)
+def test_sft_warm_start_then_grpo_raises_accuracy(tmp_path, spmdrl_cache):
+    run, rows = main_job_short(tmp_path / "grpo", spmdrl_cache, steps=40)
     assert "[rank 1/2]" in run.stdout and "[rank 0/2]" in run.stdout  # one start-up line per rank
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    first = sum(r["reward/mean"] for r in rows[:3]) / 3
-    last = sum(r["reward/mean"] for r in rows[-3:]) / 3
-    # Random init scores ~0.02; GRPO learns to answer with digits within a dozen steps (~0.2 here).
-    assert last > first + 0.05, [round(r["reward/mean"], 3) for r in rows]
-    assert rows[-1]["actor/entropy"] < rows[0]["actor/entropy"]
+    assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, 41))
+    # The warm start is spmdrl.sft's export, its SFT metrics and recipe kept beside the weights.
+    warm = Path(spmdrl_cache) / "models" / "tiny-arith-v1-seed0"
+    info = json.loads((warm / "spmdrl_builtin.json").read_text())
+    assert info["warm_start"] == "tiny-arith" and info["sft"]["trainer.total_steps"] == 75
+    sft = [json.loads(line) for line in (warm / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sft if "train/loss" in r] == list(range(1, 76))
+    assert sft[-1]["train/loss"] < 0.5 * sft[0]["train/loss"]
+    before, after = rows[0][KEY], rows[-1][KEY]
+    # Measured: the warm start answers with a number ~always and is right 0.46 of the time when sampled
+    # (reward 0.51); 40 GRPO steps add 0.14 in bf16 (AVX-512 BF16) and 0.10 in float32 (ISA hidden).
+    assert 0.2 < before < 0.6, before
+    assert after > before + 0.04, (before, after)
+    assert rows[0]["val-core/spmdrl/arith/acc/mean@4"] > 0.15  # the warm start can already answer
