@@ -58,15 +58,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if lock is not None:
             lock.release()
-        # Tear down only when every rank got here: after a rank-local crash the
-        # others may sit in a collective and destroy would hang; torchrun ends them.
-        # The barrier keeps a fast rank from closing gloo pairs a slow one still uses.
-        if finished and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-            if world_size > 1:
-                _exit_now(code)
+        teardown(finished, code, world_size)
     return 0
+
+
+def teardown(finished: bool, code: int, world_size: int) -> None:
+    """Leave the process group (``spmdrl.train`` and ``spmdrl.sft`` alike), only when every rank got here:
+    after a rank-local crash the others may sit in a collective and destroy would hang; torchrun ends them.
+    The barrier keeps a fast rank from closing gloo pairs a slow one still uses."""
+    if finished and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+        if world_size > 1:
+            _exit_now(code)
 
 
 def _exit_now(code: int) -> None:

@@ -21,19 +21,19 @@ from spmdrl.config.sections import Config
 from spmdrl.errors import ConfigError
 
 
-def build_parser() -> ArgumentParser:
+def build_parser(
+    config_class: type = Config, prog: str = "python -m spmdrl.train",
+    description: str = "spmdrl: GRPO/PPO post-training as one SPMD torchrun program. verl's key=value words "
+    "and --verl-config FILE (a verl YAML) are accepted too and mapped onto these keys (docs/verl.md).",
+    example: str = "configs/*.yaml",
+) -> ArgumentParser:
+    """The command line of ``config_class`` (the RL run's ``Config``, or ``SFTConfig``): ``--config FILE``,
+    ``--debug`` and one ``--section.key`` per field, documented from the fields' docstrings."""
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(
-        prog="python -m spmdrl.train",
-        description="spmdrl: GRPO/PPO post-training as one SPMD torchrun program. verl's key=value words "
-        "and --verl-config FILE (a verl YAML) are accepted too and mapped onto these keys (docs/verl.md).",
-        exit_on_error=False,
-        default_env=False,
-    )
-    parser.add_argument("--config", action=ActionConfigFile,
-                        help="YAML file of an experiment (configs/*.yaml).")
+    parser = ArgumentParser(prog=prog, description=description, exit_on_error=False, default_env=False)
+    parser.add_argument("--config", action=ActionConfigFile, help=f"YAML file of an experiment ({example}).")
     parser.add_argument("--debug", type=bool, default=False, help="Show tracebacks for configuration errors.")
-    parser.add_class_arguments(Config, nested_key=None)
+    parser.add_class_arguments(config_class, nested_key=None)
     return parser
 
 

@@ -15,8 +15,6 @@ import sys
 from dataclasses import asdict
 from typing import Optional, Sequence
 
-import torch.distributed as dist
-
 from spmdrl.config.parse import exit_with
 from spmdrl.errors import ConfigError
 from spmdrl.sft.config import check_sft_config, parse_sft_config
@@ -32,7 +30,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
     from spmdrl.sft.loop import run
-    from spmdrl.train import _exit_now
+    from spmdrl.train import teardown
 
     device_type = resolve_device_type(cfg.trainer.device)
     rank, world_size = init_distributed(device_type)
@@ -45,11 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finished, code = True, 2
         exit_with(err, debug, prog="spmdrl.sft")
     finally:
-        if finished and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-            if world_size > 1:
-                _exit_now(code)
+        teardown(finished, code, world_size)
     return 0
 
 

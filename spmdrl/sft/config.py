@@ -93,22 +93,13 @@ USED = {
 
 
 def build_sft_parser():
-    import jsonargparse
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from spmdrl.config.parse import build_parser
 
-    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(
-        prog="torchrun -m spmdrl.sft",
+    return build_parser(
+        SFTConfig, prog="torchrun -m spmdrl.sft",
         description="spmdrl.sft: supervised fine-tuning on the RL run's engines. verl's fsdp_sft_trainer "
         "key=value words and --verl-config FILE are accepted too and mapped onto these keys (docs/verl.md).",
-        exit_on_error=False,
-        default_env=False,
-    )
-    parser.add_argument("--config", action=ActionConfigFile,
-                        help="YAML file of an experiment (configs/sft.yaml).")
-    parser.add_argument("--debug", type=bool, default=False, help="Show tracebacks for configuration errors.")
-    parser.add_class_arguments(SFTConfig, nested_key=None)
-    return parser
+        example="configs/sft.yaml")
 
 
 def parse_sft_config(argv: Optional[Sequence[str]] = None) -> tuple[SFTConfig, bool]:
