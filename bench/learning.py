@@ -13,7 +13,9 @@ the training batch's mean reward, sampled at the config's temperature):
 - to 0.5: the first step at which the 10-step mean reaches 0.5 ("-" if never);
 - entropy: the actor's token entropy at the first step and its minimum;
 - collapsed: yes when the last 10 steps fall below 0.9 x the best window, or the entropy falls below
-  ``--entropy-floor`` (a policy pinned to one answer), the two failure shapes the main job used to show;
+  ``--entropy-floor`` x its first-step value (a policy pinned to one answer), the two failure shapes the main
+  job used to show. Relative, because ``actor/entropy`` is aggregated with the config's ``loss_agg_mode``:
+  Dr. GRPO's constant-length normalisation reports 1/8 of the token mean on 2-token answers;
 - wall: seconds of the whole command (model and data are cached after the first run).
 
 Runs are sequential (each uses every core); with several seeds each row is the median over seeds. One
@@ -63,7 +65,7 @@ def summarise(run_dir: Path, entropy_floor: float) -> dict[str, float]:
         "start": windows[0], "end": last, "best": best, "to_half": reached,
         "entropy0": entropy[0] if entropy else float("nan"),
         "entropy_min": min(entropy) if entropy else float("nan"),
-        "collapsed": last < 0.9 * best or (bool(entropy) and min(entropy) < entropy_floor),
+        "collapsed": last < 0.9 * best or (bool(entropy) and min(entropy) < entropy_floor * entropy[0]),
     }
 
 
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[1])
     p.add_argument("--steps", type=int, default=None, help="trainer.total_steps (default: the config's)")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--entropy-floor", type=float, default=0.05)
+    p.add_argument("--entropy-floor", type=float, default=0.05,
+                   help="collapsed below this x the first entropy")
     p.add_argument("--out", type=Path, default=Path("outputs/bench_learning"))
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more trainer arguments, last")
     args = p.parse_args(argv)
