@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -341,10 +341,13 @@ class MegatronEngine(TrainEngine):
                 forward_only=forward_only,
             )
 
-    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
-                        ) -> dict[str, torch.Tensor]:
+    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False,
+                        max_token_len: Optional[int] = None) -> dict[str, torch.Tensor]:
         """{"logp", optional "entropy"} (actor, ref) or {"values"} (critic): each [N, R] float32 on the
-        batch's device, for this rank's rows."""
+        batch's device, for this rank's rows. Micro-batches are cut by rows only (``check_config``)."""
+        if max_token_len is not None:
+            raise ValueError("actor.strategy 'megatron' cuts micro-batches by rows only; max_token_len is "
+                             "not supported")
         self._check_rows(len(batch))
         full = self._gather(batch)
         micros = [m.to(self.device) for m in full.split(micro_batch_size)]
