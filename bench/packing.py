@@ -1,4 +1,4 @@
-"""Padded vs packed sequences, fixed vs token-budget micro-batches: one FSDP2 actor's update and log-prob pass.
+"""Padded vs packed sequences, fixed vs token-budget micro-batches: an FSDP2 actor's update and log-prob pass.
 
     python bench/packing.py                        # tiny model, bf16 compute on CPU, 64 rows
     python bench/packing.py --size small --rows 32 --dtype float32

@@ -105,7 +105,8 @@ def test_packed_reward_scores_equal_padded(tiny_model_dir: Path):
     from spmdrl.builtin.models import build_model
 
     rm_dir = build_model(tiny_model_dir.parent / "tiny_rm", "tiny", seed=0, reward=True)
-    batch = long_tailed_batch(2048)
+    rows = long_tailed_batch(2048)  # the reward model's rows have no response mask (reward/model.py)
+    batch = Batch({k: rows[k] for k in ("input_ids", "attention_mask", "position_ids")})
     padded, packed = (_engine(rm_dir, "reward", remove_padding=rp) for rp in (False, True))
     sa = padded.forward_no_grad(batch, 4)["rm_scores"]
     sb = packed.forward_no_grad(batch, 4)["rm_scores"]

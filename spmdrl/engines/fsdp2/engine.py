@@ -213,6 +213,12 @@ class FSDP2Engine(TrainEngine):
         if p.pp > 1:
             raise ValueError(f"parallel.pp is {p.pp} but actor.strategy 'fsdp2' has no pipeline schedule; "
                              f"set parallel.pp: 1, or actor.strategy: megatron")
+        for key, on in (("model.use_remove_padding", cfg.model.use_remove_padding),
+                        ("critic.use_remove_padding", cfg.critic.use_remove_padding),
+                        ("reward_model.model.use_remove_padding", cfg.reward_model.model.use_remove_padding)):
+            if on and cfg.model.attn_implementation == "flash_attention_2":
+                raise ValueError(f"{key} is true with model.attn_implementation 'flash_attention_2'; packed "
+                                 f"sequences run on eager or sdpa attention: set it to auto, eager or sdpa")
         if cfg.model.fused_kernels == "on" and p.tp > 1:
             raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
                              f"support tensor parallelism: set model.fused_kernels to auto or off")
@@ -251,9 +257,9 @@ class FSDP2Engine(TrainEngine):
             temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         )
         if role == "ref":
-            return cls(model_path, cpu_offload=cfg.ref.offload, **common)
+            return cls(model_path, cpu_offload=cfg.ref.offload, remove_padding=m.use_remove_padding, **common)
         if role == "reward":
-            return cls(model_path, **common)
+            return cls(model_path, remove_padding=cfg.reward_model.model.use_remove_padding, **common)
         if role == "critic":
             c = cfg.critic
             return cls(
@@ -265,6 +271,7 @@ class FSDP2Engine(TrainEngine):
                 lr_warmup_steps=c.lr_warmup_steps,
                 total_steps=total_steps,
                 max_grad_norm=c.max_grad_norm,
+                remove_padding=c.use_remove_padding,
                 **common,
             )
         return cls(
@@ -279,6 +286,7 @@ class FSDP2Engine(TrainEngine):
             min_lr_ratio=a.min_lr_ratio,
             total_steps=total_steps,
             max_grad_norm=a.max_grad_norm,
+            remove_padding=m.use_remove_padding,
             **common,
         )
 

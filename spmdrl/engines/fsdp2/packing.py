@@ -58,11 +58,13 @@ def pack(micro: Batch) -> Packed:
     lengths = valid.sum(1)  # [n]
     cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # [n+1]
     index = valid.flatten().long().cumsum(0).sub_(1).view(valid.shape)  # [n, L] packed index where valid
-    resp = micro["response_mask"].shape[1]
-    # Column c predicts token c+1: the response token j is predicted by column L-R-1+j.
-    pred = slice(valid.shape[1] - resp - 1, valid.shape[1] - 1)
+    # Column c predicts token c+1: the response token j is predicted by column L-R-1+j. A reward model's
+    # rows have no response: it reads only each sequence's last token.
+    resp = micro["response_mask"].shape[1] if "response_mask" in micro else 0
+    width = valid.shape[1]
+    pred, resp_cols = slice(width - resp - 1, width - 1), slice(width - resp, width)
     first = cu[:-1, None].long().clamp(max=max(int(cu[-1]) - 1, 0))  # [n, 1]
-    keep = torch.where(valid[:, pred] & valid[:, -resp:], index[:, pred], first)  # [n, R]
+    keep = torch.where(valid[:, pred] & valid[:, resp_cols], index[:, pred], first)  # [n, R]
     return Packed(
         input_ids=micro["input_ids"][valid][None],
         position_ids=micro["position_ids"][valid][None],

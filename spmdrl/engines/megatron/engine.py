@@ -204,6 +204,17 @@ class MegatronEngine(TrainEngine):
             arch = model_arch(path)
             if arch is not None:
                 arch.check_parallel(cfg.parallel.tp, cfg.parallel.pp)
+        c = cfg.critic
+        for key, on in (("model.use_remove_padding", cfg.model.use_remove_padding),
+                        ("critic.use_remove_padding", c.use_remove_padding),
+                        ("actor.use_dynamic_bsz", cfg.actor.use_dynamic_bsz),
+                        ("actor.log_prob_use_dynamic_bsz", cfg.actor.log_prob_use_dynamic_bsz),
+                        ("ref.log_prob_use_dynamic_bsz", cfg.ref.log_prob_use_dynamic_bsz),
+                        ("critic.use_dynamic_bsz", c.use_dynamic_bsz)):
+            if on:
+                raise ValueError(f"{key} is true but actor.strategy 'megatron' runs padded rows in "
+                                 f"micro-batches of a fixed number of rows; set it to false, or "
+                                 f"actor.strategy: fsdp2")
         if cfg.model.fused_kernels == "on":
             raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own "
                              "layers; set it to auto or off")
