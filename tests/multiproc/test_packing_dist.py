@@ -66,6 +66,13 @@ def _run(rank: int, world: int, model_dir: str, result: str) -> None:
         eng.train_step(mine, loss, mini_batch_size=n, micro_batch_size=4, **kw)
         out[f"{role}_weights"] = {k: v.clone() for k, v in eng.export_weights()}
         del eng
+    if packed:  # TP=2: both ranks of the replica gather its rows and run the same packed forward
+        tp_dims = ParallelDims(world, tp=2).build()
+        eng = FSDP2Engine(model_dir, role="actor", dp_mesh=tp_dims.fsdp_mesh, tp_mesh=tp_dims.tp_mesh,
+                          device="cpu", lr=LR, seed=0, remove_padding=True)
+        out["tp"] = eng.forward_no_grad(mine, 4, **kw)
+        eng.train_step(mine, pg_loss, mini_batch_size=n, micro_batch_size=4, **kw)
+        out["tp_weights"] = {k: v.clone() for k, v in eng.export_weights()}
     torch.save(out, f"{result}.{rank}")
 
 
@@ -95,3 +102,11 @@ def test_packed_token_budget_update_equals_one_padded_rank(runs):
     for role in ("actor", "critic"):
         a, b = one[f"{role}_weights"], two[0][f"{role}_weights"]
         assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_packed_under_tensor_parallelism_equals_one_padded_rank(runs):
+    one, two = runs["one"], runs["two"]
+    got = torch.cat([two[0]["tp"]["logp"], two[1]["tp"]["logp"]])
+    assert float(((got - one["actor"]["logp"]) * _batch(2048)["response_mask"]).abs().max()) < 1e-5
+    a, b = one["actor_weights"], two[0]["tp_weights"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4  # as test_fsdp2's TP bound
