@@ -4,7 +4,7 @@
     python bench/packing.py --size small --rows 32 --dtype float32
 
 Rows have long-tailed lengths (prompts and responses drawn from an exponential, capped at the maximum) and,
-as a control, every row full. Each row of the table is the median of ``--repeats`` timings of
+as a control, every row full. Each row of the table is the fastest of ``--repeats`` timings of
 ``train_step`` (forward + backward + AdamW of one mini-batch) and ``forward_no_grad`` (log-probs), on one
 process (world of 1, gloo), with the model's attention kernel resolved as the engine's "auto" does.
 """
@@ -12,7 +12,6 @@ process (world of 1, gloo), with the model's attention kernel resolved as the en
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -47,14 +46,18 @@ def pg_loss(outputs, mb, scale):
     return loss, {}
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
+def timed(fns: list, repeats: int) -> list[float]:
+    """The fastest of ``repeats`` timings of each function, taken round-robin, so a burst of load from
+    another process on a shared machine slows one repeat of every layout rather than one layout."""
+    for fn in fns:
+        fn()  # warm-up
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [min(ts) for ts in times]
 
 
 def main() -> None:
@@ -75,19 +78,23 @@ def main() -> None:
     print(f"{args.size} model, {args.rows} rows of <= {args.prompt} + {args.response} tokens, "
           f"{args.dtype} compute, attention {attn}, {torch.get_num_threads()} threads")
     print(f"{'rows':<12} {'layout':<8} {'micro':<14} {'update s':>9} {'logp s':>8} {'x padded':>9}")
+    layouts = ((False, False), (True, False), (False, True), (True, True))
     for full in (False, True):
         batch = make_batch(args.rows, args.prompt, args.response, full, 2048)
         tokens = int(batch["attention_mask"].sum())
         budget = args.budget or args.micro * tokens // args.rows
-        base = None
-        for packed, dyn in ((False, False), (True, False), (False, True), (True, True)):
+        fns = []
+        for packed, dyn in layouts:
             eng = FSDP2Engine(str(model), role="actor", dp_mesh=mesh, device="cpu", lr=1e-6,
                               param_dtype=args.dtype, attn_implementation=attn, remove_padding=packed)
             kw = dict(max_token_len=budget) if dyn else {}
-            upd = timed(lambda: eng.train_step(batch, pg_loss, args.rows, args.micro, **kw), args.repeats)
-            fwd = timed(lambda: eng.forward_no_grad(batch, args.micro, **kw), args.repeats)
-            base = base or upd + fwd
-            name = "full" if full else f"tail {tokens / batch['attention_mask'].numel():.0%}"
+            fns += [lambda e=eng, kw=kw: e.train_step(batch, pg_loss, args.rows, args.micro, **kw),
+                    lambda e=eng, kw=kw: e.forward_no_grad(batch, args.micro, **kw)]
+        times = timed(fns, args.repeats)
+        name = "full" if full else f"tail {tokens / batch['attention_mask'].numel():.0%}"
+        base = times[0] + times[1]
+        for i, (packed, dyn) in enumerate(layouts):
+            upd, fwd = times[2 * i], times[2 * i + 1]
             micro = f"{budget} tokens" if dyn else f"{args.micro} rows"
             print(f"{name:<12} {'packed' if packed else 'padded':<8} {micro:<14} {upd:9.3f} {fwd:8.3f} "
                   f"{base / (upd + fwd):9.2f}", flush=True)
