@@ -64,7 +64,7 @@ class ModelConfig:
     """Actor and reference forwards run packed sequences (verl's use_remove_padding): the valid
     tokens of a micro-batch's rows in one row, attention kept within each sequence, so no projection,
     MLP or LM head runs on padding. Same results as padded rows (float32: 1e-5). fsdp2 only. Off by
-    default: on this CPU it wins ~2x when rows average a quarter of the longest, and loses ~10-30%
+    default: on a 2-core CPU it wins ~2x when rows average a quarter of the longest, and loses ~15%
     when every row is full (bench/packing.py)."""
 
 
