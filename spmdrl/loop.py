@@ -143,9 +143,15 @@ def _summary(rank: int, dims: ParallelDims, device: torch.device, model_path: st
     )
 
 
+def _budget(use_dynamic_bsz: bool, max_token_len: int) -> Optional[int]:
+    """An engine's micro-batch token budget: ``max_token_len`` under use_dynamic_bsz, else None (by rows)."""
+    return max_token_len if use_dynamic_bsz else None
+
+
 def train_step(r: Run) -> dict[str, float]:
     """One GRPO/PPO step on this rank's share of the batch; returns metrics reduced over ranks."""
     cfg, t = r.cfg, r.timer
+    a, ref = cfg.actor, cfg.ref
     start = time.perf_counter()
     prompts = next(r.train_loader)
 
@@ -168,18 +174,24 @@ def train_step(r: Run) -> dict[str, float]:
             batch["old_logp"] = batch["rollout_logp"]
         elif not one_pass or cfg.algorithm.use_kl_in_reward or rc.corrects:
             batch["old_logp"] = r.actor.forward_no_grad(
-                batch, cfg.actor.log_prob_micro_batch_size_per_gpu)["logp"]
+                batch, cfg.actor.log_prob_micro_batch_size_per_gpu,
+                max_token_len=_budget(a.log_prob_use_dynamic_bsz, a.log_prob_max_token_len_per_gpu),
+            )["logp"]
             metrics.update(rollout_actor_gap(batch, sampling_params(cfg)))
             kept_mask, corr_metrics = _rollout_correction(r, batch)
             metrics.update(corr_metrics)
     with t.phase("ref"):
         if r.ref is not None:
             batch["ref_logp"] = r.ref.forward_no_grad(
-                batch, cfg.ref.log_prob_micro_batch_size_per_gpu)["logp"]
+                batch, cfg.ref.log_prob_micro_batch_size_per_gpu,
+                max_token_len=_budget(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu),
+            )["logp"]
     with t.phase("values"):
         if r.critic is not None:
             batch["values"] = r.critic.forward_no_grad(
-                batch, cfg.critic.ppo_micro_batch_size_per_gpu)["values"]
+                batch, cfg.critic.ppo_micro_batch_size_per_gpu,
+                max_token_len=_budget(cfg.critic.use_dynamic_bsz, cfg.critic.forward_max_token_len_per_gpu),
+            )["values"]
     with t.phase("adv"):
         metrics.update(_advantages(r, batch))
     if kept_mask is not None:  # rejected tokens leave the losses, after advantages saw whole responses
@@ -187,11 +199,14 @@ def train_step(r: Run) -> dict[str, float]:
     with t.phase("update"):
         if r.critic is not None:
             c = cfg.critic
-            metrics.update(r.critic.train_step(batch, r.critic_loss,
-                                               c.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size,
-                                               c.ppo_micro_batch_size_per_gpu, c.ppo_epochs))
-        metrics.update(r.actor.train_step(batch, r.actor_loss, mini, cfg.actor.ppo_micro_batch_size_per_gpu,
-                                          cfg.actor.ppo_epochs, entropy_grad=cfg.actor.entropy_coeff != 0))
+            metrics.update(r.critic.train_step(
+                batch, r.critic_loss, c.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size,
+                c.ppo_micro_batch_size_per_gpu, c.ppo_epochs,
+                max_token_len=_budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu)))
+        metrics.update(r.actor.train_step(
+            batch, r.actor_loss, mini, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_epochs,
+            entropy_grad=cfg.actor.entropy_coeff != 0,
+            max_token_len=_budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)))
         r.experience.session.actor_changed()
 
     metrics.update(t.pop())

@@ -28,6 +28,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     """Range and consistency checks that need no process group, in the order a user meets them (cheap ones
     first, then files on disk and each backend's options); raises ConfigError."""
     _check_ranges(cfg)
+    _check_token_budgets(cfg)
     _check_optimizer(cfg)
     _check_kl_and_dapo(cfg)
     _check_output_dir(cfg)
@@ -105,6 +106,24 @@ def _check_ranges(cfg: Config) -> None:
     _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
     _check(0 < r.gpu_memory_utilization <= 1,
            f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
+
+
+def _check_token_budgets(cfg: Config) -> None:
+    """Micro-batch token budgets (use_dynamic_bsz) must hold at least one token; a row longer than the
+    budget still runs, alone in its micro-batch."""
+    for section, flag, budget in (
+        ("actor", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+        ("actor", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+        ("ref", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"),
+        ("critic", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+        ("critic", "use_dynamic_bsz", "forward_max_token_len_per_gpu"),
+        ("reward_model", "use_dynamic_bsz", "forward_max_token_len_per_gpu"),
+    ):
+        sec = getattr(cfg, section)
+        value = getattr(sec, budget)
+        _check(not getattr(sec, flag) or (isinstance(value, int) and value >= 1),
+               f"{section}.{budget} is {value} with {section}.{flag}: true; a micro-batch token budget "
+               f"must be an integer >= 1")
 
 
 def _check_optimizer(cfg: Config) -> None:

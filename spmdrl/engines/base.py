@@ -129,9 +129,10 @@ class TrainEngine(abc.ABC):
     # ------------------------------------------------------------------ forward, train, weights
 
     @abc.abstractmethod
-    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
-                        ) -> dict[str, torch.Tensor]:
-        """Per-token outputs for every row of this rank, micro-batched, without gradients."""
+    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False,
+                        max_token_len: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """Per-token outputs for every row of this rank, micro-batched (by rows, or by valid tokens with
+        ``max_token_len``: ``_micro_batches``), without gradients."""
 
     def train_step(
         self,
@@ -143,11 +144,13 @@ class TrainEngine(abc.ABC):
         *,
         with_entropy: bool = True,
         entropy_grad: bool = True,
+        max_token_len: Optional[int] = None,
     ) -> dict[str, float]:
         """``epochs`` passes over ``batch``, one optimizer step per mini-batch of ``mini_batch_size`` rows.
 
         Sizes are per rank. With a model replica of k ranks (TP, or TP x PP), a mini-batch is the
-        replica's union (``mini_batch_size * k`` rows) cut into micro-batches of ``micro_batch_size``.
+        replica's union (``mini_batch_size * k`` rows) cut into micro-batches of ``micro_batch_size``,
+        or, with ``max_token_len``, of at most that many valid tokens (``micro_batches``).
         ``with_entropy=False`` skips the entropy; ``entropy_grad=False`` computes it as a metric
         without a gradient (in the log-prob pass, far cheaper) when the loss has no entropy bonus.
         Returns the loss metrics averaged over micro-batches and DP ranks, plus ``{role}/lr`` (of
@@ -168,11 +171,15 @@ class TrainEngine(abc.ABC):
             for mini in batch.split(mini_batch_size):
                 mini = self._gather(mini)
                 scale = self._loss_scale(mini)
-                micros = [m.to(self.device) for m in mini.split(micro_batch_size)]
+                micros, n_pad = self._micro_batches(mini, micro_batch_size, max_token_len)
+                micros = [m.to(self.device) for m in micros]
                 for metrics in self._forward_backward(micros, loss_fn, scale, with_entropy, entropy_grad):
                     for k, v in metrics.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
                     n_micro += 1
+                if n_pad:
+                    pad = [micros[0].select(slice(0, 1))] * n_pad
+                    self._forward_backward(pad, _zero_loss, scale, with_entropy, entropy_grad)
                 self._finish_grads()
                 norms.append(self._clip_grads())
                 lr = optimizer.param_groups[0]["lr"]
@@ -295,6 +302,19 @@ class TrainEngine(abc.ABC):
             out = {k: v[start : start + len(batch), :resp] for k, v in out.items()}
         return {k: v.to(batch["input_ids"].device) for k, v in out.items()}
 
+    def _micro_batches(self, batch: Batch, micro_batch_size: int, max_token_len: Optional[int]
+                       ) -> tuple[list[Batch], int]:
+        """(micro-batches of ``batch``, how many empty ones this rank must add). Every rank must run as many
+        forwards and backwards as the others: FSDP all-gathers and reduce-scatters in each. Cut by rows
+        they agree (``_check_rows``); cut by tokens (``micro_batches``) a rank with fewer runs the
+        difference with a zero-weight loss."""
+        if max_token_len is None:
+            return list(batch.split(micro_batch_size)), 0
+        micros = micro_batches(batch, max_token_len)
+        t = torch.tensor([len(micros)], dtype=torch.int64, device=self._comm_device())
+        self._dp_all_reduce(t, op=dist.ReduceOp.MAX)
+        return micros, int(t[0]) - len(micros)
+
     def _loss_scale(self, mini: Batch) -> LossScale:
         """The mini-batch's valid tokens and rows over all DP ranks (a replica's ranks hold the same rows)."""
         counts = torch.tensor(
@@ -304,6 +324,27 @@ class TrainEngine(abc.ABC):
         )
         self._dp_all_reduce(counts)
         return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
+
+
+def micro_batches(batch: Batch, max_token_len: int) -> list[Batch]:
+    """Consecutive rows of ``batch`` grouped while their valid (attended) tokens stay within ``max_token_len``
+    (verl's ``use_dynamic_bsz``); a row longer than that is a micro-batch of its own. Rows keep their order,
+    so outputs concatenate back into the batch's."""
+    lengths = batch["attention_mask"].sum(1).tolist()  # [N]
+    out, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and total + n > max_token_len:
+            out.append(batch.select(slice(start, i)))
+            start, total = i, 0
+        total += n
+    out.append(batch.select(slice(start, len(lengths))))
+    return out
+
+
+def _zero_loss(outputs: dict[str, torch.Tensor], micro: Batch, scale: LossScale
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """A padding micro-batch's loss: zero gradients, through every parameter the forward used."""
+    return sum(v.sum() for v in outputs.values()) * 0.0, {}
 
 
 def gather_rows(batch: Batch, group: dist.ProcessGroup, comm_device: torch.device) -> Batch:

@@ -71,12 +71,14 @@ class RewardModelScorer:
     """This rank's reward-model engine and tokenizer, and how prompt + response are rendered for it."""
 
     def __init__(self, engine: "TrainEngine", tokenizer: Any, *, group: dist.ProcessGroup,
-                 micro_batch_size: int, max_length: Optional[int]) -> None:
+                 micro_batch_size: int, max_length: Optional[int],
+                 max_token_len: Optional[int] = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("reward_model.model.path has a tokenizer without a chat template; the reward "
                              "model scores prompt + response rendered with its own chat template")
         self.engine, self.tokenizer, self.group = engine, tokenizer, group
         self.micro_batch_size, self.max_length = micro_batch_size, max_length
+        self.max_token_len = max_token_len  # micro-batches cut by tokens (use_dynamic_bsz), or None
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = int(pad if pad is not None else 0)
 
@@ -92,7 +94,8 @@ class RewardModelScorer:
         assert rm.model.path is not None  # the config checks refuse reward_model.enable without a path
         engine = build_engine(cfg, rm.model.path, role="reward", dims=dims, device=device)
         return cls(engine, AutoTokenizer.from_pretrained(rm.model.path), group=dims.batch_group,
-                   micro_batch_size=rm.micro_batch_size_per_gpu, max_length=rm.max_length)
+                   micro_batch_size=rm.micro_batch_size_per_gpu, max_length=rm.max_length,
+                   max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None)
 
     def model_scores(self, chats: Sequence[Sequence[dict]], responses: Sequence[str]) -> torch.Tensor:
         """The reward model's score of each (prompt chat, response) of this rank: [N] float32.
@@ -112,7 +115,8 @@ class RewardModelScorer:
         texts = render(self.tokenizer, chats, responses)
         texts += [""] * (int(most) - n)  # fillers: one pad token each (encode)
         batch = encode(self.tokenizer, texts, self.max_length, self.pad_token_id)
-        return self.engine.forward_no_grad(batch, self.micro_batch_size)["rm_scores"][:n].float()  # [N]
+        scores = self.engine.forward_no_grad(batch, self.micro_batch_size, max_token_len=self.max_token_len)
+        return scores["rm_scores"][:n].float()  # [N]
 
 
 def check_weights(rm_weight: float, rule_weight: float) -> None:

@@ -90,6 +90,14 @@ BAD = [
      "reward_model.model.path '/nonexistent/rm'"),
     (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm",
       "--reward_model.micro_batch_size_per_gpu", "0"], "reward_model.micro_batch_size_per_gpu is 0"),
+    (["--actor.use_dynamic_bsz", "true", "--actor.ppo_max_token_len_per_gpu", "0"],
+     "actor.ppo_max_token_len_per_gpu is 0 with actor.use_dynamic_bsz: true; a micro-batch token budget"),
+    (["--critic.use_dynamic_bsz", "true", "--critic.forward_max_token_len_per_gpu", "-1"],
+     "critic.forward_max_token_len_per_gpu is -1 with critic.use_dynamic_bsz: true"),
+    (["--ref.log_prob_use_dynamic_bsz", "true", "--ref.log_prob_max_token_len_per_gpu", "0"],
+     "ref.log_prob_max_token_len_per_gpu is 0"),
+    (["--model.use_remove_padding", "true", "--model.attn_implementation", "flash_attention_2"],
+     "model.use_remove_padding is true with model.attn_implementation 'flash_attention_2'"),
 ]
 
 
@@ -139,6 +147,9 @@ def test_backends_check_their_own_options(monkeypatch, capsys):
     (["--actor.param_dtype", "float16"], "computes in float32 or bfloat16"),
     (["--parallel.pp", "3"], "parallel.pp=3 does not divide the model's num_hidden_layers (4)"),
     (["--actor.cpu_offload", "true"], "actor.cpu_offload / ref.offload is true"),
+    (["--model.use_remove_padding", "true"],
+     "model.use_remove_padding is true but actor.strategy 'megatron'"),
+    (["--actor.use_dynamic_bsz", "true"], "actor.use_dynamic_bsz is true but actor.strategy 'megatron'"),
 ])
 def test_megatron_checks_its_options(extra, fragment, monkeypatch, capsys):
     pytest.importorskip("megatron.core")

@@ -206,11 +206,11 @@ def test_plain_spmdrl_argv_is_untouched():
 
 def test_ignored_keys_give_one_info_line(capsys):
     parse_config(["ray_init.num_cpus=8", "trainer.ray_wait_register_center_timeout=300",
-                  "actor_rollout_ref.model.use_remove_padding=True"])
+                  "actor_rollout_ref.rollout.enable_chunked_prefill=True"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(
         "spmdrl.train: info: verl keys accepted with no effect here:")
-    assert "ray_init.num_cpus" in err and "use_remove_padding" in err
+    assert "ray_init.num_cpus" in err and "enable_chunked_prefill" in err
 
 
 BAD = [
@@ -271,3 +271,25 @@ def test_command_line_interpolation_and_print_config_outside_torchrun():
     assert out.returncode == 0, out.stderr
     assert "  lr: 2.0e-06\n" in out.stdout and "  output_dir: p\n" in out.stdout
     assert "adv_estimator: gae" in out.stdout  # verl's default for a verl command line
+
+
+def test_packing_and_token_budget_keys_take_their_verl_meaning():
+    cfg = parse_config(["actor_rollout_ref.model.use_remove_padding=True",
+                        "critic.model.use_remove_padding=True", "reward_model.model.use_remove_padding=True",
+                        "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+                        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+                        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=2048",
+                        "critic.use_dynamic_bsz=True", "critic.ppo_max_token_len_per_gpu=8192",
+                        "reward_model.use_dynamic_bsz=True",
+                        "reward_model.forward_max_token_len_per_gpu=1024"])[0]
+    assert cfg.model.use_remove_padding and cfg.critic.use_remove_padding
+    assert cfg.reward_model.model.use_remove_padding
+    assert (cfg.actor.use_dynamic_bsz, cfg.actor.ppo_max_token_len_per_gpu) == (True, 4096)
+    # verl's interpolations: the log-prob budgets follow the training ones unless given
+    assert (cfg.actor.log_prob_use_dynamic_bsz, cfg.actor.log_prob_max_token_len_per_gpu) == (True, 4096)
+    assert (cfg.ref.log_prob_use_dynamic_bsz, cfg.ref.log_prob_max_token_len_per_gpu) == (True, 2048)
+    assert (cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu) == (True, 8192)
+    assert cfg.critic.forward_max_token_len_per_gpu == 8192
+    assert (cfg.reward_model.use_dynamic_bsz, cfg.reward_model.forward_max_token_len_per_gpu) == (True, 1024)

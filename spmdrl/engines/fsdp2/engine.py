@@ -49,6 +49,7 @@ from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
+from spmdrl.engines.fsdp2.packing import pack, packed_attention
 from spmdrl.engines.fsdp2.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -113,6 +114,8 @@ class FSDP2Engine(TrainEngine):
         fused_kernels: compiled RMSNorm and SwiGLU forwards (``fused.apply_fused_kernels``).
         attn_implementation: transformers' attention kernel ("eager", "sdpa", ...); see
             ``resolve_attn_implementation`` for the "auto" rule of the config.
+        remove_padding: every forward runs on the valid tokens of its micro-batch packed into one
+            row (``packing.py``), with ``attn_implementation`` as the attention kernel.
         temperature: logits are divided by it before log-probs and entropy, so the
             actor scores responses with the distribution the rollout sampled from.
         lr, weight_decay, betas, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps:
@@ -139,6 +142,7 @@ class FSDP2Engine(TrainEngine):
         compile: bool = False,
         fused_kernels: bool = False,
         attn_implementation: str = "sdpa",
+        remove_padding: bool = False,
         temperature: float = 1.0,
         lr: float = 1e-6,
         weight_decay: float = 0.0,
@@ -161,6 +165,9 @@ class FSDP2Engine(TrainEngine):
         self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.device = torch.device(device)
         self.temperature = temperature
+        self.remove_padding = remove_padding
+        if remove_padding:
+            attn_implementation = packed_attention(attn_implementation)
         self.max_grad_norm = max_grad_norm
         self.global_step = 0
         dtype, mp_param, mp_reduce = _mixed_precision(role, to_dtype(dtype), param_dtype, reduce_dtype)
@@ -206,6 +213,12 @@ class FSDP2Engine(TrainEngine):
         if p.pp > 1:
             raise ValueError(f"parallel.pp is {p.pp} but actor.strategy 'fsdp2' has no pipeline schedule; "
                              f"set parallel.pp: 1, or actor.strategy: megatron")
+        for key, on in (("model.use_remove_padding", cfg.model.use_remove_padding),
+                        ("critic.use_remove_padding", cfg.critic.use_remove_padding),
+                        ("reward_model.model.use_remove_padding", cfg.reward_model.model.use_remove_padding)):
+            if on and cfg.model.attn_implementation == "flash_attention_2":
+                raise ValueError(f"{key} is true with model.attn_implementation 'flash_attention_2'; packed "
+                                 f"sequences run on eager or sdpa attention: set it to auto, eager or sdpa")
         if cfg.model.fused_kernels == "on" and p.tp > 1:
             raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
                              f"support tensor parallelism: set model.fused_kernels to auto or off")
@@ -244,9 +257,9 @@ class FSDP2Engine(TrainEngine):
             temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         )
         if role == "ref":
-            return cls(model_path, cpu_offload=cfg.ref.offload, **common)
+            return cls(model_path, cpu_offload=cfg.ref.offload, remove_padding=m.use_remove_padding, **common)
         if role == "reward":
-            return cls(model_path, **common)
+            return cls(model_path, remove_padding=cfg.reward_model.model.use_remove_padding, **common)
         if role == "critic":
             c = cfg.critic
             return cls(
@@ -258,6 +271,7 @@ class FSDP2Engine(TrainEngine):
                 lr_warmup_steps=c.lr_warmup_steps,
                 total_steps=total_steps,
                 max_grad_norm=c.max_grad_norm,
+                remove_padding=c.use_remove_padding,
                 **common,
             )
         return cls(
@@ -272,6 +286,7 @@ class FSDP2Engine(TrainEngine):
             min_lr_ratio=a.min_lr_ratio,
             total_steps=total_steps,
             max_grad_norm=a.max_grad_norm,
+            remove_padding=m.use_remove_padding,
             **common,
         )
 
@@ -309,6 +324,8 @@ class FSDP2Engine(TrainEngine):
         The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus);
         otherwise it is a metric computed in the same pass as the log-probs.
         """
+        if self.remove_padding:
+            return self._forward_packed(micro, with_entropy, entropy_grad)
         ids = micro["input_ids"]  # [n, P+R]
         kwargs = dict(
             input_ids=ids, attention_mask=micro["attention_mask"], position_ids=micro["position_ids"]
@@ -325,8 +342,24 @@ class FSDP2Engine(TrainEngine):
         logits = self.model(**kwargs, use_cache=False, logits_to_keep=keep).logits  # [n, R, V]
         return token_outputs(logits, ids[:, -resp:], self.temperature, with_entropy, entropy_grad)
 
+    def _forward_packed(self, micro: Batch, with_entropy: bool, entropy_grad: bool
+                        ) -> dict[str, torch.Tensor]:
+        """``_forward`` on the micro-batch's valid tokens packed into one row (``packing.pack``); the
+        outputs come back in the padded [n, R] layout."""
+        packed = pack(micro)
+        kwargs = packed.model_kwargs()
+        if self.role == "reward":
+            return {"rm_scores": self.model(**kwargs, last=packed.last).float()}  # [n]
+        n, resp = micro["response_mask"].shape
+        if self.role == "critic":
+            return {"values": self.model(**kwargs, values_to_keep=packed.keep).view(n, resp).float()}
+        logits = self.model(**kwargs, use_cache=False, logits_to_keep=packed.keep).logits  # [1, n*R, V]
+        labels = micro["input_ids"][:, -resp:]  # [n, R]
+        return token_outputs(logits.view(n, resp, -1), labels, self.temperature, with_entropy, entropy_grad)
+
     def forward_no_grad(
-        self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
+        self, batch: Batch, micro_batch_size: int, with_entropy: bool = False,
+        max_token_len: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """{"logp", optional "entropy"} (actor/ref) or {"values"} (critic), each [N, R], or {"rm_scores"} [N]
         (reward); float32 on the batch's device, for this rank's rows.
@@ -334,10 +367,11 @@ class FSDP2Engine(TrainEngine):
         self._check_rows(len(batch))
         full = self._gather(batch)
         self.model.eval()
-        parts: list[dict[str, torch.Tensor]] = []
+        micros, n_pad = self._micro_batches(full, micro_batch_size, max_token_len)
         with torch.no_grad():
-            for micro in full.split(micro_batch_size):
-                parts.append(self._forward(micro.to(self.device), with_entropy))
+            parts = [self._forward(micro.to(self.device), with_entropy) for micro in micros]
+            for _ in range(n_pad):  # the all-gathers of the ranks with more micro-batches
+                self._forward(micros[0].select(slice(0, 1)).to(self.device), with_entropy)
         # Without a backward the root keeps its unsharded parameters after forward; free them now.
         self.model.reshard()
         return self._own_rows({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, batch)

@@ -31,14 +31,19 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        values_to_keep: int,
+        values_to_keep: int | torch.Tensor,
+        **packed,
     ) -> torch.Tensor:
+        """Values of the last ``values_to_keep`` positions [n, values_to_keep], or, for a packed row
+        (``packed``: its sequence boundaries), of the positions ``values_to_keep`` indexes [k]."""
         hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+            **packed,
         ).last_hidden_state  # [n, P+R, H]
+        hidden = hidden[0, values_to_keep] if packed else hidden[:, -values_to_keep:]
         # A fresh tensor, not a squeeze view: FSDP2 warns on a root output that is a view (its
-        # pre-backward hook would be skipped by an in-place op on it). [n, values_to_keep], tiny.
-        return self.score(hidden[:, -values_to_keep:]).squeeze(-1).clone()
+        # pre-backward hook would be skipped by an in-place op on it). Tiny.
+        return self.score(hidden).squeeze(-1).clone()
 
 
 class RewardModel(nn.Module):
@@ -55,10 +60,15 @@ class RewardModel(nn.Module):
         self.model = getattr(hf_model, hf_model.base_model_prefix)
         self.score = hf_model.score
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor, last: torch.Tensor | None = None, **packed) -> torch.Tensor:
+        """Scores [n]; a packed row (``packed``: its sequence boundaries) gives the index ``last`` [n] of
+        each sequence's last token."""
         hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+            **packed,
         ).last_hidden_state  # [n, L, H]
+        if last is not None:
+            return self.score(hidden[0, last]).squeeze(-1)  # [n]
         last = torch.argmax(position_ids * attention_mask, dim=-1)  # [n]
         return self.score(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)  # [n]

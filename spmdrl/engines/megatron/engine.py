@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -204,6 +204,17 @@ class MegatronEngine(TrainEngine):
             arch = model_arch(path)
             if arch is not None:
                 arch.check_parallel(cfg.parallel.tp, cfg.parallel.pp)
+        c = cfg.critic
+        for key, on in (("model.use_remove_padding", cfg.model.use_remove_padding),
+                        ("critic.use_remove_padding", c.use_remove_padding),
+                        ("actor.use_dynamic_bsz", cfg.actor.use_dynamic_bsz),
+                        ("actor.log_prob_use_dynamic_bsz", cfg.actor.log_prob_use_dynamic_bsz),
+                        ("ref.log_prob_use_dynamic_bsz", cfg.ref.log_prob_use_dynamic_bsz),
+                        ("critic.use_dynamic_bsz", c.use_dynamic_bsz)):
+            if on:
+                raise ValueError(f"{key} is true but actor.strategy 'megatron' runs padded rows in "
+                                 f"micro-batches of a fixed number of rows; set it to false, or "
+                                 f"actor.strategy: fsdp2")
         if cfg.model.fused_kernels == "on":
             raise ValueError("model.fused_kernels is 'on' but actor.strategy 'megatron' runs Megatron's own "
                              "layers; set it to auto or off")
@@ -341,10 +352,13 @@ class MegatronEngine(TrainEngine):
                 forward_only=forward_only,
             )
 
-    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False
-                        ) -> dict[str, torch.Tensor]:
+    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False,
+                        max_token_len: Optional[int] = None) -> dict[str, torch.Tensor]:
         """{"logp", optional "entropy"} (actor, ref) or {"values"} (critic): each [N, R] float32 on the
-        batch's device, for this rank's rows."""
+        batch's device, for this rank's rows. Micro-batches are cut by rows only (``check_config``)."""
+        if max_token_len is not None:
+            raise ValueError("actor.strategy 'megatron' cuts micro-batches by rows only; max_token_len is "
+                             "not supported")
         self._check_rows(len(batch))
         full = self._gather(batch)
         micros = [m.to(self.device) for m in full.split(micro_batch_size)]

@@ -1,0 +1,112 @@
+"""Packed sequences and token-budget micro-batches on 2 FSDP2 ranks (gloo) equal 1 padded rank with fixed
+micro-batches: log-probs, entropies, values and one actor and critic update. Rank 0 holds the long rows and
+rank 1 the short ones, so under the token budget rank 0 runs 4 micro-batches and rank 1 one: the FSDP
+all-gathers and reduce-scatters of each forward and backward must still line up (or the run hangs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import spawn
+
+pytestmark = pytest.mark.dist
+
+PROMPT = [12, 10, 9, 11, 2, 1, 3, 2]  # rows 0-3 (rank 0): 18-22 valid tokens; rows 4-7 (rank 1): 3-5
+RESP = [10, 10, 9, 10, 1, 3, 2, 1]
+BUDGET = 25  # tokens per micro-batch: rank 0 cuts 4 micro-batches, rank 1 one
+LR = 1e-4
+
+
+def _batch(vocab: int):
+    from spmdrl.batch import Batch
+
+    g = torch.Generator().manual_seed(2)
+    n, p_max, r_max = len(PROMPT), max(PROMPT), max(RESP)
+    pos = torch.arange(p_max + r_max)
+    attn = ((pos >= p_max - torch.tensor(PROMPT)[:, None])
+            & (pos < p_max + torch.tensor(RESP)[:, None])).long()  # [n, P+R]
+    return Batch(dict(
+        input_ids=torch.randint(3, vocab, (n, p_max + r_max), generator=g) * attn,
+        attention_mask=attn,
+        position_ids=(attn.cumsum(1) - 1).clamp(min=0),
+        response_mask=attn[:, p_max:].float(),  # [n, R]
+        advantages=torch.randn(n, r_max, generator=g),
+        returns=torch.randn(n, r_max, generator=g),
+    ))
+
+
+def pg_loss(outputs, mb, scale):
+    loss = -(outputs["logp"] * mb["advantages"] * mb["response_mask"]).sum() / scale.global_tokens
+    return loss, {"actor/pg_loss": loss.item()}
+
+
+def vf_loss(outputs, mb, scale):
+    loss = 0.5 * ((outputs["values"] - mb["returns"]) ** 2 * mb["response_mask"]).sum() / scale.global_tokens
+    return loss, {"critic/vf_loss": loss.item()}
+
+
+def _run(rank: int, world: int, model_dir: str, result: str) -> None:
+    from spmdrl.engines.base import micro_batches
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
+    from spmdrl.parallel import ParallelDims
+
+    dims = ParallelDims(world).build()
+    batch = _batch(2048)
+    n = len(batch) // world
+    mine = batch.select(slice(rank * n, (rank + 1) * n))
+    packed = world > 1
+    kw = dict(max_token_len=BUDGET) if packed else {}
+    out: dict = {"micros": len(micro_batches(mine, BUDGET))}
+    for role, loss in (("actor", pg_loss), ("critic", vf_loss)):
+        eng = FSDP2Engine(model_dir, role=role, dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0,
+                          remove_padding=packed)
+        out[role] = eng.forward_no_grad(mine, 4, with_entropy=True, **kw)
+        eng.train_step(mine, loss, mini_batch_size=n, micro_batch_size=4, **kw)
+        out[f"{role}_weights"] = {k: v.clone() for k, v in eng.export_weights()}
+        del eng
+    if packed:  # TP=2: both ranks of the replica gather its rows and run the same packed forward
+        tp_dims = ParallelDims(world, tp=2).build()
+        eng = FSDP2Engine(model_dir, role="actor", dp_mesh=tp_dims.fsdp_mesh, tp_mesh=tp_dims.tp_mesh,
+                          device="cpu", lr=LR, seed=0, remove_padding=True)
+        out["tp"] = eng.forward_no_grad(mine, 4, **kw)
+        eng.train_step(mine, pg_loss, mini_batch_size=n, micro_batch_size=4, **kw)
+        out["tp_weights"] = {k: v.clone() for k, v in eng.export_weights()}
+    torch.save(out, f"{result}.{rank}")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("packing")
+    spawn(_run, 1, str(tiny_model_dir), str(tmp / "one"))
+    spawn(_run, 2, str(tiny_model_dir), str(tmp / "two"))
+    return {"one": torch.load(tmp / "one.0"), "two": [torch.load(tmp / f"two.{r}") for r in (0, 1)]}
+
+
+def test_ranks_cut_different_numbers_of_micro_batches(runs):
+    assert [r["micros"] for r in runs["two"]] == [4, 1]
+
+
+def test_packed_token_budget_outputs_equal_one_padded_rank(runs):
+    one, two = runs["one"], runs["two"]
+    mask = _batch(2048)["response_mask"]
+    for role, keys in (("actor", ("logp", "entropy")), ("critic", ("values",))):
+        for k in keys:
+            got = torch.cat([two[0][role][k], two[1][role][k]])
+            assert float(((got - one[role][k]) * mask).abs().max()) < 1e-5
+
+
+def test_packed_token_budget_update_equals_one_padded_rank(runs):
+    one, two = runs["one"], runs["two"]
+    for role in ("actor", "critic"):
+        a, b = one[f"{role}_weights"], two[0][f"{role}_weights"]
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
+def test_packed_under_tensor_parallelism_equals_one_padded_rank(runs):
+    one, two = runs["one"], runs["two"]
+    got = torch.cat([two[0]["tp"]["logp"], two[1]["tp"]["logp"]])
+    assert float(((got - one["actor"]["logp"]) * _batch(2048)["response_mask"]).abs().max()) < 1e-5
+    a, b = one["actor_weights"], two[0]["tp_weights"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4  # as test_fsdp2's TP bound
