@@ -35,6 +35,7 @@ from spmdrl.checkpoint.watchdog import Watchdog
 from spmdrl.config import Config, dump_config, output_dir
 from spmdrl.data import PromptLoader, ValidationLoader, build_loaders
 from spmdrl.engines import build_engine
+from spmdrl.engines.balance import balance_rows
 from spmdrl.engines.base import LossFn, TrainEngine
 from spmdrl.experience import Experience, batch_metrics, rollout_actor_gap, sampling_params
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
@@ -166,6 +167,10 @@ def train_step(r: Run) -> dict[str, float]:
     metrics.update(batch_metrics(batch))
     kept_mask, rc = None, cfg.algorithm.rollout_correction
     mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size  # rows per rank per step
+    if cfg.trainer.balance_batch and r.dims.world_size > 1:
+        with t.phase("balance"):
+            batch, balance = balance_rows(batch, cfg.rollout.n, mini, r.group, r.device)
+        metrics.update(balance)
     # One on-policy pass: the loss uses the detached current log-probs and measures the rollout gap from
     # its own forward (objectives.py), unless something before the update needs the actor's log-probs.
     one_pass = cfg.actor.ppo_epochs == 1 and mini >= len(batch)

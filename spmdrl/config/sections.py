@@ -450,6 +450,11 @@ class TrainerConfig:
     """Validate every N steps (-1: never)."""
     val_before_train: bool = False
     """Validate once before the first step."""
+    balance_batch: bool = False
+    """After the rollout, move whole groups of responses between ranks so each holds about the same
+    number of tokens (verl's trainer.balance_batch; verl command lines get verl's default, true). Groups
+    move only within one mini-batch slot, so group statistics and the update are unchanged
+    (spmdrl/engines/balance.py); the gain is the wait of the ranks with short answers."""
     colocate: bool = True
     """Sleep the rollout engine during training, and offload the actor's and critic's optimizer state and
     gradients while the rollout engine is awake."""

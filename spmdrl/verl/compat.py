@@ -494,7 +494,7 @@ TABLE: list[Rule] = [
     only("trainer.default_hdfs_dir", (None,), "write to a shared file system"),
     only("trainer.del_local_ckpt_after_load", (False,), "checkpoints are kept (trainer.keep_last)"),
     only("trainer.log_val_generations", (0,), "not supported yet"),
-    ignore("trainer.balance_batch", "all responses of a prompt stay on one rank"),
+    m("trainer.balance_batch", "trainer.balance_batch", note="whole groups move, within a mini-batch slot"),
     ignore("trainer.ray_wait_register_center_timeout", PLACEMENT),
     ignore("ray_init.*", PLACEMENT),
     ignore("ray_kwargs.*", PLACEMENT),
@@ -503,6 +503,7 @@ TABLE: list[Rule] = [
 # verl's own defaults where they differ from spmdrl's and change what a run does: a verl command line
 # without algorithm.adv_estimator is PPO with a critic in verl, so it must be here too.
 VERL_DEFAULTS: dict[str, Any] = {
+    "trainer.balance_batch": True,
     "algorithm.adv_estimator": "gae",
     f"{RO}.n": 1,
     f"{OPT}.lr": 1e-6,

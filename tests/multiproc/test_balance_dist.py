@@ -1,0 +1,119 @@
+"""trainer.balance_batch on 2 gloo ranks: rank 0 generated the long answers and rank 1 the short ones.
+Balancing must even out the tokens while each group (the n responses of a prompt) stays whole on one rank
+and each global mini-batch keeps its rows, so one FSDP2 actor update with 2 mini-batches is the same with
+and without it (float32: 1e-5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import spawn
+
+pytestmark = pytest.mark.dist
+
+N = 2  # responses per prompt
+GROUPS = 4  # groups per rank; 2 mini-batch slots of 2 groups
+LR = 1e-4
+
+
+def _rank_batch(rank: int, vocab: int):
+    """Rank 0: 12-25 attended tokens per row; rank 1: 3-6. Groups are consecutive rows sharing ``index``."""
+    from spmdrl.batch import Batch
+
+    g = torch.Generator().manual_seed(10 + rank)
+    rows = GROUPS * N
+    (p_lo, p_hi), (r_lo, r_hi) = ((8, 13), (4, 13)) if rank == 0 else ((2, 4), (1, 3))
+    prompt = torch.randint(p_lo, p_hi, (rows,), generator=g)
+    resp = torch.randint(r_lo, r_hi, (rows,), generator=g)
+    p_max, r_max = int(prompt.max()), int(resp.max())
+    pos = torch.arange(p_max + r_max)
+    attn = ((pos >= p_max - prompt[:, None]) & (pos < p_max + resp[:, None])).long()  # [rows, P+R]
+    return Batch(dict(
+        input_ids=torch.randint(3, vocab, (rows, p_max + r_max), generator=g) * attn,
+        attention_mask=attn,
+        position_ids=(attn.cumsum(1) - 1).clamp(min=0),
+        response_mask=attn[:, p_max:].float(),  # [rows, R]
+        advantages=torch.randn(rows, r_max, generator=g),
+        index=torch.arange(GROUPS).repeat_interleave(N) + rank * GROUPS,  # [rows] global prompt ids
+    ))
+
+
+def pg_loss(outputs, mb, scale):
+    loss = -(outputs["logp"] * mb["advantages"] * mb["response_mask"]).sum() / scale.global_tokens
+    return loss, {"actor/pg_loss": loss.item()}
+
+
+def _run(rank: int, world: int, model_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from spmdrl.engines.balance import balance_rows
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
+    from spmdrl.parallel import ParallelDims
+
+    dims = ParallelDims(world).build()
+    mine = _rank_batch(rank, 2048)
+    mini = len(mine) // 2
+    balanced, metrics = balance_rows(mine, N, mini, dist.group.WORLD, torch.device("cpu"))
+    out = {"metrics": metrics, "tokens": [int(b["attention_mask"].sum()) for b in (mine, balanced)],
+           "index": balanced["index"].tolist(),
+           "rows": [_row_keys(b) for b in (mine, balanced)]}
+    weights = {}
+    for name, batch in (("off", mine), ("on", balanced)):
+        eng = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0)
+        eng.train_step(batch, pg_loss, mini_batch_size=mini, micro_batch_size=2)
+        weights[name] = {k: v.clone() for k, v in eng.export_weights()}
+        del eng
+    # Only small values go back through the queue (spawn's pipe would block on whole weight sets).
+    off, on, start = weights["off"], weights["on"], _initial(model_dir)
+    out["moved"] = max(float((off[k].float() - start[k].float()).abs().max()) for k in off if k in start)
+    out["apart"] = max(float((off[k] - on[k]).abs().max()) for k in off)
+    return out
+
+
+def _initial(model_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(f"{model_dir}/model.safetensors")
+
+
+def _row_keys(batch) -> list[list[tuple[int, ...]]]:
+    """Each mini-batch slot's rows as token tuples (what a row is, whatever its padding)."""
+    mini = len(batch) // 2
+    keys = []
+    for part in batch.split(mini):
+        ids, attn = part["input_ids"], part["attention_mask"].bool()
+        keys.append([tuple(i[m].tolist()) for i, m in zip(ids, attn)])
+    return keys
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_model_dir: Path) -> list[dict]:
+    return spawn(_run, 2, str(tiny_model_dir))
+
+
+def test_tokens_even_out(ranks):
+    before = [r["tokens"][0] for r in ranks]
+    after = [r["tokens"][1] for r in ranks]
+    assert sum(before) == sum(after)
+    assert max(after) - min(after) < (max(before) - min(before)) / 4, (before, after)
+    m = ranks[0]["metrics"]
+    assert m == ranks[1]["metrics"] and m["perf/balance_after"] < m["perf/balance_before"]
+
+
+def test_groups_stay_whole_and_mini_batches_keep_their_rows(ranks):
+    for r in ranks:
+        idx = r["index"]
+        assert all(idx[i] == idx[i + 1] for i in range(0, len(idx), N))
+    everyone = sorted(ranks[0]["index"] + ranks[1]["index"])
+    assert everyone == sorted(list(range(2 * GROUPS)) * N)
+    for slot in (0, 1):
+        off = sorted(ranks[0]["rows"][0][slot] + ranks[1]["rows"][0][slot])
+        on = sorted(ranks[0]["rows"][1][slot] + ranks[1]["rows"][1][slot])
+        assert off == on
+
+
+def test_update_is_the_same_with_and_without_balancing(ranks):
+    for r in ranks:
+        assert r["moved"] > 1e-5 and r["apart"] < 1e-5, (r["moved"], r["apart"])
