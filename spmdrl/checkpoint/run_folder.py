@@ -31,8 +31,9 @@ log = logging.getLogger("spmdrl")
 
 LOCK = "spmdrl.lock"
 PREVIOUS = "previous"
-# Everything a run writes into its output folder; a fresh start moves an earlier run's copies aside.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "plots", "tensorboard", "wandb", "checkpoints")
+# Everything a run writes into its output folder (hf: spmdrl.sft's export); a fresh start moves an earlier
+# run's copies aside.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "plots", "tensorboard", "wandb", "checkpoints", "hf")
 
 
 def _start_time(pid: int) -> Optional[str]:

@@ -3,7 +3,8 @@
     torchrun --standalone --nproc-per-node 2 -m spmdrl.sft --config configs/sft.yaml
     python -m spmdrl.sft --config configs/sft.yaml --print_config
 
-Parse and check the config (bad input exits 2 before any process group exists), start torch.distributed,
+Parse and check the config (bad input exits 2 before any process group exists), take the output folder's
+lock on rank 0 (as ``spmdrl.train``: a second run on the same folder exits 2), start torch.distributed,
 build the meshes, run ``spmdrl.sft.loop``; bad data files are found on every rank before a model loads and
 exit 2 as well. Teardown as ``spmdrl.train`` does it.
 """
@@ -15,6 +16,8 @@ import sys
 from dataclasses import asdict
 from typing import Optional, Sequence
 
+from spmdrl.checkpoint.run_folder import OutputLock
+from spmdrl.config import output_dir
 from spmdrl.config.parse import exit_with
 from spmdrl.errors import ConfigError
 from spmdrl.sft.config import check_sft_config, parse_sft_config
@@ -25,6 +28,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg, debug = parse_sft_config(argv)
         check_sft_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        lock = OutputLock.acquire(output_dir(cfg)) if os.environ.get("RANK", "0") == "0" else None
     except ConfigError as err:
         exit_with(err, debug, prog="spmdrl.sft")
 
@@ -43,6 +47,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finished, code = True, 2
         exit_with(err, debug, prog="spmdrl.sft")
     finally:
+        if lock is not None:
+            lock.release()
         teardown(finished, code, world_size)
     return 0
 

@@ -26,6 +26,7 @@ from spmdrl.checkpoint.hf_folder import write_hf_folder
 from spmdrl.checkpoint.manager import CheckpointManager
 from spmdrl.checkpoint.preemption import Preemption
 from spmdrl.checkpoint.rng import RNGState
+from spmdrl.checkpoint.run_folder import set_aside_earlier_run
 from spmdrl.config import dump_config, output_dir
 from spmdrl.data import PromptLoader, data_files
 from spmdrl.engines import build_engine
@@ -88,8 +89,6 @@ def build(user_cfg: SFTConfig, dims: ParallelDims) -> SFTRun:
     out_dir = output_dir(cfg)
     config_text = dump_config(user_cfg)
     if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(config_text)
         print(f"[spmdrl.sft] {len(train)} training rows, {total_steps} steps of {cfg.data.train_batch_size} "
               f"rows on {world} rank(s), {device}; {engine.num_params() / 1e6:.2f}M params from "
               f"{cfg.model.path}",
@@ -168,8 +167,14 @@ def run(cfg: SFTConfig, dims: ParallelDims) -> None:
     parts = {"actor": r.engine, "data": r.loader, "rng": RNGState(None, r.device, cfg.trainer.seed)}
     ckpt = CheckpointManager(r.out_dir, parts, cfg=r.cfg, total_steps=r.total_steps, tokenizer=r.tokenizer,
                              config_text=r.config_text)
-    if ckpt.resume() is not None:
+    resumed = ckpt.resume()
+    if resumed is not None:
         r.step = ckpt.resumed_step
+    if r.rank == 0:
+        r.out_dir.mkdir(parents=True, exist_ok=True)
+        if resumed is None:  # a fresh start keeps an earlier run's files (under previous/), never overwrites
+            set_aside_earlier_run(r.out_dir)
+        (r.out_dir / "config.yaml").write_text(r.config_text)
     t = cfg.trainer
     sink = MetricsSink(r.out_dir, t.logger, r.total_steps, rank=r.rank, progress_bar=t.progress_bar,
                        project=t.project_name, experiment=t.experiment_name, config=asdict(cfg),

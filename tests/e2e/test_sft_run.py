@@ -133,3 +133,24 @@ def test_megatron_takes_the_fsdp2_steps(tmp_path, spmdrl_cache):
     for step, tol in ((0, 1e-5), (1, 1e-4)):
         assert math.isclose(megatron[step]["train/loss"], fsdp2[step]["train/loss"], rel_tol=tol), step
         assert math.isclose(megatron[step]["train/grad_norm"], fsdp2[step]["train/grad_norm"], rel_tol=3e-4)
+
+
+def test_fresh_start_keeps_an_earlier_run_and_a_held_folder_is_refused(tmp_path, spmdrl_cache):
+    from spmdrl.checkpoint.run_folder import OutputLock
+
+    out = tmp_path / "out"
+    (out / "hf").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "train/loss": 9.0}\n')
+    (out / "hf" / "model.safetensors").write_text("the earlier export")
+    lock = OutputLock.acquire(out)
+    try:
+        held = sft(out, spmdrl_cache, nproc=1, check=False)
+    finally:
+        lock.release()
+    assert held.returncode == 2 and "is in use" in held.stderr.strip().splitlines()[-1]
+    sft(out, spmdrl_cache, "--trainer.total_steps", "1", "--trainer.save_freq", "-1", "--data.val_files",
+        "null", nproc=1)
+    (earlier,) = (out / "previous").iterdir()
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 1, "train/loss": 9.0}\n'
+    assert (earlier / "hf" / "model.safetensors").read_text() == "the earlier export"
+    assert [r["step"] for r in read_metrics(out)] == [1] and (out / "hf" / "model.safetensors").exists()
