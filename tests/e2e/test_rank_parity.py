@@ -50,11 +50,14 @@ def test_one_and_two_ranks_agree(config, tmp_path, spmdrl_cache, monkeypatch):
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return sum(map(ord, str(ground_truth) + solution_str)) % 7 / 7\n")
     outs = {n: tmp_path / f"ranks{n}" for n in (1, 2)}
+    balance = ["--trainer.balance_batch", "true"] if config == "reinforce_pp" else []
     for n, out in outs.items():
         train(["--config", f"configs/{config}.yaml", *COMMON, "--reward.function", f"{reward}:compute_score",
-               "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=n)
+               "--trainer.output_dir", str(out), *(balance if n == 2 else [])], cache=spmdrl_cache, nproc=n)
     one, two = (read_metrics(outs[n]) for n in (1, 2))
     assert len(one) == len(two) == STEPS
+    if balance:
+        assert all(m["perf/balance_after"] <= m["perf/balance_before"] for m in two)
     keys = COMPARED + (("critic/vf_loss",) if config == "ppo" else ())
     for a, b in zip(one, two):
         for key in keys:
