@@ -3,6 +3,9 @@
     python -m spmdrl.export --checkpoint outputs/spmdrl/grpo_tiny/checkpoints/global_step_100 --out hf_model
     python -m spmdrl.export --checkpoint outputs/spmdrl/grpo_tiny --out hf_model   # its newest checkpoint
 
+A LoRA run's checkpoint holds only its adapters: it exports as a PEFT adapter folder
+(``write_adapter_folder``); ``trainer.export_hf_on_save`` writes the merged weights.
+
 Runs in one plain process (no torchrun, no process group). The engine that
 saved the actor reads its own folder back as full tensors under HF names,
 whatever world size and layout saved it: the manifest names that engine
@@ -18,6 +21,7 @@ as ``save_pretrained`` does. Nothing here writes or reads pickle.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -28,7 +32,9 @@ import torch
 
 from spmdrl.checkpoint.hf_folder import DEFAULT_SHARD, parse_size, write_hf_folder
 from spmdrl.checkpoint.layout import read_manifest, resolve_resume, verify_checkpoint
+from spmdrl.checkpoint.safe_load import load_model_tensors
 from spmdrl.engines import checkpoint_reader
+from spmdrl.engines.fsdp2.lora import is_adapter, peft_state, read_adapter_config
 from spmdrl.errors import ConfigError
 from spmdrl.precision import DTYPES
 
@@ -64,14 +70,19 @@ def export_checkpoint(
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not valid; valid: {', '.join(DTYPES)}")
     path = resolve_resume(str(checkpoint), Path("."))
-    weights = read_weights(path)
-    files = path / read_manifest(path)["model_files"]
+    manifest = read_manifest(path)
+    lora = any(is_adapter(n) for n in manifest.get("model_shapes", {}).get("actor", {}))
+    weights = None if lora else read_weights(path)
+    files = path / manifest["model_files"]
     # Into a temporary sibling first, so an interrupted export never looks like a finished folder.
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        write_hf_folder(weights, tmp, files, max_shard_size, DTYPES[dtype] if dtype else None)
+        if lora:  # adapters only: the base is the run's model.path
+            write_adapter_folder(path, tmp, DTYPES[dtype] if dtype else None)
+        else:
+            write_hf_folder(weights, tmp, files, max_shard_size, DTYPES[dtype] if dtype else None)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -79,6 +90,32 @@ def export_checkpoint(
         out.rmdir()
     os.rename(tmp, out)
     return out
+
+
+def write_adapter_folder(checkpoint: Path, out: Path, dtype: Optional[torch.dtype] = None) -> None:
+    """A LoRA run's checkpoint as a PEFT adapter folder (``adapter_model.safetensors``,
+    ``adapter_config.json``) for ``PeftModel.from_pretrained`` or vLLM's LoRA: the rank from the tensors,
+    lora_alpha and target modules from the run's config, the base from its model.path."""
+    import yaml
+    from safetensors.torch import save_file
+
+    manifest = verify_checkpoint(checkpoint)
+    shapes = {n: s for n, s in manifest["model_shapes"]["actor"].items() if is_adapter(n)}
+    tensors = load_model_tensors(checkpoint / "actor", shapes, DTYPES[manifest["dtype"]])
+    state = {k: (v.to(dtype) if dtype else v).contiguous()
+             for k, v in peft_state(iter(tensors.items())).items()}
+    model = (yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}).get("model", {})
+    alpha = model.get("lora_alpha", 16)
+    if model.get("lora_adapter_path"):  # the run started from this adapter, with its alpha
+        alpha = read_adapter_config(model["lora_adapter_path"])["lora_alpha"]
+    ranks = {int(v.shape[0]) for k, v in state.items() if ".lora_A." in k}
+    modules = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state})
+    out.mkdir(parents=True)
+    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": max(ranks), "lora_alpha": alpha,
+              "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
+              "base_model_name_or_path": model.get("path")}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

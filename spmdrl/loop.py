@@ -36,7 +36,7 @@ from spmdrl.config import Config, dump_config, output_dir
 from spmdrl.data import PromptLoader, ValidationLoader, build_loaders
 from spmdrl.engines import build_engine
 from spmdrl.engines.balance import balance_rows
-from spmdrl.engines.base import LossFn, TrainEngine
+from spmdrl.engines.base import LogProbSource, LossFn, TrainEngine
 from spmdrl.experience import Experience, batch_metrics, rollout_actor_gap, sampling_params
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
@@ -64,7 +64,7 @@ class Run:
     val_loader: Optional[ValidationLoader]
     experience: Experience  # rollout session, agent and reward sources
     actor: TrainEngine
-    ref: Optional[TrainEngine]
+    ref: Optional[LogProbSource]
     critic: Optional[TrainEngine]
     kl_ctrl: Any
     timer: PhaseTimer  # each phase start is a heartbeat of ``watchdog``
@@ -85,11 +85,15 @@ class Run:
 
 
 def _engines(cfg: Config, dims: ParallelDims, device: torch.device, total_steps: int
-             ) -> tuple[TrainEngine, Optional[TrainEngine], Optional[TrainEngine]]:
+             ) -> tuple[TrainEngine, Optional[LogProbSource], Optional[TrainEngine]]:
     """Actor, reference (when a KL term uses it) and critic (when the estimator needs values)."""
     actor = build_engine(cfg, cfg.model.path, role="actor", dims=dims, device=device, total_steps=total_steps)
     need_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    ref = build_engine(cfg, cfg.model.path, role="ref", dims=dims, device=device) if need_ref else None
+    # A LoRA actor is its own reference with the adapters off: no second copy of the weights (as verl).
+    ref = None
+    if need_ref:
+        ref = actor.base_reference() or build_engine(cfg, cfg.model.path, role="ref", dims=dims,
+                                                     device=device)
     critic = None
     if ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_values"):
         critic = build_engine(cfg, cfg.critic.model_path or cfg.model.path, role="critic", dims=dims,

@@ -64,6 +64,10 @@ def _check_ranges(cfg: Config) -> None:
         _check(value > 0, f"actor.{key} is {value}; clip ratios must be > 0")
     _check(a.clip_ratio_c > 1, f"actor.clip_ratio_c is {a.clip_ratio_c}; the dual-clip bound must be > 1")
     _check(c.cliprange_value > 0, f"critic.cliprange_value is {c.cliprange_value}; it must be > 0")
+    for key, rank, alpha in (("model", cfg.model.lora_rank, cfg.model.lora_alpha),
+                             ("critic", c.lora_rank, c.lora_alpha)):
+        _check(rank >= 0, f"{key}.lora_rank is {rank}; it must be >= 0 (0: no LoRA)")
+        _check(rank == 0 or alpha > 0, f"{key}.lora_alpha is {alpha}; it must be > 0")
     _check(r.temperature >= 0, f"rollout.temperature is {r.temperature}; it must be >= 0 (0 means greedy)")
     _check(r.val_kwargs.temperature >= 0,
            f"rollout.val_kwargs.temperature is {r.val_kwargs.temperature}; it must be >= 0")

@@ -66,6 +66,19 @@ class ModelConfig:
     MLP or LM head runs on padding. Same results as padded rows (float32: 1e-5). fsdp2 only. Off by
     default: on a 2-core CPU it wins ~2x when rows average a quarter of the longest, and loses ~15%
     when every row is full (bench/packing.py)."""
+    lora_rank: int = 0
+    """LoRA rank of the actor (0: full fine-tuning). Adapters come from peft on the FSDP2 actor; only they
+    are trained, get optimizer state and are checkpointed; the reference policy is the same model with its
+    adapters off; the rollout engine receives merged weights (spmdrl/engines/fsdp2/lora.py)."""
+    lora_alpha: float = 16
+    """LoRA scaling numerator: adapters add (lora_alpha / lora_rank) * B @ A to each target weight."""
+    target_modules: Union[str, list[str]] = "all-linear"
+    """Modules that get adapters: peft's target_modules (all-linear: every linear layer but the LM head)."""
+    exclude_modules: Union[str, list[str], None] = None
+    """Modules left without adapters (peft's exclude_modules)."""
+    lora_adapter_path: Optional[str] = None
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start the actor's
+    adapters from; its r, lora_alpha and target_modules replace the three keys above."""
 
 
 @dataclass
@@ -267,6 +280,12 @@ class RefConfig:
 class CriticConfig:
     model_path: Optional[str] = None
     """Value model backbone folder (default: model.path); a scalar head is added."""
+    lora_rank: int = 0
+    """LoRA rank of the critic's backbone (0: full fine-tuning); the value head is trained whole."""
+    lora_alpha: float = 16
+    """The critic's LoRA scaling numerator (as model.lora_alpha)."""
+    target_modules: Union[str, list[str]] = "all-linear"
+    """The critic's modules that get adapters (as model.target_modules)."""
     lr: float = 1e-3
     """Peak learning rate of the critic's AdamW."""
     weight_decay: float = 0.0

@@ -39,7 +39,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Literal, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,13 @@ class LossScale:
 
 Role = Literal["actor", "ref", "critic", "reward"]
 LossFn = Callable[[dict[str, torch.Tensor], Batch, LossScale], tuple[torch.Tensor, dict[str, float]]]
+
+
+class LogProbSource(Protocol):
+    """What the loop asks of a reference policy: a ``TrainEngine``, or a LoRA actor with its adapters off."""
+
+    def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False,
+                        max_token_len: Optional[int] = None) -> dict[str, torch.Tensor]: ...
 
 
 class TrainEngine(abc.ABC):
@@ -194,6 +201,11 @@ class TrainEngine(abc.ABC):
         out[f"{prefix}/lr"] = float(lr)
         out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
         return out
+
+    def base_reference(self) -> Optional[LogProbSource]:
+        """The reference policy this engine can serve itself (a LoRA model with its adapters off), or None
+        when the reference needs an engine of its own."""
+        return None
 
     @abc.abstractmethod
     def export_weights(self, dtype: Optional[torch.dtype] = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -96,9 +96,9 @@ SFT_TABLE: list[Rule] = [
     ignore("model.fsdp_config.reshard_after_forward", PERF),
     only("model.external_lib", (None,), "transformers loads the model"),
     only("model.trust_remote_code", (False,), "models load without code from their folder"),
-    only("model.lora_rank", (0,), "full fine-tuning only (no LoRA yet)"),
-    ignore("model.lora_alpha", "used only with model.lora_rank > 0"),
-    ignore("model.target_modules", "used only with model.lora_rank > 0"),
+    m("model.lora_rank", "model.lora_rank"),
+    m("model.lora_alpha", "model.lora_alpha"),
+    m("model.target_modules", "model.target_modules"),
     # optimizer
     m("optim.lr", "actor.lr"),
     m("optim.betas", "actor.betas"),

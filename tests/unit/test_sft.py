@@ -213,7 +213,7 @@ def test_verl_sft_script_words_map_onto_sft_keys():
 
 @pytest.mark.parametrize("word, says", [
     ("ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=2 is not supported"),
-    ("model.lora_rank=32", "model.lora_rank=32 is not supported"),
+    ("model.trust_remote_code=true", "model.trust_remote_code=True is not supported"),
     ("data.custom_cls.path=my.py", "data.custom_cls.path='my.py' is not supported"),
     ("optim.warmup_steps_ratio=0.1", "needs trainer.total_training_steps"),
     ("data.bogus=1", "verl key data.bogus=1 has no spmdrl equivalent"),
@@ -221,6 +221,13 @@ def test_verl_sft_script_words_map_onto_sft_keys():
 def test_unsupported_verl_sft_keys_stop_with_one_sentence(word, says):
     with pytest.raises(ConfigError, match=says):
         parse_sft_config(["data.train_files=/d.parquet", word])
+
+
+def test_verl_sft_lora_keys_mean_lora():
+    cfg, _ = parse_sft_config(["data.train_files=/d.parquet", "model.lora_rank=32", "model.lora_alpha=64",
+                               "model.target_modules=[q_proj,v_proj]"])
+    m = cfg.model
+    assert (m.lora_rank, m.lora_alpha, list(m.target_modules)) == (32, 64, ["q_proj", "v_proj"])
 
 
 def test_rl_only_keys_are_refused():

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -48,6 +49,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
+from spmdrl.engines.fsdp2.lora import (
+    AdaptersOff,
+    LoraSpec,
+    add_adapters,
+    lora_spec,
+    merge_adapters,
+    read_adapter_config,
+)
 from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
 from spmdrl.engines.fsdp2.packing import pack, packed_attention
 from spmdrl.engines.fsdp2.parallelize import (
@@ -56,7 +65,7 @@ from spmdrl.engines.fsdp2.parallelize import (
     apply_fsdp,
     apply_tp,
 )
-from spmdrl.engines.fsdp2.weights import clip_grad_norm_, iter_full_state, iter_unsharded_state
+from spmdrl.engines.fsdp2.weights import clip_grad_norm_, hf_name, iter_full_state, iter_unsharded_state
 from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.optim import build_optimizer, build_scheduler, optimizer_settings
 from spmdrl.precision import resolve_dtype, to_dtype
@@ -153,6 +162,7 @@ class FSDP2Engine(TrainEngine):
         total_steps: int | None = None,
         max_grad_norm: float = 1.0,
         seed: int = 0,
+        lora: LoraSpec | None = None,
     ):
         if role not in ("actor", "ref", "critic", "reward"):
             raise ValueError(f"engine role {role!r} is not valid; valid: actor, ref, critic, reward")
@@ -176,6 +186,10 @@ class FSDP2Engine(TrainEngine):
         self.model = self._load(model_path, role, dtype, seed, attn_implementation)
         if role in FROZEN:
             self.model.requires_grad_(False)
+        # LoRA goes in first: TP, checkpointing, compile and FSDP then wrap the adapted modules.
+        self.lora_scaling: dict[str, float] = {}
+        if lora is not None:
+            self.lora_scaling = add_adapters(self.model, lora, seed, ("score.",) if role == "critic" else ())
         if self.tp_mesh is not None:
             apply_tp(self.model, self.tp_mesh)
         if gradient_checkpointing and role not in FROZEN:
@@ -219,6 +233,11 @@ class FSDP2Engine(TrainEngine):
             if on and cfg.model.attn_implementation == "flash_attention_2":
                 raise ValueError(f"{key} is true with model.attn_implementation 'flash_attention_2'; packed "
                                  f"sequences run on eager or sdpa attention: set it to auto, eager or sdpa")
+        if p.tp > 1 and (lora_spec(cfg.model) or cfg.critic.lora_rank > 0):
+            raise ValueError(f"LoRA (model.lora_rank / critic.lora_rank) with parallel.tp={p.tp}: adapters "
+                             f"are not tensor-parallel yet; set parallel.tp: 1 (FSDP still shards the base)")
+        if cfg.model.lora_adapter_path:
+            read_adapter_config(cfg.model.lora_adapter_path)
         if cfg.model.fused_kernels == "on" and p.tp > 1:
             raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
                              f"support tensor parallelism: set model.fused_kernels to auto or off")
@@ -272,6 +291,7 @@ class FSDP2Engine(TrainEngine):
                 total_steps=total_steps,
                 max_grad_norm=c.max_grad_norm,
                 remove_padding=c.use_remove_padding,
+                lora=LoraSpec(c.lora_rank, c.lora_alpha, c.target_modules) if c.lora_rank > 0 else None,
                 **common,
             )
         return cls(
@@ -287,6 +307,7 @@ class FSDP2Engine(TrainEngine):
             total_steps=total_steps,
             max_grad_norm=a.max_grad_norm,
             remove_padding=m.use_remove_padding,
+            lora=lora_spec(m),
             **common,
         )
 
@@ -406,9 +427,14 @@ class FSDP2Engine(TrainEngine):
         self.model.reshard()
         if self.tp_mesh is None and dtype is not None and dtype == self.param_dtype:
             # FSDP gathers whole units in the compute dtype: the cast the consumer asked for.
-            yield from iter_unsharded_state(self.model)
+            weights = iter_unsharded_state(self.model)
         else:
-            yield from iter_full_state(self.model, dtype)
+            weights = iter_full_state(self.model, dtype)
+        yield from merge_adapters(weights, self.lora_scaling) if self.lora_scaling else weights
+
+    def base_reference(self) -> "AdaptersOff | None":
+        """With LoRA, the reference policy is this model with its adapters off (no second copy)."""
+        return AdaptersOff(self) if self.lora_scaling else None
 
     def state_dict(self) -> dict:
         """Sharded model (+ optimizer, scheduler, step) for ``torch.distributed.checkpoint.save/load``.
@@ -416,15 +442,23 @@ class FSDP2Engine(TrainEngine):
         The optimizer part initialises Adam's state first when it is empty (so a
         fresh engine can serve as the load template).
         """
-        sd: dict = {"model": get_model_state_dict(self.model)}
+        # With LoRA only the adapters (and a value head) are saved: the base is model.path's.
+        sd: dict = {"model": get_model_state_dict(self.model, options=self._state_options)}
+        if self.lora_scaling:  # a tied LM head is listed although its weight (the embeddings) is frozen
+            trainable = {hf_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
+            sd["model"] = {k: v for k, v in sd["model"].items() if k in trainable}
         if self.optimizer is not None:
             sd["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
             sd["scheduler"] = self.scheduler.state_dict()
             sd["step"] = self.global_step
         return sd
 
+    @property
+    def _state_options(self) -> StateDictOptions:
+        return StateDictOptions(ignore_frozen_params=bool(self.lora_scaling), strict=not self.lora_scaling)
+
     def load_state_dict(self, state: dict) -> None:
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, state["model"], options=self._state_options)
         if self.optimizer is not None:
             configured = optimizer_settings(self.optimizer, self.scheduler)
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])

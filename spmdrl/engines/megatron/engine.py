@@ -205,6 +205,11 @@ class MegatronEngine(TrainEngine):
             if arch is not None:
                 arch.check_parallel(cfg.parallel.tp, cfg.parallel.pp)
         c = cfg.critic
+        for key, rank in (("model.lora_rank", cfg.model.lora_rank), ("critic.lora_rank", c.lora_rank)):
+            if rank > 0 or (key == "model.lora_rank" and cfg.model.lora_adapter_path):
+                raise ValueError(f"{key} asks for LoRA but actor.strategy 'megatron' trains full weights "
+                                 f"(megatron-core's LoRA lives in NeMo, not in megatron-core); set "
+                                 f"actor.strategy: fsdp2 for LoRA")
         for key, on in (("model.use_remove_padding", cfg.model.use_remove_padding),
                         ("critic.use_remove_padding", c.use_remove_padding),
                         ("actor.use_dynamic_bsz", cfg.actor.use_dynamic_bsz),
