@@ -92,8 +92,8 @@ def trim_padding(batch: Batch) -> Batch:
     out = {}
     for key, v in batch.tensors.items():
         if v.dim() >= 2 and v.shape[1] == prompt + resp:
-            v = v[:, first : prompt + last]
+            v = v[:, first : prompt + last].contiguous()
         elif v.dim() >= 2 and v.shape[1] == resp:
-            v = v[:, :last]
+            v = v[:, :last].contiguous()
         out[key] = v
     return Batch(out)
