@@ -154,3 +154,23 @@ def test_fresh_start_keeps_an_earlier_run_and_a_held_folder_is_refused(tmp_path,
     assert (earlier / "metrics.jsonl").read_text() == '{"step": 1, "train/loss": 9.0}\n'
     assert (earlier / "hf" / "model.safetensors").read_text() == "the earlier export"
     assert [r["step"] for r in read_metrics(out)] == [1] and (out / "hf" / "model.safetensors").exists()
+
+
+def test_lora_sft_trains_adapters_and_exports_merged_weights(tmp_path, spmdrl_cache, monkeypatch):
+    import json
+
+    from safetensors.torch import load_file
+
+    from spmdrl.builtin.models import resolve_builtin_model
+
+    out = tmp_path / "lora"
+    sft(out, spmdrl_cache, "--trainer.total_steps", "2", "--trainer.save_freq", "2", "--data.val_files",
+        "null", "--model.lora_rank", "8", "--actor.lr", "1e-2", nproc=1)
+    shapes = json.loads((out / "checkpoints" / "global_step_2" / "manifest.json").read_text())["model_shapes"]
+    assert all(".lora_A." in n or ".lora_B." in n for n in shapes["actor"])
+    monkeypatch.setenv("SPMDRL_CACHE", spmdrl_cache)
+    base = load_file(str(resolve_builtin_model("builtin:tiny")) + "/model.safetensors")
+    merged = load_file(str(out / "hf" / "model.safetensors"))
+    assert sorted(merged) == sorted(base)  # merged: the base model's names, no adapter tensors
+    moved = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert moved and all(k.endswith("proj.weight") for k in moved)  # only adapted linear layers changed
