@@ -191,8 +191,9 @@ def main() -> None:
         share = float(batch["attention_mask"].float().mean())
         print(f"\nrows {'all full' if full else f'long-tailed: {share:.0%} of the padded tokens are real'}; "
               f"token budget {budget} per micro-batch\n")
+        ratio = "x padded" if names[0] == next(iter(CONFIGS)) else "x first row"
         print("| configuration | s/step | update s | old_logp s | ref s | balance s | phase memory rise MB "
-              "| AdamW state MB | x padded |")
+              f"| AdamW state MB | {ratio} |")
         print("|---|---|---|---|---|---|---|---|---|")
         base = statistics.median(res[names[0]]["step"])
         for s in setups:
