@@ -110,6 +110,7 @@ trainer:
   save_freq: 20
   test_freq: 5
   val_before_train: true
+  balance_batch: true
 """
 
 

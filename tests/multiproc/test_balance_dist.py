@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import spawn
+from rows import pg_loss, rows_with_lengths
 
 pytestmark = pytest.mark.dist
 
@@ -20,29 +21,13 @@ LR = 1e-4
 
 def _rank_batch(rank: int, vocab: int):
     """Rank 0: 12-25 attended tokens per row; rank 1: 3-6. Groups are consecutive rows sharing ``index``."""
-    from spmdrl.batch import Batch
-
     g = torch.Generator().manual_seed(10 + rank)
     rows = GROUPS * N
     (p_lo, p_hi), (r_lo, r_hi) = ((8, 13), (4, 13)) if rank == 0 else ((2, 4), (1, 3))
-    prompt = torch.randint(p_lo, p_hi, (rows,), generator=g)
-    resp = torch.randint(r_lo, r_hi, (rows,), generator=g)
-    p_max, r_max = int(prompt.max()), int(resp.max())
-    pos = torch.arange(p_max + r_max)
-    attn = ((pos >= p_max - prompt[:, None]) & (pos < p_max + resp[:, None])).long()  # [rows, P+R]
-    return Batch(dict(
-        input_ids=torch.randint(3, vocab, (rows, p_max + r_max), generator=g) * attn,
-        attention_mask=attn,
-        position_ids=(attn.cumsum(1) - 1).clamp(min=0),
-        response_mask=attn[:, p_max:].float(),  # [rows, R]
-        advantages=torch.randn(rows, r_max, generator=g),
-        index=torch.arange(GROUPS).repeat_interleave(N) + rank * GROUPS,  # [rows] global prompt ids
-    ))
-
-
-def pg_loss(outputs, mb, scale):
-    loss = -(outputs["logp"] * mb["advantages"] * mb["response_mask"]).sum() / scale.global_tokens
-    return loss, {"actor/pg_loss": loss.item()}
+    batch = rows_with_lengths(torch.randint(p_lo, p_hi, (rows,), generator=g),
+                              torch.randint(r_lo, r_hi, (rows,), generator=g), vocab, seed=10 + rank)
+    batch["index"] = torch.arange(GROUPS).repeat_interleave(N) + rank * GROUPS  # [rows] global prompt ids
+    return batch
 
 
 def _run(rank: int, world: int, model_dir: str) -> dict:

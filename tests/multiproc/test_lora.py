@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import spawn
+from rows import pg_loss, rows_with_lengths
 
 pytestmark = pytest.mark.dist
 
@@ -20,28 +21,7 @@ LR = 1e-3
 
 
 def _batch(vocab: int):
-    from spmdrl.batch import Batch
-
-    g = torch.Generator().manual_seed(3)
-    prompt, resp = torch.tensor([5, 3, 4, 2]), torch.tensor([4, 6, 2, 5])
-    p_max, r_max = int(prompt.max()), int(resp.max())
-    pos = torch.arange(p_max + r_max)
-    attn = ((pos >= p_max - prompt[:, None]) & (pos < p_max + resp[:, None])).long()  # [4, P+R]
-    return Batch(dict(
-        input_ids=torch.randint(3, vocab, (4, p_max + r_max), generator=g) * attn, attention_mask=attn,
-        position_ids=(attn.cumsum(1) - 1).clamp(min=0), response_mask=attn[:, p_max:].float(),
-        advantages=torch.randn(4, r_max, generator=g), returns=torch.randn(4, r_max, generator=g),
-    ))
-
-
-def pg_loss(outputs, mb, scale):
-    loss = -(outputs["logp"] * mb["advantages"] * mb["response_mask"]).sum() / scale.global_tokens
-    return loss, {"actor/pg_loss": loss.item()}
-
-
-def vf_loss(outputs, mb, scale):
-    loss = ((outputs["values"] - mb["returns"]) ** 2 * mb["response_mask"]).sum() / scale.global_tokens
-    return loss, {"critic/vf_loss": loss.item()}
+    return rows_with_lengths([5, 3, 4, 2], [4, 6, 2, 5], vocab, seed=3)
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:

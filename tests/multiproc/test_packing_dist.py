@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import spawn
+from rows import pg_loss, rows_with_lengths, vf_loss
 
 pytestmark = pytest.mark.dist
 
@@ -20,31 +21,7 @@ LR = 1e-4
 
 
 def _batch(vocab: int):
-    from spmdrl.batch import Batch
-
-    g = torch.Generator().manual_seed(2)
-    n, p_max, r_max = len(PROMPT), max(PROMPT), max(RESP)
-    pos = torch.arange(p_max + r_max)
-    attn = ((pos >= p_max - torch.tensor(PROMPT)[:, None])
-            & (pos < p_max + torch.tensor(RESP)[:, None])).long()  # [n, P+R]
-    return Batch(dict(
-        input_ids=torch.randint(3, vocab, (n, p_max + r_max), generator=g) * attn,
-        attention_mask=attn,
-        position_ids=(attn.cumsum(1) - 1).clamp(min=0),
-        response_mask=attn[:, p_max:].float(),  # [n, R]
-        advantages=torch.randn(n, r_max, generator=g),
-        returns=torch.randn(n, r_max, generator=g),
-    ))
-
-
-def pg_loss(outputs, mb, scale):
-    loss = -(outputs["logp"] * mb["advantages"] * mb["response_mask"]).sum() / scale.global_tokens
-    return loss, {"actor/pg_loss": loss.item()}
-
-
-def vf_loss(outputs, mb, scale):
-    loss = 0.5 * ((outputs["values"] - mb["returns"]) ** 2 * mb["response_mask"]).sum() / scale.global_tokens
-    return loss, {"critic/vf_loss": loss.item()}
+    return rows_with_lengths(PROMPT, RESP, vocab, seed=2)
 
 
 def _run(rank: int, world: int, model_dir: str, result: str) -> None:

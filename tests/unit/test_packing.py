@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from rows import pg_loss, rows_with_lengths, vf_loss
 
 from spmdrl.batch import Batch
 
@@ -17,30 +18,7 @@ RESP = [10, 1, 6, 2, 10, 4]
 
 
 def long_tailed_batch(vocab: int, prompt: list[int] = PROMPT, resp: list[int] = RESP) -> Batch:
-    """Rows laid out as ``batch.from_generation`` makes them: prompts left-padded, responses right-padded."""
-    g = torch.Generator().manual_seed(1)
-    n, p_max, r_max = len(prompt), max(prompt), max(resp)
-    pos = torch.arange(p_max + r_max)
-    attn = ((pos >= p_max - torch.tensor(prompt)[:, None])
-            & (pos < p_max + torch.tensor(resp)[:, None])).long()  # [n, P+R]
-    return Batch(dict(
-        input_ids=torch.randint(3, vocab, (n, p_max + r_max), generator=g) * attn,
-        attention_mask=attn,
-        position_ids=(attn.cumsum(1) - 1).clamp(min=0),
-        response_mask=attn[:, p_max:].float(),  # [n, R]
-        advantages=torch.randn(n, r_max, generator=g),
-        returns=torch.randn(n, r_max, generator=g),
-    ))
-
-
-def pg_loss(outputs, mb, scale):
-    loss = -(outputs["logp"] * mb["advantages"] * mb["response_mask"]).sum() / scale.global_tokens
-    return loss, {"actor/pg_loss": loss.item()}
-
-
-def vf_loss(outputs, mb, scale):
-    loss = 0.5 * ((outputs["values"] - mb["returns"]) ** 2 * mb["response_mask"]).sum() / scale.global_tokens
-    return loss, {"critic/vf_loss": loss.item()}
+    return rows_with_lengths(prompt, resp, vocab, seed=1)
 
 
 @pytest.fixture(scope="module", autouse=True)
