@@ -360,7 +360,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="actor.ppo_micro_batch_size_per_gpu of the sized shape")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak for MFU (default: by GPU name)")
-    p.add_argument("--cell-timeout", type=float, default=900, help="seconds one run may take")
+    p.add_argument("--cell-timeout", type=float, default=540,
+                   help="seconds one run may take (a command on the lent machines may take 600)")
     return p.parse_args(argv)
 
 
