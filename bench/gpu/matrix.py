@@ -191,6 +191,8 @@ def child(target: str, args: list[str], log: Path, title: str, timeout: float, s
 def figures(rows: list[dict], *, world: int, responses: int, params: int, weight_bytes: int,
             peak_tflops: Optional[float]) -> dict[str, Any]:
     """The item-4 figures of one run from its metrics rows (the first left out as warm-up when more)."""
+    # Step 1's engine starts with the actor's weights: its weight_sync phase only wakes it, loading nothing.
+    loads = [r["timing/weight_sync"] for r in rows if r.get("step", 0) > 1 and "timing/weight_sync" in r]
     rows = rows[1:] if len(rows) > 1 else rows
 
     def med(key: str) -> Optional[float]:
@@ -211,8 +213,8 @@ def figures(rows: list[dict], *, world: int, responses: int, params: int, weight
                          "nvml_gb": {p: peak(f"memory/{p}_nvml_gb") for p in phases},
                          "overall_peak_gb": peak("memory/overall_peak_gb"),
                          "params": params, "weight_gb": params * weight_bytes / 1e9}
-    sync, rollout, update = (f["phase_s"].get(p) for p in ("weight_sync", "rollout", "update"))
-    f["weight_sync_s"] = sync
+    rollout, update = f["phase_s"].get("rollout"), f["phase_s"].get("update")
+    f["weight_sync_s"] = sync = statistics.median(loads) if loads else None
     f["weight_sync_gb_per_s"] = f["weight_gb"] / sync if sync else None
     if rollout and f["response_length"]:
         f["decode_tokens_per_s_per_gpu"] = responses / world * f["response_length"] / rollout

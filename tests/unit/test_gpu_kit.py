@@ -59,3 +59,25 @@ def test_packing_keeps_chunks_under_the_limit():
     first = [(Path("c1"), {"bytes": 45})]
     filled = build_carry.pack(items[-2:], 60, [first])
     assert len(filled) == 1 and sum(e["bytes"] for _, e in filled[0]) == 60
+
+
+def test_figures_from_metrics_rows():
+    """Warm-up step left out, per-GPU throughput, weight sync only from steps that loaded weights (step 1's
+    engine already holds them), the colocated peak over the larger phase and the update's MFU."""
+    def row(step, sync):
+        return {"step": step, "timing/step": 2.0, "timing/rollout": 1.0, "timing/update": 0.5,
+                "timing/weight_sync": sync, "perf/tokens_per_s": 1000.0 * step, "response_length/mean": 10.0,
+                "memory/rollout_peak_gb": 4.0, "memory/update_peak_gb": 5.0,
+                "memory/weight_sync_peak_gb": 6.0, "memory/overall_peak_gb": 6.0}
+
+    f = matrix.figures([row(1, 0.0), row(2, 0.25), row(3, 0.25)], world=2, responses=8, params=10**9,
+                       weight_bytes=2, peak_tflops=1000.0)
+    assert f["steps_measured"] == 2 and f["tokens_per_s_per_gpu"] == 1250.0  # median of 2000, 3000; 2 GPUs
+    assert f["weight_sync_s"] == 0.25 and f["weight_gb"] == 2.0 and f["weight_sync_gb_per_s"] == 8.0
+    assert f["decode_tokens_per_s_per_gpu"] == 40.0  # 8 responses / 2 GPUs x 10 tokens / 1 s
+    assert f["colocated_over_larger_phase_peak"] == 1.2  # 6 GB while syncing over the update's 5
+    assert f["update_mfu"] == 6 * 10**9 * 1250.0 * 2.0 / 0.5 / 1e15
+    only = matrix.figures([row(1, 1e-5)], world=1, responses=8, params=10**9, weight_bytes=2,
+                          peak_tflops=None)
+    assert only["weight_sync_s"] is None and only["weight_sync_gb_per_s"] is None
+    assert only["update_mfu"] is None
