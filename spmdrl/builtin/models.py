@@ -8,6 +8,9 @@ generation_config.json and a byte-level BPE tokenizer trained with the
 same size and seed always give the same bytes. Nothing is downloaded, so
 ``AutoModelForCausalLM.from_pretrained(out)`` works with ``HF_HUB_OFFLINE=1``.
 
+``builtin:qwen2.5-0.5b-shape`` is Qwen2.5-0.5B's shapes with random weights and the same tokenizer, for the
+GPU kit (``bench/gpu/``).
+
 ``resolve_builtin_model`` builds ``builtin:tiny`` under the cache on first use (rank 0 builds, the
 others wait).
 ``--reward`` (``builtin:tiny-rm``) writes a reward model instead:
@@ -44,7 +47,19 @@ SIZES: dict[str, dict] = {
     # ~38M parameters: benchmarks (the size the issues' reference figures were measured on).
     "small": dict(hidden_size=512, intermediate_size=2560, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4),
+    # Qwen2.5-0.5B's config.json shapes (494,032,768 parameters, tied embeddings), random weights stored in
+    # bfloat16 as that checkpoint is: the GPU kit's model (bench/gpu/), so its throughput figures are for a
+    # size users train. The built-in tokenizer's 2,048 ids are the first rows of Qwen's 151,936-row
+    # embedding; the other rows are padding, as a real Qwen2.5 checkpoint pads its 151,665 ids to 151,936:
+    # the same matmul work per token, and a sampled padding id decodes to no text.
+    "qwen2.5-0.5b-shape": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                               num_attention_heads=14, num_key_value_heads=2, max_window_layers=24,
+                               vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                               torch_dtype="bfloat16"),
 }
+# Config values of every built-in model unless its SIZES entry sets them (vocab_size: the tokenizer's).
+_CONFIG_DEFAULTS: dict[str, Any] = dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=True, torch_dtype="float32")
 # name -> the spmdrl.sft keys that train it. The schedule is configs/sft.yaml's, cut to 75 steps: the model
 # answers with a bare number, right ~35% of the time when sampled at temperature 1, so GRPO has room to show
 # what it adds (from 100 SFT steps it starts near 0.45 and gains less; from 50 it ends below 0.6 at seed 2).
@@ -130,12 +145,27 @@ def build_tokenizer(out: Path, seed: int) -> "object":
     return fast
 
 
+def _config_values(size: str, vocab: int) -> dict[str, Any]:
+    return {**_CONFIG_DEFAULTS, "vocab_size": vocab, **SIZES[size]}
+
+
+def model_config(size: str, tok: Any) -> Any:
+    """The Qwen2Config of built-in model ``size`` with tokenizer ``tok`` (its special ids; its length is the
+    vocabulary unless the size sets a wider one)."""
+    from transformers import Qwen2Config
+
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny-model size {size!r}; valid sizes: {', '.join(SIZES)}")
+    return Qwen2Config(bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id, **_config_values(size, len(tok)))
+
+
 def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = False) -> Path:
     """Write the model folder ``out`` (replacing it atomically) and return it. ``reward``: a reward model,
     Qwen2ForSequenceClassification with one label (a random scalar head on the same backbone shape and
     tokenizer), as ``reward_model.model.path`` loads it."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+    from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     if size not in SIZES:
         raise ValueError(f"unknown tiny-model size {size!r}; valid sizes: {', '.join(SIZES)}")
@@ -143,24 +173,14 @@ def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = Fal
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
     try:
         tok = build_tokenizer(tmp, seed)
-        cfg = Qwen2Config(
-            vocab_size=len(tok),
-            max_position_embeddings=2048,
-            rope_theta=10000.0,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            bos_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            torch_dtype="float32",
-            **SIZES[size],
-        )
+        cfg = model_config(size, tok)
         if reward:
             cfg.num_labels = 1  # one scalar score per sequence
         # fork_rng keeps the caller's global RNG untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = (Qwen2ForSequenceClassification if reward else Qwen2ForCausalLM)(cfg).to(torch.float32)
+            model = (Qwen2ForSequenceClassification if reward else Qwen2ForCausalLM)(cfg)
+            model = model.to(getattr(torch, _config_values(size, len(tok))["torch_dtype"]))
         model.save_pretrained(tmp, safe_serialization=True)
         if not reward:
             GenerationConfig(

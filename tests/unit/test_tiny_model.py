@@ -74,3 +74,48 @@ def test_warm_start_names_and_a_failed_build_leaves_nothing(tmp_path, monkeypatc
                                            r"missing.parquet"):
         models.resolve_builtin_model("builtin:tiny-arith")
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if "arith" in p.name] == []
+
+
+def test_qwen2_5_half_b_shape_has_that_checkpoints_shapes(tmp_path):
+    """``builtin:qwen2.5-0.5b-shape`` is Qwen2.5-0.5B's config.json with the built-in tokenizer: the same
+    494,032,768 parameters (counted on the meta device: the suite never writes its 1 GB of weights)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from spmdrl.builtin.models import build_tokenizer, check_builtin_model, model_config
+
+    assert check_builtin_model("builtin:qwen2.5-0.5b-shape") == ("qwen2.5-0.5b-shape", "qwen2.5-0.5b-shape",
+                                                                 False)
+    tok = build_tokenizer(tmp_path, seed=0)
+    cfg = model_config("qwen2.5-0.5b-shape", tok).to_dict()
+    want = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                max_position_embeddings=32768, rms_norm_eps=1e-6, max_window_layers=24,
+                eos_token_id=tok.eos_token_id)
+    assert {k: cfg[k] for k in want} == want
+    assert cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta")) == 1e6
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(model_config("qwen2.5-0.5b-shape", tok))
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768
+
+
+def test_a_vocabulary_wider_than_the_tokenizer_is_padding(tmp_path, monkeypatch):
+    """A size with a wider vocab_size (as the 0.5B shape has) writes an embedding of that many rows and its
+    weight dtype; the model may sample a padding id, which the tokenizer decodes to no text."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spmdrl.builtin import models
+
+    monkeypatch.setitem(models.SIZES, "tiny-wide", {**models.SIZES["tiny"], "vocab_size": 4096,
+                                                    "torch_dtype": "bfloat16"})
+    out = models.build_model(tmp_path / "wide", "tiny-wide", seed=0)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    assert embed.shape == (4096, 256) and embed.dtype == torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == 2048 and tok.decode([5, 3000, 4095]) == tok.decode([5])
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert model(torch.tensor([[5, 3000]])).logits.shape == (1, 2, 4096)
