@@ -1,0 +1,323 @@
+"""The SGLang rollout engine: one ``sglang.Engine`` per rank, driven by that rank's loop (no Ray, no server).
+
+    rollout:
+      engine: sglang     # parallel.rollout_tp must be 1
+
+SGLang always runs its scheduler and detokenizer in child processes (no release has an in-process mode
+like vLLM's external launcher), so every rank owns one engine and its children, as verl and slime drive
+it; the trainer's process groups never see them. Prompts go in as token ids (``skip_tokenizer_init``),
+on CPU with SGLang's ``torch_native`` attention and ``pytorch`` sampling. Different rollout-DP ranks draw
+from different seeds (``random_seed = seed + rollout-DP rank``); SGLang ignores per-request seeds unless
+its deterministic inference is on, so ``SamplingParams.seed`` does not reseed a call here.
+
+Start-up traps handled by ``_engine_start_env``: under torchrun the children would inherit
+``TORCHELASTIC_USE_AGENT_STORE`` (and the rest of torchrun's rendezvous variables) and hang for ever in
+their own process-group set-up, so those are hidden while the engine starts; the engine writes NCCL/CUDA
+variables into this process's environment and forces the ``spawn`` start method, both restored once it
+is up. SGLang's own shutdown kills every child of the calling process (the trainer's tool and reward
+workers too) and is registered at exit, so ``close`` stops only the engine's children instead.
+
+Weights: ``update_weights`` pushes (hf_name, full tensor) pairs with ``update_weights_from_tensor`` in
+buckets of ``rollout.update_weights_bucket_megabytes`` (SGLang fuses q/k/v and gate/up itself; a tied
+head follows its embedding), flushing the radix cache after the last bucket only.
+
+Sleep: on CUDA, ``release_memory_occupation`` / ``resume_memory_occupation`` with the ``weights`` and
+``kv_cache`` tags (``enable_memory_saver``); level 2 makes the session reload the actor's weights. On CPU
+SGLang has no memory saver: sleep and wake_up are no-ops and the weights and KV cache stay allocated
+(the KV cache is sized to max_num_seqs x max_model_len tokens, not to a memory fraction).
+
+Log-probs: under the sampling distribution, the convention every engine follows
+(spmdrl.rollout.sampling). SGLang returns ``log softmax(logits / T)`` of the sampled token, over the whole
+vocabulary even with top-k / top-p; with truncation on the engine asks for SGLang's sampling mask, whose
+log-probs are renormalised over the kept tokens. Greedy returns ``log_softmax(logits)`` as the others.
+
+On CPU, SGLang runs from ``.venv-sglang`` (``.ci/sglang-venv``), where ``spmdrl/rollout/sglang_cpu.py``
+bridges its CUDA-only kernel package and torchvision's ops.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import json
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
+
+import torch
+
+from spmdrl.parallel import rollout_coords
+from spmdrl.precision import to_dtype
+from spmdrl.rollout.base import (
+    SLEEP_TAGS,
+    GenerationOutput,
+    RolloutEngine,
+    SamplingParams,
+    buckets,
+    common_kwargs,
+    eos_ids_from_folder,
+    left_pad,
+)
+from spmdrl.rollout.sampling import stop_id_tensor, validate_sampling
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from spmdrl.config import Config
+
+INSTALL_HINT = ("make its environment with `bash .ci/sglang-venv` on CPU (README, \"SGLang rollout\"), or "
+                "`pip install sglang` built for your torch on GPU")
+TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the sglang rollout engine runs one TP-1 engine per rank "
+                  "so far; set parallel.rollout_tp: 1 or use rollout.engine vllm for rollout tensor "
+                  "parallelism")
+# Variables torchrun sets for its rendezvous; SGLang's children must not see them (module docstring).
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class SGLangOptions:
+    """What this engine takes from the run config (``from_config``); the constructor's keyword arguments."""
+
+    dtype: torch.dtype = torch.float32
+    max_num_seqs: int = 256  # most requests SGLang runs at once
+    seed: int = 0  # the engine's sampling seed is seed + rollout-DP rank
+    max_model_len: int = 2048  # longest prompt + response
+    gpu_memory_utilization: float = 0.5  # CUDA only (SGLang's mem_fraction_static)
+    bucket_bytes: int = 512 << 20  # most exported bytes alive at once during update_weights
+
+    @classmethod
+    def from_config(cls, cfg: "Config", device: torch.device) -> "SGLangOptions":
+        r, d = cfg.rollout, cfg.data
+        common = common_kwargs(cfg, device)
+        return cls(dtype=common["dtype"], max_num_seqs=common["max_num_seqs"], seed=common["seed"],
+                   max_model_len=r.max_model_len or d.max_prompt_length + d.max_response_length,
+                   gpu_memory_utilization=r.gpu_memory_utilization,
+                   bucket_bytes=r.update_weights_bucket_megabytes << 20)
+
+
+def sglang_available() -> Optional[str]:
+    """None when SGLang can be imported here, else why not (one sentence)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:  # origin None: a namespace package (a stray folder)
+        return "SGLang is not installed in this Python environment"
+    return None
+
+
+def _select_platform(device: torch.device) -> None:
+    """SGLang picks its CPU code paths from ``SGLANG_USE_CPU_ENGINE`` when its modules are imported, in this
+    process and in its children: set before the first import of SGLang, and kept."""
+    if device.type == "cpu":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+
+
+@contextlib.contextmanager
+def _engine_start_env() -> Iterator[None]:
+    """While SGLang starts: torchrun's variables hidden from its children; afterwards this process's
+    environment and multiprocessing start method exactly as before (module docstring)."""
+    saved_env = dict(os.environ)
+    saved_method = multiprocessing.get_start_method(allow_none=True)
+    for k in list(os.environ):
+        if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC_"):
+            del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        multiprocessing.set_start_method(saved_method, force=True)
+
+
+class SGLangRollout(RolloutEngine):
+    """SGLang (``sglang.Engine``, its scheduler in child processes) as this rank's rollout engine.
+
+    Args:
+        model_path: HF folder SGLang builds the model from (config.json, safetensors).
+        mesh: the rollout mesh (dp x tp); its tp size must be 1.
+        device: cuda (memory saver on) or cpu (sleep is a no-op).
+        eos_token_ids: ids that end a response (passed as stop ids, so every engine stops alike).
+        pad_token_id: fills the padding of prompt_ids / response_ids.
+        options: SGLangOptions (dtype, seed, sizes, memory).
+    """
+
+    def __init__(self, model_path: str, *, mesh: Optional["DeviceMesh"] = None,
+                 device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
+                 options: Optional[SGLangOptions] = None, **option_kwargs):
+        _select_platform(torch.device(device))
+        import sglang
+
+        o = options or SGLangOptions(**{k: (to_dtype(v) if k == "dtype" else v)
+                                        for k, v in option_kwargs.items()})
+        self.options, self.device = o, torch.device(device)
+        self.dp_rank, tp = rollout_coords(mesh)
+        if tp != 1:
+            raise ValueError(TP_UNSUPPORTED.format(tp=tp))
+        self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
+        self.pad_token_id = pad_token_id
+        self.sleep_mode = self.device.type == "cuda"
+        memory = (dict(mem_fraction_static=o.gpu_memory_utilization, enable_memory_saver=True)
+                  if self.sleep_mode else {})
+        start = time.perf_counter()
+        with _engine_start_env():
+            self.engine = sglang.Engine(
+                model_path=str(model_path), dtype=str(o.dtype).removeprefix("torch."),
+                device=self.device.type, random_seed=o.seed + self.dp_rank, tp_size=1,
+                skip_tokenizer_init=True, attention_backend="torch_native", sampling_backend="pytorch",
+                disable_cuda_graph=True, context_length=o.max_model_len, max_running_requests=o.max_num_seqs,
+                max_total_tokens=o.max_num_seqs * o.max_model_len, log_level="error", **memory,
+            )
+        atexit.unregister(self.engine.shutdown)  # it would kill every child of this process (``close``)
+        self.init_seconds = time.perf_counter() - start
+        self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
+        self._asleep: set[str] = set()
+
+    @classmethod
+    def check_config(cls, cfg: "Config") -> None:
+        if cfg.parallel.rollout_tp != 1:
+            raise ValueError(TP_UNSUPPORTED.format(tp=cfg.parallel.rollout_tp))
+        why = sglang_available()
+        if why is not None:
+            raise ValueError(f"rollout.engine is 'sglang' but {why}; {INSTALL_HINT}")
+        from spmdrl.parallel import resolve_device_type
+
+        _select_platform(torch.device(resolve_device_type(cfg.trainer.device)))
+        if cfg.model.path.startswith("builtin:"):
+            return  # the built-in models are Qwen2, which SGLang runs
+        archs = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("architectures") or []
+        from sglang.srt.models.registry import ModelRegistry
+
+        supported = set(ModelRegistry.get_supported_archs())
+        if not any(a in supported for a in archs):
+            raise ValueError(f"model.path {cfg.model.path!r} is a "
+                             f"{', '.join(archs) or 'model without architectures'}, which SGLang "
+                             f"{_version()} cannot run; use rollout.engine native or hf")
+
+    @classmethod
+    def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],
+                    device: torch.device, eos_token_ids: Sequence[int], pad_token_id: int) -> "SGLangRollout":
+        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids,
+                   pad_token_id=pad_token_id, options=SGLangOptions.from_config(cfg, device))
+
+    # ---- weights and memory ----------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push (hf_name, full tensor) pairs into SGLang in place, bucket by bucket, then drop cached
+        prefixes (their KV was computed with the old weights)."""
+        if "weights" in self._asleep:
+            raise RuntimeError("sglang rollout: wake_up(('weights',)) before update_weights")
+        start, sent = time.perf_counter(), 0
+        pending: Optional[list[tuple[str, torch.Tensor]]] = None
+        for bucket in buckets(named_tensors, self.options.bucket_bytes):
+            if pending is not None:  # one bucket behind, so that only the last one flushes the cache
+                self._push(pending, flush=False)
+            pending = [(name, t.detach().contiguous()) for name, t in bucket]
+            sent += sum(t.numel() * t.element_size() for _, t in pending)
+            del bucket[:]
+        if pending is not None:
+            self._push(pending, flush=True)
+        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent)}
+
+    def _push(self, bucket: list[tuple[str, torch.Tensor]], flush: bool) -> None:
+        ok, message = self.engine.update_weights_from_tensor(bucket, flush_cache=flush)
+        if not ok:
+            raise RuntimeError(f"sglang rollout: update_weights_from_tensor failed: {message}")
+
+    def sleep(self, level: int = 1) -> None:
+        """SGLang's memory saver on CUDA (both levels free weights and KV cache; level 2 also makes the
+        session reload the weights, since they are not kept); a no-op on CPU."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleep_mode:
+            self.engine.flush_cache()  # release needs an idle engine
+            self.engine.release_memory_occupation(tags=list(SLEEP_TAGS))
+            self._asleep = set(SLEEP_TAGS)
+
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        bad = [t for t in tags if t not in SLEEP_TAGS]
+        if bad:
+            raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+        todo = [t for t in tags if t in self._asleep]
+        if todo:
+            self.engine.resume_memory_occupation(tags=todo)
+            self._asleep -= set(todo)
+
+    def close(self) -> None:
+        """Stop the engine's own children (scheduler, detokenizer) and nothing else of this process."""
+        from sglang.srt.utils import kill_process_tree
+
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is None:
+            return
+        watchdog = getattr(engine.tokenizer_manager, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()  # else it reports the children it sees die below as a crash
+        for pid in engine.get_all_child_pids():
+            kill_process_tree(pid, wait_timeout=60)
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        """Sample ``sampling.n`` responses per prompt (each prompt submitted n times: SGLang's radix cache
+        shares the prefill, and the rows come back prompt-major)."""
+        validate_sampling(sampling)
+        if self._asleep:
+            raise RuntimeError(f"sglang rollout: {sorted(self._asleep)} asleep; call wake_up first")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("sglang rollout: generate needs at least one prompt and no empty prompt")
+        stops = stop_id_tensor(self.eos_token_ids, sampling, torch.device("cpu")).tolist()
+        if sampling.ignore_eos and stops:
+            # SGLang's ignore_eos ignores stop ids too, and without it SGLang stops at the folder's EOS.
+            raise ValueError("sglang rollout: SamplingParams.ignore_eos with stop_token_ids is not supported "
+                             "by SGLang (its ignore_eos drops every stop id)")
+        n, R = sampling.n, sampling.max_tokens
+        truncated = not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0)
+        params = dict(max_new_tokens=R, temperature=sampling.temperature, top_p=sampling.top_p,
+                      top_k=sampling.top_k if sampling.top_k > 0 else -1, stop_token_ids=stops,
+                      ignore_eos=not stops, no_stop_trim=True)
+        outs = self._generate([list(map(int, p)) for p in prompts for _ in range(n)], params, truncated)
+        N = len(outs)
+        response_ids = torch.full((N, R), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(N, R, dtype=torch.float32)
+        lengths = torch.zeros(N, dtype=torch.long)
+        reasons = []
+        for i, o in enumerate(outs):
+            meta = o["meta_info"]
+            ids = list(o["output_ids"])
+            lp = (meta["output_token_sampling_logprobs"] if truncated
+                  else [t[0] for t in meta["output_token_logprobs"]])
+            lengths[i] = len(ids)
+            response_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            logprobs[i, :len(ids)] = torch.tensor(lp[:len(ids)], dtype=torch.float32)
+            reasons.append("length" if meta["finish_reason"]["type"] == "length" else "stop")
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
+        idx = torch.arange(len(prompts)).repeat_interleave(n)  # [N]
+        return GenerationOutput(
+            prompt_ids=prompt_ids[idx], prompt_mask=prompt_mask[idx], response_ids=response_ids,
+            response_mask=torch.arange(R)[None, :] < lengths[:, None], logprobs=logprobs,
+            finish_reasons=reasons, prompt_index=idx,
+        )
+
+    def _generate(self, input_ids: list[list[int]], params: dict, truncated: bool) -> list[dict]:
+        """One batched request; with ``truncated``, SGLang's sampling mask too, whose log-probs are
+        renormalised over the kept tokens (``Engine.generate`` does not expose that field)."""
+        if not truncated:
+            return self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        req = GenerateReqInput(input_ids=input_ids, sampling_params=params, return_logprob=True,
+                               return_sampling_mask=True)
+        return self.engine.loop.run_until_complete(
+            self.engine.tokenizer_manager.generate_request(req, None).__anext__())
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return "(unknown version)"
