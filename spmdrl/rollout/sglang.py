@@ -28,8 +28,13 @@ SGLang has no memory saver: sleep and wake_up are no-ops and the weights and KV 
 
 Log-probs: under the sampling distribution, the convention every engine follows
 (spmdrl.rollout.sampling). SGLang returns ``log softmax(logits / T)`` of the sampled token, over the whole
-vocabulary even with top-k / top-p; with truncation on the engine asks for SGLang's sampling mask, whose
-log-probs are renormalised over the kept tokens. Greedy returns ``log_softmax(logits)`` as the others.
+vocabulary even with top-k / top-p; with top-k on, the engine asks for SGLang's sampling mask instead,
+whose log-probs are renormalised over the kept tokens. SGLang returns that mask only under a finite
+top-k, so top-p without top-k is refused (``TOP_P_NEEDS_TOP_K``). With both on, SGLang keeps the top-k
+tokens whose preceding mass in the full distribution is within top-p (one joint filter), where
+transformers and vLLM apply top-p to the renormalised top-k: the kept set can be larger, and the
+log-probs are those of SGLang's distribution, the one the tokens were drawn from. Greedy returns
+``log_softmax(logits)`` as the others.
 
 On CPU, SGLang runs from ``.venv-sglang`` (``.ci/sglang-venv``), where ``spmdrl/rollout/sglang_cpu.py``
 bridges its CUDA-only kernel package and torchvision's ops.
@@ -74,6 +79,9 @@ INSTALL_HINT = ("make its environment with `bash .ci/sglang-venv` on CPU (README
 TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the sglang rollout engine runs one TP-1 engine per rank "
                   "so far; set parallel.rollout_tp: 1 or use rollout.engine vllm for rollout tensor "
                   "parallelism")
+TOP_P_NEEDS_TOP_K = ("{key}.top_p is {top_p} with {key}.top_k -1, which the sglang rollout engine cannot "
+                     "run: SGLang reports log-probs renormalised after top-p only under a finite top-k; set "
+                     "{key}.top_k (e.g. 50) or {key}.top_p: 1.0")
 # Variables torchrun sets for its rendezvous; SGLang's children must not see them (module docstring).
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                   "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -182,6 +190,10 @@ class SGLangRollout(RolloutEngine):
         why = sglang_available()
         if why is not None:
             raise ValueError(f"rollout.engine is 'sglang' but {why}; {INSTALL_HINT}")
+        r = cfg.rollout
+        for key, sampling in (("rollout", r), ("rollout.val_kwargs", r.val_kwargs)):
+            if sampling.top_p < 1.0 and sampling.top_k <= 0 and getattr(sampling, "do_sample", True):
+                raise ValueError(TOP_P_NEEDS_TOP_K.format(key=key, top_p=sampling.top_p))
         from spmdrl.parallel import resolve_device_type
 
         _select_platform(torch.device(resolve_device_type(cfg.trainer.device)))
@@ -273,8 +285,10 @@ class SGLangRollout(RolloutEngine):
             # SGLang's ignore_eos ignores stop ids too, and without it SGLang stops at the folder's EOS.
             raise ValueError("sglang rollout: SamplingParams.ignore_eos with stop_token_ids is not supported "
                              "by SGLang (its ignore_eos drops every stop id)")
-        n, R = sampling.n, sampling.max_tokens
         truncated = not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0)
+        if truncated and sampling.top_k <= 0:
+            raise ValueError(TOP_P_NEEDS_TOP_K.format(key="SamplingParams", top_p=sampling.top_p))
+        n, R = sampling.n, sampling.max_tokens
         params = dict(max_new_tokens=R, temperature=sampling.temperature, top_p=sampling.top_p,
                       top_k=sampling.top_k if sampling.top_k > 0 else -1, stop_token_ids=stops,
                       ignore_eos=not stops, no_stop_trim=True)
