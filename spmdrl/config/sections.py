@@ -132,7 +132,7 @@ class RolloutConfig:
     engine: str = "native"
     """Rollout engine: native (pure torch, KV cache, C++ decode kernels on CPU), vllm (in-process vLLM on
     every rank, tensor parallel over parallel.rollout_tp ranks; install it as the README says), sglang
-    (one SGLang engine per rank, its scheduler in child processes; parallel.rollout_tp 1; README, "SGLang
+    (one SGLang engine per rank or per rollout TP group, its scheduler in child processes; README, "SGLang
     rollout") or hf (transformers generate, a baseline for debugging)."""
     n: int = 8
     """Responses sampled per prompt."""

@@ -1,18 +1,29 @@
-"""The SGLang rollout engine: one ``sglang.Engine`` per rank, driven by that rank's loop (no Ray, no server).
+"""The SGLang rollout engine: one ``sglang.Engine`` per rank (per rollout-TP group leader), driven by the
+rank's loop (no Ray, no server).
 
     rollout:
-      engine: sglang     # parallel.rollout_tp must be 1
+      engine: sglang
+    parallel:
+      rollout_tp: 2      # one SGLang engine of TP 2 per group of contiguous ranks [0, 1], [2, 3], ...
 
 SGLang always runs its scheduler and detokenizer in child processes (no release has an in-process mode
-like vLLM's external launcher), so every rank owns one engine and its children, as verl and slime drive
-it; the trainer's process groups never see them. Prompts go in as token ids (``skip_tokenizer_init``),
-on CPU with SGLang's ``torch_native`` attention and ``pytorch`` sampling. Different rollout-DP ranks draw
-from different seeds (``random_seed = seed + rollout-DP rank``); SGLang ignores per-request seeds unless
-its deterministic inference is on, so ``SamplingParams.seed`` does not reseed a call here.
+like vLLM's external launcher), so each rank owns one engine and its children, as verl and slime drive
+it; the trainer's process groups never see them. With rollout TP > 1 only the first rank of each rollout
+TP group (its leader) starts an engine, of SGLang TP size tp (one scheduler process per TP rank, their
+own process group); the leader generates the group's prompts and broadcasts the outputs over the group,
+from which ``RolloutSession.generate`` keeps each rank's share, and every rank of the group pulls the
+actor's weight export (a collective) while only the leader pushes it.
+
+Prompts go in as token ids (``skip_tokenizer_init``), on CPU with SGLang's ``torch_native`` attention and
+``pytorch`` sampling. Different rollout-DP ranks draw from different seeds (``random_seed = seed +
+rollout-DP rank``); SGLang ignores per-request seeds unless its deterministic inference is on, so
+``SamplingParams.seed`` does not reseed a call here.
 
 Start-up traps handled by ``_engine_start_env``: under torchrun the children would inherit
 ``TORCHELASTIC_USE_AGENT_STORE`` (and the rest of torchrun's rendezvous variables) and hang for ever in
-their own process-group set-up, so those are hidden while the engine starts; the engine writes NCCL/CUDA
+their own process-group set-up, so those are hidden while the engine starts; at TP > 1 on CPU SGLang
+asserts (and kills this process) unless ``SGLANG_CPU_OMP_THREADS_BIND`` names each TP rank's cores, so
+it is set from this process's CPU affinity unless the user set it; the engine writes NCCL/CUDA
 variables into this process's environment and forces the ``spawn`` start method, both restored once it
 is up. SGLang's own shutdown kills every child of the calling process (the trainer's tool and reward
 workers too) and is registered at exit, so ``close`` stops only the engine's children instead.
@@ -55,7 +66,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from spmdrl.parallel import rollout_coords
+from spmdrl.parallel import rollout_coords, rollout_tp_rank
 from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
     SLEEP_TAGS,
@@ -76,9 +87,6 @@ if TYPE_CHECKING:
 
 INSTALL_HINT = ("make its environment with `bash .ci/sglang-venv` on CPU (README, \"SGLang rollout\"), or "
                 "`pip install sglang` built for your torch on GPU")
-TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the sglang rollout engine runs one TP-1 engine per rank "
-                  "so far; set parallel.rollout_tp: 1 or use rollout.engine vllm for rollout tensor "
-                  "parallelism")
 TOP_P_NEEDS_TOP_K = ("{key}.top_p is {top_p} with {key}.top_k -1, which the sglang rollout engine cannot "
                      "run: SGLang reports log-probs renormalised after top-p only under a finite top-k; set "
                      "{key}.top_k (e.g. 50) or {key}.top_p: 1.0")
@@ -123,15 +131,26 @@ def _select_platform(device: torch.device) -> None:
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 
 
+def _threads_bind(tp: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp`` scheduler processes: this process's CPUs cut into tp
+    contiguous parts ("0|1" on 2 cores), a CPU shared when there are fewer CPUs than TP ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    parts = [cpus[i * len(cpus) // tp:(i + 1) * len(cpus) // tp] or [cpus[i % len(cpus)]] for i in range(tp)]
+    return "|".join(",".join(map(str, p)) for p in parts)
+
+
 @contextlib.contextmanager
-def _engine_start_env() -> Iterator[None]:
-    """While SGLang starts: torchrun's variables hidden from its children; afterwards this process's
-    environment and multiprocessing start method exactly as before (module docstring)."""
+def _engine_start_env(tp: int, device: torch.device) -> Iterator[None]:
+    """While SGLang starts: torchrun's variables hidden from its children (and the CPU binding set at
+    TP > 1); afterwards this process's environment and multiprocessing start method exactly as before
+    (module docstring)."""
     saved_env = dict(os.environ)
     saved_method = multiprocessing.get_start_method(allow_none=True)
     for k in list(os.environ):
         if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC_"):
             del os.environ[k]
+    if tp > 1 and device.type == "cpu":
+        os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", _threads_bind(tp))
     try:
         yield
     finally:
@@ -161,32 +180,40 @@ class SGLangRollout(RolloutEngine):
         o = options or SGLangOptions(**{k: (to_dtype(v) if k == "dtype" else v)
                                         for k, v in option_kwargs.items()})
         self.options, self.device = o, torch.device(device)
-        self.dp_rank, tp = rollout_coords(mesh)
-        if tp != 1:
-            raise ValueError(TP_UNSUPPORTED.format(tp=tp))
+        self.dp_rank, self.tp = rollout_coords(mesh)
+        # At TP > 1: the group's gloo/NCCL group and its leader's global rank, which owns the engine.
+        self.group, self.leader = None, None
+        if self.tp > 1:
+            tp_dim = next(i for i, name in enumerate(mesh.mesh_dim_names) if name.endswith("tp"))
+            self.group = mesh.get_group(tp_dim)
+            self.leader = torch.distributed.get_global_rank(self.group, 0)
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
         self.sleep_mode = self.device.type == "cuda"
-        memory = (dict(mem_fraction_static=o.gpu_memory_utilization, enable_memory_saver=True)
-                  if self.sleep_mode else {})
         start = time.perf_counter()
-        with _engine_start_env():
-            self.engine = sglang.Engine(
-                model_path=str(model_path), dtype=str(o.dtype).removeprefix("torch."),
-                device=self.device.type, random_seed=o.seed + self.dp_rank, tp_size=1,
-                skip_tokenizer_init=True, attention_backend="torch_native", sampling_backend="pytorch",
-                disable_cuda_graph=True, context_length=o.max_model_len, max_running_requests=o.max_num_seqs,
-                max_total_tokens=o.max_num_seqs * o.max_model_len, log_level="error", **memory,
-            )
-        atexit.unregister(self.engine.shutdown)  # it would kill every child of this process (``close``)
+        self.engine = (self._start_engine(sglang, str(model_path))
+                       if self.tp == 1 or rollout_tp_rank(mesh) == 0 else None)
         self.init_seconds = time.perf_counter() - start
         self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
         self._asleep: set[str] = set()
 
+    def _start_engine(self, sglang, model_path: str):
+        o = self.options
+        memory = (dict(mem_fraction_static=o.gpu_memory_utilization, enable_memory_saver=True)
+                  if self.sleep_mode else {})
+        with _engine_start_env(self.tp, self.device):
+            engine = sglang.Engine(
+                model_path=model_path, dtype=str(o.dtype).removeprefix("torch."),
+                device=self.device.type, random_seed=o.seed + self.dp_rank, tp_size=self.tp,
+                skip_tokenizer_init=True, attention_backend="torch_native", sampling_backend="pytorch",
+                disable_cuda_graph=True, context_length=o.max_model_len, max_running_requests=o.max_num_seqs,
+                max_total_tokens=o.max_num_seqs * o.max_model_len, log_level="error", **memory,
+            )
+        atexit.unregister(engine.shutdown)  # it would kill every child of this process (``close``)
+        return engine
+
     @classmethod
     def check_config(cls, cfg: "Config") -> None:
-        if cfg.parallel.rollout_tp != 1:
-            raise ValueError(TP_UNSUPPORTED.format(tp=cfg.parallel.rollout_tp))
         why = sglang_available()
         if why is not None:
             raise ValueError(f"rollout.engine is 'sglang' but {why}; {INSTALL_HINT}")
@@ -199,7 +226,15 @@ class SGLangRollout(RolloutEngine):
         _select_platform(torch.device(resolve_device_type(cfg.trainer.device)))
         if cfg.model.path.startswith("builtin:"):
             return  # the built-in models are Qwen2, which SGLang runs
-        archs = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("architectures") or []
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        tp = cfg.parallel.rollout_tp
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = config.get(key) or config["num_attention_heads"]
+            if heads % tp and not (key == "num_key_value_heads" and tp % heads == 0):
+                raise ValueError(f"parallel.rollout_tp is {tp} but model.path {cfg.model.path!r} has {key} "
+                                 f"{heads}, which SGLang cannot split {tp} ways; use a rollout_tp that "
+                                 f"divides it")
+        archs = config.get("architectures") or []
         from sglang.srt.models.registry import ModelRegistry
 
         supported = set(ModelRegistry.get_supported_archs())
@@ -224,6 +259,10 @@ class SGLangRollout(RolloutEngine):
         start, sent = time.perf_counter(), 0
         pending: Optional[list[tuple[str, torch.Tensor]]] = None
         for bucket in buckets(named_tensors, self.options.bucket_bytes):
+            if self.engine is None:  # not the TP group's leader: pull the export (a collective), push nothing
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                del bucket[:]
+                continue
             if pending is not None:  # one bucket behind, so that only the last one flushes the cache
                 self._push(pending, flush=False)
             pending = [(name, t.detach().contiguous()) for name, t in bucket]
@@ -244,8 +283,9 @@ class SGLangRollout(RolloutEngine):
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.sleep_mode:
-            self.engine.flush_cache()  # release needs an idle engine
-            self.engine.release_memory_occupation(tags=list(SLEEP_TAGS))
+            if self.engine is not None:
+                self.engine.flush_cache()  # release needs an idle engine
+                self.engine.release_memory_occupation(tags=list(SLEEP_TAGS))
             self._asleep = set(SLEEP_TAGS)
 
     def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
@@ -254,7 +294,8 @@ class SGLangRollout(RolloutEngine):
             raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
         todo = [t for t in tags if t in self._asleep]
         if todo:
-            self.engine.resume_memory_occupation(tags=todo)
+            if self.engine is not None:
+                self.engine.resume_memory_occupation(tags=todo)
             self._asleep -= set(todo)
 
     def close(self) -> None:
@@ -288,6 +329,22 @@ class SGLangRollout(RolloutEngine):
         truncated = not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0)
         if truncated and sampling.top_k <= 0:
             raise ValueError(TOP_P_NEEDS_TOP_K.format(key="SamplingParams", top_p=sampling.top_p))
+        if self.group is None:
+            return self._generate_here(prompts, sampling, stops, truncated)
+        # The leader generates the group's prompts and broadcasts them (or its error, so no rank waits).
+        box: list = [None]
+        if self.engine is not None:
+            try:
+                box[0] = self._generate_here(prompts, sampling, stops, truncated)
+            except Exception as err:  # noqa: BLE001 - re-raised below, on every rank of the group
+                box[0] = f"{type(err).__name__}: {err}"
+        torch.distributed.broadcast_object_list(box, src=self.leader, group=self.group)
+        if isinstance(box[0], str):
+            raise RuntimeError(f"sglang rollout: the TP group's leader (rank {self.leader}) failed: {box[0]}")
+        return box[0]
+
+    def _generate_here(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, stops: list[int],
+                       truncated: bool) -> GenerationOutput:
         n, R = sampling.n, sampling.max_tokens
         params = dict(max_new_tokens=R, temperature=sampling.temperature, top_p=sampling.top_p,
                       top_k=sampling.top_k if sampling.top_k > 0 else -1, stop_token_ids=stops,

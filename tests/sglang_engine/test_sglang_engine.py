@@ -236,9 +236,11 @@ def test_architecture_and_tp_checks(tiny_model_dir, tmp_path):
     cfg.model.path = str(odd)
     with pytest.raises(ValueError, match="NoSuchForCausalLM, which SGLang .* cannot run"):
         SGLangRollout.check_config(cfg)
-    cfg.model.path = str(tiny_model_dir)
+    cfg.model.path = str(tiny_model_dir)  # 4 attention heads, 2 KV heads
     cfg.parallel.rollout_tp = 2
-    with pytest.raises(ValueError, match="parallel.rollout_tp is 2 but the sglang rollout engine"):
+    SGLangRollout.check_config(cfg)
+    cfg.parallel.rollout_tp = 3
+    with pytest.raises(ValueError, match="rollout_tp is 3 but .* num_attention_heads 4, which SGLang cannot"):
         SGLangRollout.check_config(cfg)
 
 

@@ -1,5 +1,6 @@
-"""GRPO through the loop with ``rollout.engine: sglang`` on 2 torchrun ranks (one SGLang engine each, rollout
-TP 1): the loop's metrics, and the rollout log-probs equal to the actor's after every weight sync.
+"""GRPO through the loop with ``rollout.engine: sglang`` on 2 torchrun ranks, rollout TP 1 (one SGLang engine
+per rank) and 2 (one engine of TP 2 on rank 0, its outputs broadcast to rank 1): the loop's metrics, and
+the rollout log-probs equal to the actor's after every weight sync.
 
     .venv-sglang/bin/python -m pytest tests/sglang_engine/test_sglang_loop.py
 """
@@ -35,17 +36,19 @@ LOGP_TOL = 1e-4
 
 
 @pytest.mark.e2e
-def test_grpo_with_sglang(tmp_path):
-    out_dir = tmp_path / "tp1"
+@pytest.mark.parametrize("tp", [1, 2])
+def test_grpo_with_sglang(tp, tmp_path):
+    out_dir = tmp_path / f"tp{tp}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "spmdrl.train", *ARGS, "--trainer.output_dir", str(out_dir)]
+           "-m", "spmdrl.train", *ARGS, "--parallel.rollout_tp", str(tp),
+           "--trainer.output_dir", str(out_dir)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        # 8 prompts x 8 responses over 2 ranks: 32 rows each.
+        # 8 prompts x 8 responses over 2 ranks: 32 rows each, whatever the rollout TP.
         assert r["batch/responses"] == 32
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["response_length/mean"] > 0
         assert r["training/rollout_logp_diff/max"] < LOGP_TOL, r
