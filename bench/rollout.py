@@ -1,4 +1,4 @@
-"""Rollout throughput: the native engine against transformers generate and vLLM (CPU build), one table.
+"""Rollout throughput: the native engine against transformers generate, vLLM and SGLang (CPU), one table.
 
     python bench/rollout.py                                  # the full grid (long on 2 cores)
     python bench/rollout.py --models small --batch 64 128 --n 1 --new-tokens 64 --repeats 5 --dtype bf16 fp32
@@ -8,6 +8,9 @@
 With ``--vllm-python`` two rows are added: ``vllm`` is spmdrl's engine (``rollout.engine: vllm``:
 the external launcher in a world of one, per-request seeds, processed log-probs, the output tensors the
 loop trains on) and ``vllm-raw`` is vLLM's ``LLM.generate`` alone, so their ratio is the wrapper's cost.
+``--sglang-python .venv-sglang/bin/python`` adds ``sglang`` (``rollout.engine: sglang``: each prompt
+submitted n times, log-probs, the output tensors) and ``sglang-raw`` (``sglang.Engine.generate`` with
+``n``, no log-probs) the same way; their RSS adds the engine's scheduler and detokenizer processes.
 
 Each (model, dtype, engine) runs in its own subprocess, so peak RSS is that
 engine's alone (VmHWM, reset before each cell). Per cell: warm-up runs, then
@@ -45,21 +48,24 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 # ---- worker side: runs in a subprocess (for vllm, under another venv's python) -------------------
 
-def _reset_peak_rss() -> None:
-    """Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each cell gets its own peak."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
+def _reset_peak_rss(pids: list = ()) -> None:
+    """Writing 5 to clear_refs resets VmHWM (Linux >= 4.0), so each cell gets its own peak; ``pids``: the
+    engine's child processes (SGLang's scheduler holds the model), reset alike."""
+    for pid in ["self", *pids]:
+        try:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        except OSError:
+            pass
 
 
-def _peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _peak_rss_mb(pids: list = ()) -> float:
+    """Peak RSS of this process plus ``pids`` (summed: they run side by side)."""
+    total = 0.0
+    for pid in ["self", *pids]:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1]) / 1024
+    return total
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -70,7 +76,7 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 class _SpmdrlRunner:
-    """native, hf or vllm through spmdrl's build_rollout."""
+    """native, hf, vllm or sglang through spmdrl's build_rollout."""
 
     def __init__(self, engine: str, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int):
         sys.path.insert(0, str(REPO))
@@ -86,8 +92,13 @@ class _SpmdrlRunner:
 
             init_distributed("cpu")
             extra = dict(max_model_len=max_model_len)
+        if engine == "sglang":
+            extra = dict(max_model_len=max_model_len)
         self.engine = build_rollout(engine, path, dtype=getattr(torch, dtype), max_num_seqs=max_num_seqs,
                                     seed=seed, **extra)
+
+    def child_pids(self) -> list[int]:
+        return self.engine.engine.get_all_child_pids() if hasattr(self.engine, "engine") else []
 
     def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
         out = self.engine.generate(prompts, self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0))
@@ -108,10 +119,35 @@ class _VllmRunner:
         self.llm = LLM(model=path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
                        max_model_len=max_model_len, disable_log_stats=True)
 
+    def child_pids(self) -> list[int]:
+        return []
+
     def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
         sp = self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, top_p=1.0)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+
+class _SglangRunner:
+    """``sglang.Engine`` alone, with the CPU settings spmdrl's engine uses (scheduler in a child process)."""
+
+    def __init__(self, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int):
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read when SGLang's modules are imported
+        import sglang
+
+        self.engine = sglang.Engine(
+            model_path=path, dtype=dtype, device="cpu", random_seed=seed, skip_tokenizer_init=True,
+            attention_backend="torch_native", sampling_backend="pytorch", disable_cuda_graph=True,
+            context_length=max_model_len, max_running_requests=max_num_seqs,
+            max_total_tokens=max_num_seqs * max_model_len)
+
+    def child_pids(self) -> list[int]:
+        return self.engine.get_all_child_pids()
+
+    def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
+        outs = self.engine.generate(input_ids=prompts, sampling_params=dict(
+            n=n, max_new_tokens=max_tokens, temperature=1.0))
+        return sum(len(o["output_ids"]) for o in outs)
 
 
 def worker(spec: dict) -> None:
@@ -123,11 +159,13 @@ def worker(spec: dict) -> None:
     max_len = spec["prompt_len"] + max(c["new_tokens"] for c in spec["cells"])
     if spec["engine"] == "vllm-raw":
         runner = _VllmRunner(spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
+    elif spec["engine"] == "sglang-raw":
+        runner = _SglangRunner(spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
     else:
         runner = _SpmdrlRunner(spec["engine"], spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
     for cell in spec["cells"]:
         prompts = _prompts(cell["batch"], spec["prompt_len"], spec["vocab"], seed=cell["batch"])
-        _reset_peak_rss()
+        _reset_peak_rss(runner.child_pids())
         for _ in range(spec["warmup"]):
             runner.run(prompts, cell["n"], cell["new_tokens"])
         rates, ttft = [], []
@@ -139,7 +177,12 @@ def worker(spec: dict) -> None:
             t = time.perf_counter()
             runner.run(prompts, cell["n"], 1)
             ttft.append(time.perf_counter() - t)
-        print(json.dumps({**cell, "rates": rates, "ttfts": ttft, "rss_mb": _peak_rss_mb()}), flush=True)
+        rss = _peak_rss_mb(runner.child_pids())
+        print(json.dumps({**cell, "rates": rates, "ttfts": ttft, "rss_mb": rss}), flush=True)
+    if spec["engine"] == "sglang":
+        runner.engine.close()  # stops the engine's scheduler and detokenizer
+    elif spec["engine"] == "sglang-raw":
+        runner.engine.shutdown()
 
 
 # ---- driver side ---------------------------------------------------------------------------------
@@ -221,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch threads per engine process and OMP_NUM_THREADS for vllm (0: their defaults)")
     p.add_argument("--vllm-python", default=None,
                    help="python of a venv with vllm (.venv-vllm/bin/python): adds the vllm and vllm-raw rows")
+    p.add_argument("--sglang-python", default=None,
+                   help="python of .venv-sglang (.ci/sglang-venv): adds the sglang and sglang-raw rows")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -231,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     engines = [(e, sys.executable) for e in args.engines]
     if args.vllm_python:
         engines += [("vllm", args.vllm_python), ("vllm-raw", args.vllm_python)]
+    if args.sglang_python:
+        engines += [("sglang", args.sglang_python), ("sglang-raw", args.sglang_python)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     if args.threads:  # vLLM reads its thread count from the environment
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -279,8 +326,9 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
           f"prompt {args.prompt_len} tokens, temperature 1, median of {args.rounds} x {args.repeats} runs "
           f"(each after {args.warmup} warm-up), max_num_seqs {args.max_num_seqs}; load average "
           f"{load0[0]:.1f} at start, {load1[0]:.1f} at end")
-    hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<8} {'tok/s':>8} "
-           f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5} {'x vllm':>6}  GFLOP/s")
+    hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<10} {'tok/s':>8} "
+           f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5} {'x vllm':>6} {'x raw':>5}"
+           f"  GFLOP/s")
     print(hdr)
     print("-" * len(hdr))
 
@@ -298,10 +346,11 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
                     r = results.get(key + (e,))
                     if r is None:
                         continue
-                    print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<8} "
+                    raw = results.get(key + (f"{e}-raw",))  # spmdrl's wrapper against the library alone
+                    print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<10} "
                           f"{r['tok_s']:>8.0f} {r['ttft_ms']:>8.1f} {r['rss_mb']:>7.0f} {limit:>7.0f} "
-                          f"{100 * r['tok_s'] / limit:>4.0f}% {ratio(r, hf, 5)} {ratio(r, vllm, 6)}  "
-                          f"{gflops:.0f}")
+                          f"{100 * r['tok_s'] / limit:>4.0f}% {ratio(r, hf, 5)} {ratio(r, vllm, 6)} "
+                          f"{ratio(r, raw, 5)}  {gflops:.0f}")
 
 
 if __name__ == "__main__":

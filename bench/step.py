@@ -3,6 +3,7 @@
     python bench/step.py                       # tiny model, 8 prompts x 8 responses x 64 new tokens
     python bench/step.py --model small --steps 5
     python bench/step.py --vllm-python .venv-vllm/bin/python  # adds rollout.engine vllm at rollout TP 1 and 2
+    python bench/step.py --sglang-python .venv-sglang/bin/python  # adds rollout.engine sglang (rollout TP 1)
     python bench/step.py --megatron --no-trl   # instead: 2-rank fp32 rows of fsdp2 and megatron
                                                # (tp 1, tp 2, pp 2)
 
@@ -42,7 +43,7 @@ sys.path.insert(0, str(REPO))  # runnable from a checkout without pip install
 
 def spmdrl_run(model: str, run: tuple, a: argparse.Namespace, tmp: Path) -> list[dict]:
     """The metrics.jsonl rows of one training run (world, colocate, dtype, engine, rollout TP, training
-    engine), warm-up step dropped; vllm runs use ``--vllm-python``."""
+    engine), warm-up step dropped; vllm runs use ``--vllm-python``, sglang runs ``--sglang-python``."""
     world, colocate, dtype, engine, tp, train = run
     out = tmp / f"w{world}_c{int(colocate)}_{dtype}_{engine}{tp}_{train}"
     shutil.rmtree(out, ignore_errors=True)
@@ -59,7 +60,7 @@ def spmdrl_run(model: str, run: tuple, a: argparse.Namespace, tmp: Path) -> list
         "--rollout.ignore_eos", "true",  # every response is new_tokens long, in TRL's run too: equal work
         "--rollout.engine", engine, "--parallel.rollout_tp", str(tp), *TRAIN_ENGINES[train],
     ]
-    python = a.vllm_python if engine == "vllm" else sys.executable
+    python = {"vllm": a.vllm_python, "sglang": a.sglang_python}.get(engine) or sys.executable
     if world == 1:
         cmd = [python, "-m", "spmdrl.train", *args]
     else:
@@ -112,6 +113,9 @@ def main() -> None:
     p.add_argument("--vllm-python", default=None,
                    help="python of a venv with vllm (.venv-vllm/bin/python): adds 2-rank rows with "
                         "rollout.engine vllm")
+    p.add_argument("--sglang-python", default=None,
+                   help="python of .venv-sglang (.ci/sglang-venv): adds a 2-rank row with rollout.engine "
+                        "sglang (its engines' memory is in their scheduler processes, not in the peak GB)")
     p.add_argument("--megatron", action="store_true",
                    help="instead of the main rows: 2-rank colocated fp32 rows of actor.strategy fsdp2 and "
                         "megatron (tp 1, tp 2, pp 2)")
@@ -140,6 +144,8 @@ def main() -> None:
     # the same 2-rank colocated work, rolled out by vLLM: one engine per rank, then one over both
     if a.vllm_python:
         runs += [(2, True, main_dtype, "vllm", 1, "fsdp2"), (2, True, main_dtype, "vllm", 2, "fsdp2")]
+    if a.sglang_python:  # one SGLang engine per rank, its scheduler in a child process
+        runs += [(2, True, main_dtype, "sglang", 1, "fsdp2")]
     if a.megatron:  # the Megatron engine computes in float32: against FSDP2 in float32 on the same work
         runs = [(2, True, "fp32", "native", 1, t) for t in TRAIN_ENGINES]
     trl_dtypes = ("fp32", main_dtype) if not a.no_trl and importlib.util.find_spec("trl") else ()

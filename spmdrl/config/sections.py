@@ -150,8 +150,9 @@ class MultiTurnConfig:
 class RolloutConfig:
     engine: str = "native"
     """Rollout engine: native (pure torch, KV cache, C++ decode kernels on CPU), vllm (in-process vLLM on
-    every rank, tensor parallel over parallel.rollout_tp ranks; install it as the README says) or hf
-    (transformers generate, a baseline for debugging)."""
+    every rank, tensor parallel over parallel.rollout_tp ranks; install it as the README says), sglang
+    (one SGLang engine per rank or per rollout TP group, its scheduler in child processes; README, "SGLang
+    rollout") or hf (transformers generate, a baseline for debugging)."""
     n: int = 8
     """Responses sampled per prompt."""
     temperature: float = 1.0

@@ -4,7 +4,8 @@
     engine = rollout_engine_class(cfg.rollout.engine).from_config(cfg, model_path, mesh=..., device=..., ...)
 
 ``native`` (``spmdrl.rollout.native``: pure torch, the default), ``hf``
-(transformers ``generate``, a baseline) and ``vllm`` (in-process vLLM). The
+(transformers ``generate``, a baseline), ``vllm`` (in-process vLLM) and ``sglang``
+(one SGLang engine per rank, its scheduler in child processes). The
 interface is ``spmdrl.rollout.base``; ``spmdrl.rollout.session`` owns the order
 of its calls.
 """
@@ -34,8 +35,16 @@ def _vllm() -> type[RolloutEngine]:
     return VLLMRollout
 
 
+def _sglang() -> type[RolloutEngine]:
+    from spmdrl.rollout.sglang import SGLangRollout
+
+    return SGLangRollout
+
+
 # name -> factory returning the class; a backend's module is imported only when chosen.
-ROLLOUT_ENGINES: dict[str, Callable[[], type[RolloutEngine]]] = {"native": _native, "hf": _hf, "vllm": _vllm}
+ROLLOUT_ENGINES: dict[str, Callable[[], type[RolloutEngine]]] = {
+    "native": _native, "hf": _hf, "vllm": _vllm, "sglang": _sglang,
+}
 
 
 def rollout_engine_class(name: str) -> type[RolloutEngine]:

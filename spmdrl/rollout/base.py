@@ -21,7 +21,7 @@ import abc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -178,3 +178,19 @@ def common_kwargs(cfg: "Config", device: torch.device) -> dict:
     r = cfg.rollout
     return dict(dtype=resolve_dtype(r.dtype, device.type), max_num_seqs=r.max_num_seqs,
                 seed=cfg.trainer.seed * 1000)
+
+
+def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a (name, tensor) stream into lists of about ``bucket_bytes`` (a tensor larger than that is a
+    bucket of its own); the next bucket is pulled only after the previous one was handed on."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

@@ -49,6 +49,7 @@ from spmdrl.rollout.base import (
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
+    buckets,
     common_kwargs,
     eos_ids_from_folder,
     left_pad,
@@ -109,22 +110,6 @@ def kv_cache_bytes(model_path: str | Path, rows: int, max_model_len: int, dtype:
     kv_heads = c.get("num_key_value_heads") or heads
     per_token = 2 * c["num_hidden_layers"] * kv_heads * head_dim * torch.finfo(dtype).bits // 8
     return int(rows * max_model_len * per_token * 1.25) + (64 << 20)
-
-
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a (name, tensor) stream into lists of about ``bucket_bytes`` (a tensor larger than that is a
-    bucket of its own); the next bucket is pulled only after the previous one was handed on."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named_tensors:
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
 
 
 class VLLMRollout(RolloutEngine):

@@ -52,7 +52,8 @@ BAD = [
     (["--actor.policy_loss", "nope"], "actor.policy_loss is 'nope'; valid values:"),
     (["--rollout.engine", "trt"], "rollout.engine is 'trt'; valid values: hf, native"),
     # Backends that are not part of this version are refused before any work, not after start-up.
-    (["--rollout.engine", "sglang"], "rollout.engine is 'sglang'; valid values: hf, native, vllm"),
+    (["--rollout.engine", "tensorrt"],
+     "rollout.engine is 'tensorrt'; valid values: hf, native, sglang, vllm"),
     (["--actor.strategy", "deepspeed"], "actor.strategy is 'deepspeed'; valid values: fsdp2, megatron"),
     (["--actor.param_dtype", "fp8"], "actor.param_dtype"),
     (["--actor.kl_loss_type", "k9"], "actor.kl_loss_type is 'k9'"),
@@ -208,4 +209,15 @@ def test_vllm_engine_needs_vllm_and_a_dividing_tp(monkeypatch, capsys):
         code, err = run_main(["--config", GRPO, "--rollout.engine", "vllm"], capsys)
         assert code == 2 and ("rollout.engine is 'vllm' but vLLM is not installed in this Python environment"
                               in err)
+        assert err.count("\n") == 1
+
+
+def test_sglang_engine_needs_sglang(monkeypatch, capsys):
+    from spmdrl.rollout.sglang import sglang_available
+
+    if sglang_available() is not None:  # tests/sglang_engine cover the installed case
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        code, err = run_main(["--config", GRPO, "--rollout.engine", "sglang"], capsys)
+        assert code == 2 and ("rollout.engine is 'sglang' but SGLang is not installed in this Python "
+                              "environment; make its environment with `bash .ci/sglang-venv`" in err), err
         assert err.count("\n") == 1
