@@ -6,51 +6,19 @@ metrics, and the rollout log-probs equal to the actor's after every weight sync.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from engine_loop import check_grpo_through_loop
 
 from spmdrl.rollout.vllm import vllm_available
 
-# CI runs this file inside .venv-vllm (made by .ci/vllm-venv) from tests/e2e/test_vllm_venv.py; without
-# vLLM it skips with the reason in pytest's summary.
+# CI runs this file inside .venv-vllm (made by .ci/vllm-venv) from tests/e2e/test_engine_venvs.py;
+# without vLLM it skips with the reason in pytest's summary.
 if vllm_available() is not None:
-    pytest.skip(f"{vllm_available()}; tests/e2e/test_vllm_venv.py runs this in .venv-vllm",
+    pytest.skip(f"{vllm_available()}; tests/e2e/test_engine_venvs.py runs this in .venv-vllm",
                 allow_module_level=True)
-
-REPO = Path(__file__).resolve().parents[2]
-# ppo_mini_batch_size 4 of 8 prompts: two optimizer steps, so the actor recomputes old log-probs and the
-# loop reports training/rollout_logp_diff (the rollout against the actor, after the step's weight sync).
-ARGS = ["--config", "configs/grpo.yaml", "--rollout.engine", "vllm", "--trainer.total_steps", "3",
-        "--data.train_batch_size", "8", "--actor.ppo_mini_batch_size", "4", "--trainer.progress_bar", "false",
-        "--trainer.resume", "off",
-        # float32 on both sides whatever auto picks on this CPU: the agreement below is a float32 tolerance.
-        "--rollout.dtype", "float32", "--actor.param_dtype", "float32"]
-# The tolerance of the native engine's round trip (tests/multiproc/test_weight_sync.py), fp32 both sides.
-LOGP_TOL = 1e-4
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("tp", [1, 2])
 def test_grpo_with_vllm(tp, tmp_path):
-    out_dir = tmp_path / f"tp{tp}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "spmdrl.train", *ARGS,
-           "--parallel.rollout_tp", str(tp), "--trainer.output_dir", str(out_dir)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:
-        # 8 prompts x 8 responses over 2 ranks: 32 rows each, whatever the rollout TP.
-        assert r["batch/responses"] == 32
-        assert 0.0 <= r["reward/mean"] <= 1.0 and r["response_length/mean"] > 0
-        assert r["training/rollout_logp_diff/max"] < LOGP_TOL, r
-    # Step 1 generates from the folder's weights; later steps sync the trained ones in first.
-    assert all(r["timing/weight_sync"] > 1e-3 for r in rows[1:])
-    assert rows[-1]["actor/pg_loss"] == rows[-1]["actor/pg_loss"]  # finite
+    check_grpo_through_loop("vllm", tp, tmp_path / f"tp{tp}")

@@ -1,0 +1,3 @@
+"""The fixtures every library engine's tests share (tests/engine_contract.py)."""
+
+from engine_contract import native, weights  # noqa: F401
