@@ -180,6 +180,18 @@ def common_kwargs(cfg: "Config", device: torch.device) -> dict:
                 seed=cfg.trainer.seed * 1000)
 
 
+def check_sleep_level(level: int) -> None:
+    """Level 1 keeps the weights (off the device where there is one); level 2 drops them."""
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 or 2, got {level}")
+
+
+def check_wake_tags(tags: Sequence[str]) -> None:
+    bad = [t for t in tags if t not in SLEEP_TAGS]
+    if bad:
+        raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+
+
 def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group a (name, tensor) stream into lists of about ``bucket_bytes`` (a tensor larger than that is a

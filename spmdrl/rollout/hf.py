@@ -26,6 +26,8 @@ from spmdrl.rollout.base import (
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
+    check_sleep_level,
+    check_wake_tags,
     common_kwargs,
     eos_ids_from_folder,
     left_pad,
@@ -119,8 +121,7 @@ class HFRollout(RolloutEngine):
 
     def sleep(self, level: int = 1) -> None:
         """Level 1 moves parameters to CPU (no-op on CPU); level 2 frees their storage."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        check_sleep_level(level)
         if level == 1:
             self.weights.offload()
         else:
@@ -128,9 +129,7 @@ class HFRollout(RolloutEngine):
             self._weights_valid = False
 
     def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
-        bad = [t for t in tags if t not in SLEEP_TAGS]
-        if bad:
-            raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+        check_wake_tags(tags)
         if "weights" in tags:
             self.weights.onload()
             self.weights.materialize()

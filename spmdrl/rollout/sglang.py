@@ -74,6 +74,8 @@ from spmdrl.rollout.base import (
     RolloutEngine,
     SamplingParams,
     buckets,
+    check_sleep_level,
+    check_wake_tags,
     common_kwargs,
     eos_ids_from_folder,
     left_pad,
@@ -280,8 +282,7 @@ class SGLangRollout(RolloutEngine):
     def sleep(self, level: int = 1) -> None:
         """SGLang's memory saver on CUDA (both levels free weights and KV cache; level 2 also makes the
         session reload the weights, since they are not kept); a no-op on CPU."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        check_sleep_level(level)
         if self.sleep_mode:
             if self.engine is not None:
                 self.engine.flush_cache()  # release needs an idle engine
@@ -289,9 +290,7 @@ class SGLangRollout(RolloutEngine):
             self._asleep = set(SLEEP_TAGS)
 
     def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
-        bad = [t for t in tags if t not in SLEEP_TAGS]
-        if bad:
-            raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+        check_wake_tags(tags)
         todo = [t for t in tags if t in self._asleep]
         if todo:
             if self.engine is not None:

@@ -50,6 +50,8 @@ from spmdrl.rollout.base import (
     RolloutEngine,
     SamplingParams,
     buckets,
+    check_sleep_level,
+    check_wake_tags,
     common_kwargs,
     eos_ids_from_folder,
     left_pad,
@@ -219,16 +221,13 @@ class VLLMRollout(RolloutEngine):
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep on CUDA (level 1: weights to CPU, KV cache freed; level 2: both freed); a no-op on
         CPU."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        check_sleep_level(level)
         if self.sleep_mode:
             self.llm.sleep(level=level)
             self._asleep = set(SLEEP_TAGS)
 
     def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
-        bad = [t for t in tags if t not in SLEEP_TAGS]
-        if bad:
-            raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+        check_wake_tags(tags)
         todo = [t for t in tags if t in self._asleep]
         if todo:
             self.llm.wake_up(tags=todo)

@@ -38,6 +38,8 @@ from spmdrl.rollout.base import (
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
+    check_sleep_level,
+    check_wake_tags,
     common_kwargs,
     eos_ids_from_folder,
     left_pad,
@@ -184,8 +186,7 @@ class NativeRollout(RolloutEngine):
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache; level 1 also moves weights to CPU (kept in place on a CPU device),
         level 2 frees the weight storage (restore with wake_up + update_weights)."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        check_sleep_level(level)
         self.cache = None
         self._prefixes = {}
         self._kv_awake = False
@@ -199,9 +200,7 @@ class NativeRollout(RolloutEngine):
     def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
         """Re-materialise "weights" (storage back; after level 2 the values come from update_weights)
         and/or "kv_cache" (reallocated at its last size)."""
-        bad = [t for t in tags if t not in SLEEP_TAGS]
-        if bad:
-            raise ValueError(f"wake_up tags {bad} are not valid; valid tags: {', '.join(SLEEP_TAGS)}")
+        check_wake_tags(tags)
         if "weights" in tags:
             self.model.weights.onload()
             self.model.weights.materialize()
