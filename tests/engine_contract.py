@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spmdrl.rollout import build_rollout
 from spmdrl.rollout.base import SamplingParams
 from spmdrl.rollout.sampling import truncate_logits
 
@@ -21,6 +22,11 @@ ATOL = 1e-4
 def _prompts(lengths: list[int], seed: int = 0, vocab: int = 2048) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def native(tiny_model_dir: Path):
+    return build_rollout("native", str(tiny_model_dir), eos_token_ids=[EOS], pad_token_id=PAD)
 
 
 @pytest.fixture(scope="module")

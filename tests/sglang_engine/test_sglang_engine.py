@@ -57,11 +57,6 @@ def engine(tiny_model_dir: Path):
                                           for p in children)
 
 
-@pytest.fixture(scope="module")
-def native(tiny_model_dir: Path):
-    return build_rollout("native", str(tiny_model_dir), eos_token_ids=[EOS], pad_token_id=PAD)
-
-
 def _joint_truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """SGLang's filter: the top-k tokens whose preceding mass in the full distribution is within top_p
     (transformers and vLLM apply top-p to the renormalised top-k instead). logits [M, V] -> [M, V]"""

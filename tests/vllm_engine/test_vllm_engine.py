@@ -49,11 +49,6 @@ def engine(tiny_model_dir: Path):
     assert not dist.is_initialized()
 
 
-@pytest.fixture(scope="module")
-def native(tiny_model_dir: Path):
-    return build_rollout("native", str(tiny_model_dir), eos_token_ids=[EOS], pad_token_id=PAD)
-
-
 def test_seeds_reproduce_and_ignore_eos(engine):
     prompts = _prompts([5, 8], seed=2)
     s1 = engine.generate(prompts, SamplingParams(n=2, max_tokens=10, seed=5))
