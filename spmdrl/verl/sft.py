@@ -14,8 +14,6 @@ from typing import Any
 from spmdrl.errors import ConfigError
 from spmdrl.verl.compat import (
     PERF,
-    Ctx,
-    Rule,
     _choice,
     _ckpt_contents,
     _logger,
@@ -23,10 +21,8 @@ from spmdrl.verl.compat import (
     _per_gpu,
     _strategy,
     _warmup_steps,
-    ignore,
-    m,
-    only,
 )
+from spmdrl.verl.rules import Ctx, Rule, ignore, m, only
 
 PLACEMENT = "torchrun decides where ranks run"
 

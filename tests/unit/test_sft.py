@@ -15,7 +15,7 @@ from spmdrl.errors import ConfigError
 from spmdrl.objectives import sft_loss_fn
 from spmdrl.sft.config import SFTConfig, SFTDataConfig, SFTMultiTurnConfig, check_sft_config, parse_sft_config
 from spmdrl.sft.data import SFTDataset, collate, val_batches
-from spmdrl.verl.compat import spmdrl_keys
+from spmdrl.verl.rules import spmdrl_keys
 from spmdrl.verl.sft import SFT_DEFAULTS, SFT_TABLE
 
 

@@ -9,8 +9,8 @@ from spmdrl.config.parse import parse_config
 from spmdrl.train import main
 from spmdrl.verl import compat as verl_compat
 from spmdrl.verl.args import parse_value, rewrite_argv
-from spmdrl.verl.compat import spmdrl_keys
 from spmdrl.verl.docs import DOCS, QUICKSTART_SPMDRL_KEYS, QUICKSTART_VERL, render_docs
+from spmdrl.verl.rules import spmdrl_keys
 
 
 def run_main(argv, capsys):
