@@ -38,6 +38,8 @@ _spec.loader.exec_module(scripted)
 _QUESTION = re.compile(r"What is (\d+) ([-+]) (\d+)\?")
 N = 4  # responses per prompt
 
+pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
+
 
 class ArithAnswers(RolloutEngine):
     """Answers "What is a op b?": greedy, and every sample of an even a, the right answer; sample j of an odd
@@ -81,13 +83,6 @@ class ArithAnswers(RolloutEngine):
         from transformers import AutoTokenizer
 
         return cls(AutoTokenizer.from_pretrained(model_path))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from spmdrl.errors import ConfigError
 
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from rows import pg_loss, rows_with_lengths, vf_loss
 
 from spmdrl.batch import Batch
@@ -16,16 +15,11 @@ P, R = 12, 10
 PROMPT = [12, 2, 7, 1, 12, 5]  # very different lengths: 3 to 22 valid tokens of 22 columns
 RESP = [10, 1, 6, 2, 10, 4]
 
+pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
+
 
 def long_tailed_batch(vocab: int, prompt: list[int] = PROMPT, resp: list[int] = RESP) -> Batch:
     return rows_with_lengths(prompt, resp, vocab, seed=1)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _engine(model_dir: Path, role: str = "actor", **kw):
