@@ -5,12 +5,17 @@
     python bench/rollout.py --models tiny --batch 32 --n 1 --new-tokens 64 --dtype fp32 \\
         --vllm-python .venv-vllm/bin/python                  # adds the vllm rows, run with that venv's python
 
-With ``--vllm-python`` two rows are added: ``vllm`` is spmdrl's engine (``rollout.engine: vllm``:
-the external launcher in a world of one, per-request seeds, processed log-probs, the output tensors the
-loop trains on) and ``vllm-raw`` is vLLM's ``LLM.generate`` alone, so their ratio is the wrapper's cost.
+With ``--vllm-python`` three rows are added: ``vllm`` is spmdrl's engine (``rollout.engine: vllm``:
+the external launcher in a world of one, one seed per call, processed log-probs, the output tensors the
+loop trains on), ``vllm-raw`` is vLLM's ``LLM.generate`` alone without log-probs and ``vllm-raw-lp`` the
+same asking for the sampled token's log-prob (``logprobs=0``), the job spmdrl's engine does. "x raw" is a
+row's rate over ``vllm-raw``'s, "x lp" over ``vllm-raw-lp``'s: the first is what log-probs and the
+wrapper cost together, the second the wrapper alone. All three run with ``--vllm-eager`` (default off:
+vLLM's own default, compiled with torch.compile, as production runs set ``rollout.enforce_eager: false``).
 ``--sglang-python .venv-sglang/bin/python`` adds ``sglang`` (``rollout.engine: sglang``: each prompt
-submitted n times, log-probs, the output tensors) and ``sglang-raw`` (``sglang.Engine.generate`` with
-``n``, no log-probs) the same way; their RSS adds the engine's scheduler and detokenizer processes.
+submitted n times, log-probs, the output tensors), ``sglang-raw`` (``sglang.Engine.generate`` with
+``n``, no log-probs) and ``sglang-raw-lp`` (with ``return_logprob``) the same way; their RSS adds the
+engine's scheduler and detokenizer processes.
 
 Each (model, dtype, engine) runs in its own subprocess, so peak RSS is that
 engine's alone (VmHWM, reset before each cell). Per cell: warm-up runs, then
@@ -78,7 +83,8 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 class _SpmdrlRunner:
     """native, hf, vllm or sglang through spmdrl's build_rollout."""
 
-    def __init__(self, engine: str, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int):
+    def __init__(self, engine: str, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int,
+                 eager: bool):
         sys.path.insert(0, str(REPO))
         import torch
 
@@ -91,7 +97,7 @@ class _SpmdrlRunner:
             from spmdrl.parallel import init_distributed
 
             init_distributed("cpu")
-            extra = dict(max_model_len=max_model_len)
+            extra = dict(max_model_len=max_model_len, enforce_eager=eager)
         if engine == "sglang":
             extra = dict(max_model_len=max_model_len)
         self.engine = build_rollout(engine, path, dtype=getattr(torch, dtype), max_num_seqs=max_num_seqs,
@@ -108,22 +114,25 @@ class _SpmdrlRunner:
 class _VllmRunner:
     """vLLM's LLM class in this process (V1 multiprocessing off, so RSS and timing are this process's)."""
 
-    def __init__(self, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int):
+    def __init__(self, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int, eager: bool,
+                 logprobs: bool):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # vLLM preallocates this many GiB of KV cache up front (it counts in its RSS); 1 GiB holds
         # every cell of the default grid.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM, SamplingParams
 
-        self.SamplingParams = SamplingParams
+        self.SamplingParams, self.logprobs = SamplingParams, logprobs
         self.llm = LLM(model=path, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
-                       max_model_len=max_model_len, disable_log_stats=True)
+                       max_model_len=max_model_len, disable_log_stats=True, enforce_eager=eager,
+                       **(dict(logprobs_mode="processed_logprobs") if logprobs else {}))
 
     def child_pids(self) -> list[int]:
         return []
 
     def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
-        sp = self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, top_p=1.0)
+        sp = self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0, top_p=1.0, detokenize=False,
+                                 **(dict(logprobs=0, flat_logprobs=True) if self.logprobs else {}))
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
@@ -131,10 +140,12 @@ class _VllmRunner:
 class _SglangRunner:
     """``sglang.Engine`` alone, with the CPU settings spmdrl's engine uses (scheduler in a child process)."""
 
-    def __init__(self, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int):
+    def __init__(self, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int,
+                 logprobs: bool):
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # read when SGLang's modules are imported
         import sglang
 
+        self.logprobs = logprobs
         self.engine = sglang.Engine(
             model_path=path, dtype=dtype, device="cpu", random_seed=seed, skip_tokenizer_init=True,
             attention_backend="torch_native", sampling_backend="pytorch", disable_cuda_graph=True,
@@ -145,7 +156,7 @@ class _SglangRunner:
         return self.engine.get_all_child_pids()
 
     def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
-        outs = self.engine.generate(input_ids=prompts, sampling_params=dict(
+        outs = self.engine.generate(input_ids=prompts, return_logprob=self.logprobs, sampling_params=dict(
             n=n, max_new_tokens=max_tokens, temperature=1.0))
         return sum(len(o["output_ids"]) for o in outs)
 
@@ -157,12 +168,14 @@ def worker(spec: dict) -> None:
 
         torch.set_num_threads(spec["threads"])
     max_len = spec["prompt_len"] + max(c["new_tokens"] for c in spec["cells"])
-    if spec["engine"] == "vllm-raw":
-        runner = _VllmRunner(spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
-    elif spec["engine"] == "sglang-raw":
-        runner = _SglangRunner(spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
+    common = (spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
+    lp = spec["engine"].endswith("-lp")
+    if spec["engine"].startswith("vllm-raw"):
+        runner = _VllmRunner(*common, eager=spec["vllm_eager"], logprobs=lp)
+    elif spec["engine"].startswith("sglang-raw"):
+        runner = _SglangRunner(*common, logprobs=lp)
     else:
-        runner = _SpmdrlRunner(spec["engine"], spec["path"], spec["dtype"], spec["max_num_seqs"], 0, max_len)
+        runner = _SpmdrlRunner(spec["engine"], *common, eager=spec["vllm_eager"])
     for cell in spec["cells"]:
         prompts = _prompts(cell["batch"], spec["prompt_len"], spec["vocab"], seed=cell["batch"])
         _reset_peak_rss(runner.child_pids())
@@ -181,7 +194,7 @@ def worker(spec: dict) -> None:
         print(json.dumps({**cell, "rates": rates, "ttfts": ttft, "rss_mb": rss}), flush=True)
     if spec["engine"] == "sglang":
         runner.engine.close()  # stops the engine's scheduler and detokenizer
-    elif spec["engine"] == "sglang-raw":
+    elif spec["engine"].startswith("sglang-raw"):
         runner.engine.shutdown()
 
 
@@ -264,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch threads per engine process and OMP_NUM_THREADS for vllm (0: their defaults)")
     p.add_argument("--vllm-python", default=None,
                    help="python of a venv with vllm (.venv-vllm/bin/python): adds the vllm and vllm-raw rows")
+    p.add_argument("--vllm-eager", choices=["on", "off"], default="off",
+                   help="enforce_eager of every vllm row (off: compiled, vLLM's default)")
     p.add_argument("--sglang-python", default=None,
                    help="python of .venv-sglang (.ci/sglang-venv): adds the sglang and sglang-raw rows")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -275,9 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     cells = [dict(batch=b, n=n, new_tokens=t) for b in args.batch for n in args.n for t in args.new_tokens]
     engines = [(e, sys.executable) for e in args.engines]
     if args.vllm_python:
-        engines += [("vllm", args.vllm_python), ("vllm-raw", args.vllm_python)]
+        engines += [(e, args.vllm_python) for e in ("vllm", "vllm-raw", "vllm-raw-lp")]
     if args.sglang_python:
-        engines += [("sglang", args.sglang_python), ("sglang-raw", args.sglang_python)]
+        engines += [(e, args.sglang_python) for e in ("sglang", "sglang-raw", "sglang-raw-lp")]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     if args.threads:  # vLLM reads its thread count from the environment
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -296,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
                 for engine, python in engines:
                     spec = dict(engine=engine, model=model, path=str(path), dtype=DTYPES[dt], cells=cells,
                                 prompt_len=args.prompt_len, vocab=vocab, repeats=args.repeats,
-                                warmup=args.warmup, max_num_seqs=args.max_num_seqs, threads=args.threads)
+                                warmup=args.warmup, max_num_seqs=args.max_num_seqs, threads=args.threads,
+                                vllm_eager=args.vllm_eager == "on")
                     print(f"# round {rnd + 1}/{args.rounds}: {engine} on {model} {dt} ({len(cells)} cells)",
                           file=sys.stderr, flush=True)
                     for r in run_worker(python, spec, env):
@@ -326,9 +342,9 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
           f"prompt {args.prompt_len} tokens, temperature 1, median of {args.rounds} x {args.repeats} runs "
           f"(each after {args.warmup} warm-up), max_num_seqs {args.max_num_seqs}; load average "
           f"{load0[0]:.1f} at start, {load1[0]:.1f} at end")
-    hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<10} {'tok/s':>8} "
+    hdr = (f"{'model':<6} {'dtype':<5} {'batch':>5} {'n':>2} {'new':>4} {'engine':<13} {'tok/s':>8} "
            f"{'TTFT ms':>8} {'RSS MB':>7} {'limit':>7} {'%lim':>5} {'x hf':>5} {'x vllm':>6} {'x raw':>5}"
-           f"  GFLOP/s")
+           f" {'x lp':>5}  GFLOP/s")
     print(hdr)
     print("-" * len(hdr))
 
@@ -346,11 +362,14 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
                     r = results.get(key + (e,))
                     if r is None:
                         continue
-                    raw = results.get(key + (f"{e}-raw",))  # spmdrl's wrapper against the library alone
-                    print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<10} "
+                    # spmdrl's wrapper against its library alone, without and with log-probs
+                    lib = e.split("-")[0]
+                    raw = results.get(key + (f"{lib}-raw",)) if e != f"{lib}-raw" else None
+                    lp = results.get(key + (f"{lib}-raw-lp",)) if e == lib else None
+                    print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<13} "
                           f"{r['tok_s']:>8.0f} {r['ttft_ms']:>8.1f} {r['rss_mb']:>7.0f} {limit:>7.0f} "
                           f"{100 * r['tok_s'] / limit:>4.0f}% {ratio(r, hf, 5)} {ratio(r, vllm, 6)} "
-                          f"{ratio(r, raw, 5)}  {gflops:.0f}")
+                          f"{ratio(r, raw, 5)} {ratio(r, lp, 5)}  {gflops:.0f}")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def sampling_params(cfg: "Config", *, validation: bool = False) -> SamplingParam
         return SamplingParams(n=v.n, max_tokens=cfg.data.max_response_length,
                               temperature=v.temperature if v.do_sample else 0.0, top_p=v.top_p, top_k=v.top_k)
     return SamplingParams(n=r.n, max_tokens=cfg.data.max_response_length, temperature=r.temperature,
-                          top_p=r.top_p, top_k=r.top_k, ignore_eos=r.ignore_eos)
+                          top_p=r.top_p, top_k=r.top_k, ignore_eos=r.ignore_eos,
+                          logprobs=r.calculate_log_probs)
 
 
 class Experience:
@@ -95,7 +96,8 @@ class Experience:
         else:
             gen, trajectories = self.session.generate(ids, sampling), None
         batch = from_generation(gen, torch.tensor([p.index for p in prompts], dtype=torch.long))
-        batch["rollout_logp"] = gen.logprobs  # [N, R] under the sampling distribution (rollout/sampling.py)
+        if sampling.logprobs:  # [N, R] under the sampling distribution (rollout/sampling.py)
+            batch["rollout_logp"] = gen.logprobs
         per_row = gen.prompt_index.tolist()
         batch["data_source"] = [prompts[i].data_source for i in per_row]
         batch["ground_truth"] = [prompts[i].ground_truth for i in per_row]
@@ -179,7 +181,7 @@ def rollout_actor_gap(batch: Batch, sampling: SamplingParams) -> dict[str, float
     """How far the rollout engine's log-probs are from the actor's recomputation of the same tokens (verl's
     training/rollout_probs_diff_*): a weight-sync or numerics check. Only comparable when the sampling
     distribution is the actor's full one (no top-k / top-p truncation; see rollout/sampling.py)."""
-    if sampling.top_k > 0 or sampling.top_p < 1.0:
+    if sampling.top_k > 0 or sampling.top_p < 1.0 or "rollout_logp" not in batch:
         return {}
     mask = batch["response_mask"].bool()  # [N, R]
     if not mask.any():

@@ -5,6 +5,7 @@ fixture and imports the tests it runs (pytest collects them there)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,9 @@ def test_greedy_matches_native_engine(engine, native):
     assert a.finish_reasons == b.finish_reasons and "stop" in a.finish_reasons
     assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.prompt_mask, b.prompt_mask)
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=ATOL, rtol=0)
+    # rollout.calculate_log_probs false: the same rows, and the library engine skips the log-probs.
+    c = engine.generate(prompts, dataclasses.replace(sp, logprobs=False))
+    assert torch.equal(c.response_ids, a.response_ids) and c.logprobs is None
 
 
 def test_output_contract(engine):

@@ -166,7 +166,8 @@ class ToolAgent:
             t = trajs[i]
             m = out.response_mask[row].bool()  # [budget]
             room = R - len(t.ids)
-            new, lp = out.response_ids[row][m].tolist()[:room], out.logprobs[row][m].tolist()[:room]
+            new = out.response_ids[row][m].tolist()[:room]
+            lp = [0.0] * len(new) if out.logprobs is None else out.logprobs[row][m].tolist()[:room]
             cut = int(m.sum()) > room
             t.ids += new
             t.gen_mask += [1] * len(new)

@@ -271,6 +271,9 @@ def _check_rollout_correction(cfg: Config) -> None:
     veto = rc.rollout_token_veto_threshold
     _check(veto is None or 0 < veto < 1,
            f"{key}.rollout_token_veto_threshold is {veto}; it must be in (0, 1)")
+    _check(r.calculate_log_probs or not (rc.bypass_mode or rc.corrects),
+           f"{key} uses the rollout engine's log-probs, but rollout.calculate_log_probs is false; set it to "
+           f"true (verl: actor_rollout_ref.rollout.calculate_log_probs=True)")
     _check(not (rc.bypass_mode and rc.corrects),
            f"{key}.bypass_mode takes the rollout log-probs as the old ones, so there is no ratio to correct; "
            f"set rollout_is, rollout_rs and rollout_token_veto_threshold to null or bypass_mode to false")

@@ -165,6 +165,11 @@ class RolloutConfig:
     """Dtype of the rollout engine's weights and KV cache. auto: bfloat16 where the device runs it natively
     (GPUs with bf16, CPUs where oneDNN reports native bf16: AVX-512/AMX), float32 elsewhere (an AVX2 CPU
     emulates bf16 at ~1/40 of the float32 rate). Log-probs are computed in float32 either way."""
+    calculate_log_probs: bool = True
+    """Keep the rollout engine's log-probs of the sampled tokens (verl's key, whose default is false):
+    rollout correction, its bypass mode and the training/rollout_*_diff metrics need them. false lets
+    the vLLM and SGLang engines skip them, which on a small model is a good part of decode time (README,
+    "vLLM rollout")."""
     ignore_eos: bool = False
     """Keep sampling past EOS up to max_response_length (verl's rollout.ignore_eos): fixed-length work for
     benchmarks; the response mask then covers every generated token."""

@@ -48,6 +48,9 @@ class SamplingParams:
     # Keep each row's KV cache for a next call whose prompt continues that row (multi-turn rollouts), so the
     # next call prefills only the new tokens; engines without it ignore this (the native engine has it).
     keep_prefix: bool = False
+    # Return the sampled tokens' log-probs. False lets an engine skip them (vLLM and SGLang do: they cost a
+    # good part of a small model's decode step) and return logprobs None; native and hf return them anyway.
+    logprobs: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -68,7 +71,9 @@ class GenerationOutput:
     prompt_mask: torch.Tensor  # [N, P] bool, True on real prompt tokens
     response_ids: torch.Tensor  # [N, R] int64, right-padded (R = max_tokens)
     response_mask: torch.Tensor  # [N, R] bool, True on generated tokens (EOS/stop token included)
-    logprobs: torch.Tensor  # [N, R] float32, log p(token) under the sampling distribution, 0 on padding
+    # [N, R] float32, log p(token) under the sampling distribution, 0 on padding; None when the call asked
+    # for none (SamplingParams.logprobs) and the engine skipped them
+    logprobs: Optional[torch.Tensor]
     finish_reasons: list[str] = field(default_factory=list)  # [N] "stop" (EOS/stop token) or "length"
     prompt_index: Optional[torch.Tensor] = None  # [N] int64, which input prompt each row came from
     # [N, R] bool, True on every real response token; None means response_mask. Multi-turn rollouts
@@ -86,7 +91,8 @@ class GenerationOutput:
         """The rows ``rows`` [M] int64 (prompt_index still refers to the call's input prompts)."""
         return GenerationOutput(
             self.prompt_ids[rows], self.prompt_mask[rows], self.response_ids[rows], self.response_mask[rows],
-            self.logprobs[rows], [self.finish_reasons[i] for i in rows.tolist()],
+            None if self.logprobs is None else self.logprobs[rows],
+            [self.finish_reasons[i] for i in rows.tolist()],
             None if self.prompt_index is None else self.prompt_index[rows],
             None if self.response_attention is None else self.response_attention[rows],
         )

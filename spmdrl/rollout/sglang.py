@@ -348,20 +348,22 @@ class SGLangRollout(RolloutEngine):
         params = dict(max_new_tokens=R, temperature=sampling.temperature, top_p=sampling.top_p,
                       top_k=sampling.top_k if sampling.top_k > 0 else -1, stop_token_ids=stops,
                       ignore_eos=not stops, no_stop_trim=True)
-        outs = self._generate([list(map(int, p)) for p in prompts for _ in range(n)], params, truncated)
+        outs = self._generate([list(map(int, p)) for p in prompts for _ in range(n)], params, truncated,
+                              sampling.logprobs)
         N = len(outs)
         response_ids = torch.full((N, R), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(N, R, dtype=torch.float32)
+        logprobs = torch.zeros(N, R, dtype=torch.float32) if sampling.logprobs else None
         lengths = torch.zeros(N, dtype=torch.long)
         reasons = []
         for i, o in enumerate(outs):
             meta = o["meta_info"]
             ids = list(o["output_ids"])
-            lp = (meta["output_token_sampling_logprobs"] if truncated
-                  else [t[0] for t in meta["output_token_logprobs"]])
             lengths[i] = len(ids)
             response_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            logprobs[i, :len(ids)] = torch.tensor(lp[:len(ids)], dtype=torch.float32)
+            if logprobs is not None:
+                lp = (meta["output_token_sampling_logprobs"] if truncated
+                      else [t[0] for t in meta["output_token_logprobs"]])
+                logprobs[i, :len(ids)] = torch.tensor(lp[:len(ids)], dtype=torch.float32)
             reasons.append("length" if meta["finish_reason"]["type"] == "length" else "stop")
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
         idx = torch.arange(len(prompts)).repeat_interleave(n)  # [N]
@@ -371,11 +373,13 @@ class SGLangRollout(RolloutEngine):
             finish_reasons=reasons, prompt_index=idx,
         )
 
-    def _generate(self, input_ids: list[list[int]], params: dict, truncated: bool) -> list[dict]:
-        """One batched request; with ``truncated``, SGLang's sampling mask too, whose log-probs are
-        renormalised over the kept tokens (``Engine.generate`` does not expose that field)."""
-        if not truncated:
-            return self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+    def _generate(self, input_ids: list[list[int]], params: dict, truncated: bool, logprobs: bool
+                  ) -> list[dict]:
+        """One batched request, with the sampled tokens' log-probs when ``logprobs``; with ``truncated``,
+        SGLang's sampling mask too, whose log-probs are renormalised over the kept tokens
+        (``Engine.generate`` does not expose that field)."""
+        if not (truncated and logprobs):
+            return self.engine.generate(input_ids=input_ids, sampling_params=params, return_logprob=logprobs)
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         req = GenerateReqInput(input_ids=input_ids, sampling_params=params, return_logprob=True,

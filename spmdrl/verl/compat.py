@@ -289,6 +289,7 @@ TABLE: list[Rule] = [
     m(f"{RO}.tensor_model_parallel_size", "parallel.rollout_tp"),
     m(f"{RO}.n", "rollout.n"),
     m(f"{RO}.temperature", "rollout.temperature"),
+    m(f"{RO}.calculate_log_probs", "rollout.calculate_log_probs"),
     m(f"{RO}.top_p", "rollout.top_p"),
     m(f"{RO}.top_k", "rollout.top_k", _top_k, "0 (hf: no top-k) becomes -1"),
     m(f"{RO}.do_sample", "rollout.temperature", lambda v: SKIP if v else 0.0,
@@ -456,6 +457,7 @@ TABLE: list[Rule] = [
 # without algorithm.adv_estimator is PPO with a critic in verl, so it must be here too.
 VERL_DEFAULTS: dict[str, Any] = {
     "trainer.balance_batch": True,
+    f"{RO}.calculate_log_probs": False,
     "algorithm.adv_estimator": "gae",
     f"{RO}.n": 1,
     f"{OPT}.lr": 1e-6,

@@ -60,7 +60,7 @@ torchrun --standalone --nproc-per-node 1 -m spmdrl.train \\
  --critic.ppo_mini_batch_size 64 --critic.ppo_micro_batch_size_per_gpu 4 \\
  --algorithm.kl_ctrl.kl_coef 0.001 --trainer.logger '[console,jsonl]' \\
  --trainer.val_before_train false --trainer.save_freq 10 --trainer.test_freq 10 --trainer.total_epochs 15 \\
- --trainer.balance_batch true"""
+ --trainer.balance_batch true --rollout.calculate_log_probs false"""
 
 
 def _cell(value: Any) -> str:

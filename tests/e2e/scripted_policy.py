@@ -68,7 +68,8 @@ class ScriptedRollout(RolloutEngine):
             mask[k, :len(r)] = True
         prompt_ids, prompt_mask = left_pad(prompts, self.pad, torch.device("cpu"))
         idx = torch.arange(len(prompts)).repeat_interleave(n)
-        return GenerationOutput(prompt_ids[idx], prompt_mask[idx], ids, mask, torch.zeros(N, R), finish, idx)
+        logprobs = torch.zeros(N, R) if sampling.logprobs else None  # as the library engines skip them
+        return GenerationOutput(prompt_ids[idx], prompt_mask[idx], ids, mask, logprobs, finish, idx)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for _ in named_tensors:

@@ -41,6 +41,8 @@ BAD = [
     ([f"{RC}bypass_mode", "true", f"{RC}rollout_is", "token"],
      "bypass_mode takes the rollout log-probs as the old ones"),
     ([f"{RC}rollout_is", "token", "--rollout.top_p", "0.9"], "are of a truncated distribution"),
+    ([f"{RC}bypass_mode", "true", "--rollout.calculate_log_probs", "false"],
+     "uses the rollout engine's log-probs, but rollout.calculate_log_probs is false"),
     ([f"{RC}rollout_token_veto_threshold", "2"], "it must be in (0, 1)"),
     (["--actor.ppo_mini_batch_size", "32"], "is larger than data.train_batch_size"),
     (["--data.train_batch_size", "12", "--actor.ppo_mini_batch_size", "8"],

@@ -65,8 +65,9 @@ class ArithAnswers(RolloutEngine):
             ids[k, : len(r)], mask[k, : len(r)] = torch.tensor(r), True
         idx = torch.arange(len(prompts)).repeat_interleave(sampling.n)  # [N]
         prompt_ids, prompt_mask = left_pad(prompts, self.tok.pad_token_id, torch.device("cpu"))
-        return GenerationOutput(prompt_ids[idx], prompt_mask[idx], ids, mask, torch.zeros(len(rows), R),
-                                ["stop"] * len(rows), idx)
+        logprobs = torch.zeros(len(rows), R) if sampling.logprobs else None  # as vLLM and SGLang skip them
+        return GenerationOutput(prompt_ids[idx], prompt_mask[idx], ids, mask, logprobs, ["stop"] * len(rows),
+                                idx)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for _ in named_tensors:
@@ -157,6 +158,33 @@ def test_remax_baseline_is_the_greedy_responses_score(tok, tmp_path) -> None:
     # Greedy writes the right answer alone: the bare correct answer scores 1.
     assert batch["baseline"].tolist() == [1.0] * (3 * N)
     assert [(c.n, c.greedy) for c in engine.calls] == [(N, False), (1, True)]
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_rollout_log_probs_only_when_asked_for(tok, tmp_path, multi_turn) -> None:
+    """rollout.calculate_log_probs false: the engine is told, and the batch has no rollout_logp (so the
+    rollout gap metrics are left out), whether the engine returns none (vLLM, SGLang) or some anyway."""
+    cfg = _cfg()
+    cfg.data.max_response_length = 256
+    for calc in (True, False):
+        cfg.rollout.calculate_log_probs = calc
+        if multi_turn:
+            ds = _prompts(tok, generate_calc("train", 2, seed=0), tmp_path)
+            engine = scripted.ScriptedRollout(tok, tok.eos_token_id, tok.pad_token_id)
+            agent = ToolAgent([ToolSpec("calculator", {}, CALCULATOR_SCHEMA)], tok, [tok.eos_token_id],
+                              num_workers=1)
+        else:
+            ds, agent = _prompts(tok, generate_arith("train", 2, seed=0), tmp_path), None
+            engine = ArithAnswers(tok)
+        try:
+            exp = _experience(cfg, engine, tok, agent=agent)
+            batch, _ = exp.produce([ds[0], ds[1]], more_prompts=iter(()))
+        finally:
+            if agent is not None:
+                agent.close()
+        assert ("rollout_logp" in batch) is calc and len(batch) == 2 * N
+        if not multi_turn:
+            assert [c.logprobs for c in engine.calls] == [calc]
 
 
 def test_multi_turn_adds_the_tools_reward_and_the_conversation(tok, tmp_path) -> None:

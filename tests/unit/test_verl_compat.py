@@ -5,6 +5,7 @@ from dataclasses import asdict
 
 import pytest
 
+from spmdrl.config import Config
 from spmdrl.config.parse import parse_config
 from spmdrl.train import main
 from spmdrl.verl import compat as verl_compat
@@ -92,6 +93,10 @@ def test_mapping_conversions_and_verl_defaults():
     # verl's interpolation critic.ppo_mini_batch_size: ${actor_rollout_ref.actor.ppo_mini_batch_size}.
     assert cfg.algorithm.adv_estimator == "gae" and cfg.rollout.n == 1 and cfg.data.train_batch_size == 1024
     assert cfg.critic.ppo_mini_batch_size == 8 and cfg.critic.lr == 1e-5
+    # verl computes no rollout log-probs unless asked (spmdrl's own default keeps them)
+    assert not cfg.rollout.calculate_log_probs and Config().rollout.calculate_log_probs
+    asked = parse_config(["actor_rollout_ref.rollout.calculate_log_probs=True"])[0]
+    assert asked.rollout.calculate_log_probs
 
 
 def test_megatron_keys_of_actor_reference_and_critic():

@@ -42,8 +42,10 @@ def engine(tiny_model_dir: Path):
     from spmdrl.parallel import init_distributed
 
     init_distributed("cpu")
+    # Compiled (enforce_eager false, as production runs set it and bench/rollout.py measures): in-place
+    # weight sync must reach the compiled graph's weights too. The loop test runs the eager default.
     eng = build_rollout("vllm", str(tiny_model_dir), eos_token_ids=[EOS], pad_token_id=PAD,
-                        max_num_seqs=32, max_model_len=128, seed=0)
+                        max_num_seqs=32, max_model_len=128, seed=0, enforce_eager=False)
     yield eng
     eng.close()  # also destroys torch's default group, as vLLM's shutdown does
     assert not dist.is_initialized()
