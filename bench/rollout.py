@@ -138,7 +138,8 @@ class _VllmRunner:
 
 
 class _SglangRunner:
-    """``sglang.Engine`` alone, with the CPU settings spmdrl's engine uses (scheduler in a child process)."""
+    """``sglang.Engine`` alone, with the CPU settings spmdrl's engine uses (scheduler in a child process,
+    asleep when idle)."""
 
     def __init__(self, path: str, dtype: str, max_num_seqs: int, seed: int, max_model_len: int,
                  logprobs: bool):
@@ -150,7 +151,7 @@ class _SglangRunner:
             model_path=path, dtype=dtype, device="cpu", random_seed=seed, skip_tokenizer_init=True,
             attention_backend="torch_native", sampling_backend="pytorch", disable_cuda_graph=True,
             context_length=max_model_len, max_running_requests=max_num_seqs,
-            max_total_tokens=max_num_seqs * max_model_len)
+            max_total_tokens=max_num_seqs * max_model_len, sleep_on_idle=True)
 
     def child_pids(self) -> list[int]:
         return self.engine.get_all_child_pids()

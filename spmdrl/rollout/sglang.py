@@ -209,7 +209,10 @@ class SGLangRollout(RolloutEngine):
                 device=self.device.type, random_seed=o.seed + self.dp_rank, tp_size=self.tp,
                 skip_tokenizer_init=True, attention_backend="torch_native", sampling_backend="pytorch",
                 disable_cuda_graph=True, context_length=o.max_model_len, max_running_requests=o.max_num_seqs,
-                max_total_tokens=o.max_num_seqs * o.max_model_len, log_level="error", **memory,
+                max_total_tokens=o.max_num_seqs * o.max_model_len, log_level="error",
+                # Without it the idle scheduler polls its sockets in a busy loop, a whole core per engine
+                # for the whole run, while the trainer computes next to it.
+                sleep_on_idle=True, **memory,
             )
         atexit.unregister(engine.shutdown)  # it would kill every child of this process (``close``)
         return engine
