@@ -8,13 +8,14 @@
 With ``--vllm-python`` three rows are added: ``vllm`` is spmdrl's engine (``rollout.engine: vllm``:
 the external launcher in a world of one, one seed per call, processed log-probs, the output tensors the
 loop trains on), ``vllm-raw`` is vLLM's ``LLM.generate`` alone without log-probs and ``vllm-raw-lp`` the
-same asking for the sampled token's log-prob (``logprobs=0``), the job spmdrl's engine does. "x raw" is a
-row's rate over ``vllm-raw``'s, "x lp" over ``vllm-raw-lp``'s: the first is what log-probs and the
-wrapper cost together, the second the wrapper alone. All three run with ``--vllm-eager`` (default off:
+same asking for the sampled token's log-prob (``logprobs=0``), the job spmdrl's engine does; ``vllm-nolp``
+is spmdrl's engine told to skip them (``rollout.calculate_log_probs: false``). "x raw" is a row's rate over
+``vllm-raw``'s, "x lp" over ``vllm-raw-lp``'s: the first is what log-probs and the wrapper cost together,
+the second the wrapper alone. All three run with ``--vllm-eager`` (default off:
 vLLM's own default, compiled with torch.compile, as production runs set ``rollout.enforce_eager: false``).
 ``--sglang-python .venv-sglang/bin/python`` adds ``sglang`` (``rollout.engine: sglang``: each prompt
-submitted n times, log-probs, the output tensors), ``sglang-raw`` (``sglang.Engine.generate`` with
-``n``, no log-probs) and ``sglang-raw-lp`` (with ``return_logprob``) the same way; their RSS adds the
+submitted n times, log-probs, the output tensors), ``sglang-nolp``, ``sglang-raw`` (``sglang.Engine.generate``
+with ``n``, no log-probs) and ``sglang-raw-lp`` (with ``return_logprob``) the same way; their RSS adds the
 engine's scheduler and detokenizer processes.
 
 Each (model, dtype, engine) runs in its own subprocess, so peak RSS is that
@@ -91,13 +92,15 @@ class _SpmdrlRunner:
         from spmdrl.rollout import build_rollout
         from spmdrl.rollout.base import SamplingParams
 
-        self.SamplingParams = SamplingParams
+        self.SamplingParams, self.logprobs = SamplingParams, not engine.endswith("-nolp")
+        engine = engine.removesuffix("-nolp")
         extra = {}
         if engine == "vllm":  # the external launcher needs a process group: a world of one
             from spmdrl.parallel import init_distributed
 
             init_distributed("cpu")
-            extra = dict(max_model_len=max_model_len, enforce_eager=eager)
+            # as rollout.calculate_log_probs does: without log-probs, vLLM's raw mode
+            extra = dict(max_model_len=max_model_len, enforce_eager=eager, logprobs=self.logprobs)
         if engine == "sglang":
             extra = dict(max_model_len=max_model_len)
         self.engine = build_rollout(engine, path, dtype=getattr(torch, dtype), max_num_seqs=max_num_seqs,
@@ -107,7 +110,8 @@ class _SpmdrlRunner:
         return self.engine.engine.get_all_child_pids() if hasattr(self.engine, "engine") else []
 
     def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
-        out = self.engine.generate(prompts, self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0))
+        out = self.engine.generate(prompts, self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0,
+                                                                logprobs=self.logprobs))
         return int(out.response_mask.sum())
 
 
@@ -193,7 +197,7 @@ def worker(spec: dict) -> None:
             ttft.append(time.perf_counter() - t)
         rss = _peak_rss_mb(runner.child_pids())
         print(json.dumps({**cell, "rates": rates, "ttfts": ttft, "rss_mb": rss}), flush=True)
-    if spec["engine"] == "sglang":
+    if spec["engine"].startswith("sglang") and not spec["engine"].startswith("sglang-raw"):
         runner.engine.close()  # stops the engine's scheduler and detokenizer
     elif spec["engine"].startswith("sglang-raw"):
         runner.engine.shutdown()
@@ -291,9 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     cells = [dict(batch=b, n=n, new_tokens=t) for b in args.batch for n in args.n for t in args.new_tokens]
     engines = [(e, sys.executable) for e in args.engines]
     if args.vllm_python:
-        engines += [(e, args.vllm_python) for e in ("vllm", "vllm-raw", "vllm-raw-lp")]
+        engines += [(e, args.vllm_python) for e in ("vllm", "vllm-nolp", "vllm-raw", "vllm-raw-lp")]
     if args.sglang_python:
-        engines += [(e, args.sglang_python) for e in ("sglang", "sglang-raw", "sglang-raw-lp")]
+        engines += [(e, args.sglang_python) for e in ("sglang", "sglang-nolp", "sglang-raw", "sglang-raw-lp")]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     if args.threads:  # vLLM reads its thread count from the environment
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -365,7 +369,7 @@ def print_table(args, paths, cells, engines, results, limits, load0) -> None:
                         continue
                     # spmdrl's wrapper against its library alone, without and with log-probs
                     lib = e.split("-")[0]
-                    raw = results.get(key + (f"{lib}-raw",)) if e != f"{lib}-raw" else None
+                    raw = results.get(key + (f"{lib}-raw",)) if not e.startswith(f"{lib}-raw") else None
                     lp = results.get(key + (f"{lib}-raw-lp",)) if e == lib else None
                     print(f"{model:<6} {dt:<5} {c['batch']:>5} {c['n']:>2} {c['new_tokens']:>4} {e:<13} "
                           f"{r['tok_s']:>8.0f} {r['ttft_ms']:>8.1f} {r['rss_mb']:>7.0f} {limit:>7.0f} "

@@ -3,7 +3,7 @@
     python bench/step.py                       # tiny model, 8 prompts x 8 responses x 64 new tokens
     python bench/step.py --model small --steps 5
     python bench/step.py --vllm-python .venv-vllm/bin/python  # adds rollout.engine vllm at rollout TP 1 and 2
-    python bench/step.py --sglang-python .venv-sglang/bin/python  # adds rollout.engine sglang (rollout TP 1)
+    python bench/step.py --sglang-python .venv-sglang/bin/python  # adds rollout.engine sglang at TP 1 and 2
     python bench/step.py --megatron --no-trl   # instead: 2-rank fp32 rows of fsdp2 and megatron
                                                # (tp 1, tp 2, pp 2)
 
@@ -114,7 +114,7 @@ def main() -> None:
                    help="python of a venv with vllm (.venv-vllm/bin/python): adds 2-rank rows with "
                         "rollout.engine vllm")
     p.add_argument("--sglang-python", default=None,
-                   help="python of .venv-sglang (.ci/sglang-venv): adds a 2-rank row with rollout.engine "
+                   help="python of .venv-sglang (.ci/sglang-venv): adds 2-rank rows with rollout.engine "
                         "sglang (its engines' memory is in their scheduler processes, not in the peak GB)")
     p.add_argument("--megatron", action="store_true",
                    help="instead of the main rows: 2-rank colocated fp32 rows of actor.strategy fsdp2 and "
@@ -144,8 +144,8 @@ def main() -> None:
     # the same 2-rank colocated work, rolled out by vLLM: one engine per rank, then one over both
     if a.vllm_python:
         runs += [(2, True, main_dtype, "vllm", 1, "fsdp2"), (2, True, main_dtype, "vllm", 2, "fsdp2")]
-    if a.sglang_python:  # one SGLang engine per rank, its scheduler in a child process
-        runs += [(2, True, main_dtype, "sglang", 1, "fsdp2")]
+    if a.sglang_python:  # one SGLang engine per rank (its scheduler in a child process), then one of TP 2
+        runs += [(2, True, main_dtype, "sglang", 1, "fsdp2"), (2, True, main_dtype, "sglang", 2, "fsdp2")]
     if a.megatron:  # the Megatron engine computes in float32: against FSDP2 in float32 on the same work
         runs = [(2, True, "fp32", "native", 1, t) for t in TRAIN_ENGINES]
     trl_dtypes = ("fp32", main_dtype) if not a.no_trl and importlib.util.find_spec("trl") else ()

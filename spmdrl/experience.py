@@ -48,7 +48,8 @@ def sampling_params(cfg: "Config", *, validation: bool = False) -> SamplingParam
     if validation:
         v = r.val_kwargs  # verl: do_sample false is greedy whatever the temperature
         return SamplingParams(n=v.n, max_tokens=cfg.data.max_response_length,
-                              temperature=v.temperature if v.do_sample else 0.0, top_p=v.top_p, top_k=v.top_k)
+                              temperature=v.temperature if v.do_sample else 0.0, top_p=v.top_p, top_k=v.top_k,
+                              logprobs=False)  # validation scores responses only
     return SamplingParams(n=r.n, max_tokens=cfg.data.max_response_length, temperature=r.temperature,
                           top_p=r.top_p, top_k=r.top_k, ignore_eos=r.ignore_eos,
                           logprobs=r.calculate_log_probs)
@@ -170,7 +171,7 @@ class Experience:
         with the rollout and reward phases)."""
         with self.timer.phase("rollout"):
             greedy = self.generate(prompts, SamplingParams(n=1, max_tokens=self.cfg.data.max_response_length,
-                                                           temperature=0.0))
+                                                           temperature=0.0, logprobs=False))
         with self.timer.phase("reward"):
             self.score(greedy)
         by_prompt = dict(zip(greedy["index"].tolist(), greedy["scores"].tolist()))

@@ -18,6 +18,7 @@ imports another backend; each engine checks its own config keys
 from __future__ import annotations
 
 import abc
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,27 @@ class GenerationOutput:
     @property
     def response_lengths(self) -> torch.Tensor:  # [N]
         return self.response_mask.sum(-1)
+
+    @classmethod
+    def from_samples(cls, prompts: Sequence[Sequence[int]], n: int, max_tokens: int,
+                     samples: Sequence[tuple[Sequence[int], Optional[Sequence[float]], str]],
+                     pad_token_id: int) -> "GenerationOutput":
+        """The output of a library engine's samples, prompt-major (n per prompt): each is (its token ids,
+        their log-probs or None when the call asked for none, "stop" or "length")."""
+        N, R = len(samples), max_tokens
+        response_ids = torch.full((N, R), pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros(N, R) if all(lp is not None for _, lp, _ in samples) else None
+        lengths = torch.zeros(N, dtype=torch.long)
+        for i, (ids, lp, _) in enumerate(samples):
+            lengths[i] = len(ids)
+            response_ids[i, :len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+            if logprobs is not None:
+                logprobs[i, :len(ids)] = torch.tensor(list(lp[:len(ids)]), dtype=torch.float32)
+        prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, torch.device("cpu"))
+        idx = torch.arange(len(prompts)).repeat_interleave(n)  # [N]
+        mask = torch.arange(R)[None, :] < lengths[:, None]  # [N, R]
+        return cls(prompt_ids[idx], prompt_mask[idx], response_ids, mask, logprobs,
+                   [reason for *_, reason in samples], idx)
 
     def select(self, rows: torch.Tensor) -> "GenerationOutput":
         """The rows ``rows`` [M] int64 (prompt_index still refers to the call's input prompts)."""
@@ -184,6 +206,34 @@ def common_kwargs(cfg: "Config", device: torch.device) -> dict:
     r = cfg.rollout
     return dict(dtype=resolve_dtype(r.dtype, device.type), max_num_seqs=r.max_num_seqs,
                 seed=cfg.trainer.seed * 1000)
+
+
+@dataclass
+class LibraryOptions:
+    """What the library engines (vLLM, SGLang) take from the run config; each adds its own keys."""
+
+    dtype: torch.dtype = torch.float32
+    max_num_seqs: int = 256  # most sequences the library runs at once
+    seed: int = 0  # sampling starts from seed + rollout-DP rank
+    max_model_len: int = 2048  # longest prompt + response
+    gpu_memory_utilization: float = 0.5  # CUDA only
+    bucket_bytes: int = 512 << 20  # most exported bytes alive at once during update_weights
+
+    @classmethod
+    def from_config(cls, cfg: "Config", device: torch.device, **own):
+        r, d = cfg.rollout, cfg.data
+        return cls(**common_kwargs(cfg, device),
+                   max_model_len=r.max_model_len or d.max_prompt_length + d.max_response_length,
+                   gpu_memory_utilization=r.gpu_memory_utilization,
+                   bucket_bytes=r.update_weights_bucket_megabytes << 20, **own)
+
+
+def library_missing(module: str, name: str) -> Optional[str]:
+    """None when ``module`` can be imported here, else why not (one sentence naming ``name``)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:  # origin None: a namespace package (a stray folder)
+        return f"{name} is not installed in this Python environment"
+    return None
 
 
 def check_sleep_level(level: int) -> None:

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -71,14 +70,14 @@ from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
     SLEEP_TAGS,
     GenerationOutput,
+    LibraryOptions,
     RolloutEngine,
     SamplingParams,
     buckets,
     check_sleep_level,
     check_wake_tags,
-    common_kwargs,
     eos_ids_from_folder,
-    left_pad,
+    library_missing,
 )
 from spmdrl.rollout.sampling import stop_id_tensor, validate_sampling
 
@@ -98,32 +97,14 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 
 
 @dataclass
-class SGLangOptions:
-    """What this engine takes from the run config (``from_config``); the constructor's keyword arguments."""
-
-    dtype: torch.dtype = torch.float32
-    max_num_seqs: int = 256  # most requests SGLang runs at once
-    seed: int = 0  # the engine's sampling seed is seed + rollout-DP rank
-    max_model_len: int = 2048  # longest prompt + response
-    gpu_memory_utilization: float = 0.5  # CUDA only (SGLang's mem_fraction_static)
-    bucket_bytes: int = 512 << 20  # most exported bytes alive at once during update_weights
-
-    @classmethod
-    def from_config(cls, cfg: "Config", device: torch.device) -> "SGLangOptions":
-        r, d = cfg.rollout, cfg.data
-        common = common_kwargs(cfg, device)
-        return cls(dtype=common["dtype"], max_num_seqs=common["max_num_seqs"], seed=common["seed"],
-                   max_model_len=r.max_model_len or d.max_prompt_length + d.max_response_length,
-                   gpu_memory_utilization=r.gpu_memory_utilization,
-                   bucket_bytes=r.update_weights_bucket_megabytes << 20)
+class SGLangOptions(LibraryOptions):
+    """The constructor's keyword arguments: the library engines' (gpu_memory_utilization is SGLang's
+    mem_fraction_static; the engine's sampling seed is seed + rollout-DP rank)."""
 
 
 def sglang_available() -> Optional[str]:
     """None when SGLang can be imported here, else why not (one sentence)."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or spec.origin is None:  # origin None: a namespace package (a stray folder)
-        return "SGLang is not installed in this Python environment"
-    return None
+    return library_missing("sglang", "SGLang")
 
 
 def _select_platform(device: torch.device) -> None:
@@ -353,28 +334,16 @@ class SGLangRollout(RolloutEngine):
                       ignore_eos=not stops, no_stop_trim=True)
         outs = self._generate([list(map(int, p)) for p in prompts for _ in range(n)], params, truncated,
                               sampling.logprobs)
-        N = len(outs)
-        response_ids = torch.full((N, R), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(N, R, dtype=torch.float32) if sampling.logprobs else None
-        lengths = torch.zeros(N, dtype=torch.long)
-        reasons = []
-        for i, o in enumerate(outs):
+        samples = []
+        for o in outs:
             meta = o["meta_info"]
-            ids = list(o["output_ids"])
-            lengths[i] = len(ids)
-            response_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            if logprobs is not None:
+            lp = None
+            if sampling.logprobs:
                 lp = (meta["output_token_sampling_logprobs"] if truncated
                       else [t[0] for t in meta["output_token_logprobs"]])
-                logprobs[i, :len(ids)] = torch.tensor(lp[:len(ids)], dtype=torch.float32)
-            reasons.append("length" if meta["finish_reason"]["type"] == "length" else "stop")
-        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
-        idx = torch.arange(len(prompts)).repeat_interleave(n)  # [N]
-        return GenerationOutput(
-            prompt_ids=prompt_ids[idx], prompt_mask=prompt_mask[idx], response_ids=response_ids,
-            response_mask=torch.arange(R)[None, :] < lengths[:, None], logprobs=logprobs,
-            finish_reasons=reasons, prompt_index=idx,
-        )
+            reason = "length" if meta["finish_reason"]["type"] == "length" else "stop"
+            samples.append((o["output_ids"], lp, reason))
+        return GenerationOutput.from_samples(prompts, n, R, samples, self.pad_token_id)
 
     def _generate(self, input_ids: list[list[int]], params: dict, truncated: bool, logprobs: bool
                   ) -> list[dict]:

@@ -32,7 +32,6 @@ convention every engine follows (spmdrl.rollout.sampling).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import time
@@ -47,14 +46,14 @@ from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
     SLEEP_TAGS,
     GenerationOutput,
+    LibraryOptions,
     RolloutEngine,
     SamplingParams,
     buckets,
     check_sleep_level,
     check_wake_tags,
-    common_kwargs,
     eos_ids_from_folder,
-    left_pad,
+    library_missing,
 )
 from spmdrl.rollout.sampling import stop_id_tensor, validate_sampling
 
@@ -71,36 +70,26 @@ INSTALL_HINT = ("install it next to spmdrl with `pip install -c constraints.txt 
 
 
 @dataclass
-class VLLMOptions:
-    """What this engine takes from the run config (``from_config``); the constructor's keyword arguments."""
+class VLLMOptions(LibraryOptions):
+    """The constructor's keyword arguments: the library engines' (on CPU the KV cache is sized from
+    max_num_seqs x max_model_len, not gpu_memory_utilization) and vLLM's own."""
 
-    dtype: torch.dtype = torch.float32
-    max_num_seqs: int = 256  # most sequences vLLM schedules at once
-    seed: int = 0  # the sampling generator starts at seed + rollout-DP rank
-    max_model_len: int = 2048  # longest prompt + response
     max_num_batched_tokens: int = 8192
-    gpu_memory_utilization: float = 0.5  # CUDA only; on CPU the KV cache is sized from the two lines above
     enforce_eager: bool = True
-    bucket_bytes: int = 512 << 20  # most exported bytes alive at once during update_weights
+    # false (rollout.calculate_log_probs): no call asks for log-probs, so vLLM keeps its raw mode, which
+    # skips the per-step log-softmax over the vocabulary that processed log-probs cost
+    logprobs: bool = True
 
     @classmethod
     def from_config(cls, cfg: "Config", device: torch.device) -> "VLLMOptions":
-        r, d = cfg.rollout, cfg.data
-        common = common_kwargs(cfg, device)
-        return cls(
-            dtype=common["dtype"], max_num_seqs=common["max_num_seqs"], seed=common["seed"],
-            max_model_len=r.max_model_len or d.max_prompt_length + d.max_response_length,
-            max_num_batched_tokens=r.max_num_batched_tokens, gpu_memory_utilization=r.gpu_memory_utilization,
-            enforce_eager=r.enforce_eager, bucket_bytes=r.update_weights_bucket_megabytes << 20,
-        )
+        r = cfg.rollout
+        return super().from_config(cfg, device, max_num_batched_tokens=r.max_num_batched_tokens,
+                                   enforce_eager=r.enforce_eager, logprobs=r.calculate_log_probs)
 
 
 def vllm_available() -> Optional[str]:
     """None when vLLM can be imported here, else why not (one sentence)."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:  # origin None: a namespace package (a stray folder named vllm)
-        return "vLLM is not installed in this Python environment"
-    return None
+    return library_missing("vllm", "vLLM")
 
 
 def kv_cache_bytes(model_path: str | Path, rows: int, max_model_len: int, dtype: torch.dtype) -> int:
@@ -153,7 +142,7 @@ class VLLMRollout(RolloutEngine):
             max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
             enforce_eager=o.enforce_eager,
             enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
-            logprobs_mode="processed_logprobs", **memory,
+            logprobs_mode="processed_logprobs" if o.logprobs else "raw_logprobs", **memory,
             # Only each call's SamplingParams shape sampling: no defaults (top_k, repetition penalty, ...)
             # from the folder's generation_config.json, as the hf engine does too.
             generation_config="vllm",
@@ -252,6 +241,9 @@ class VLLMRollout(RolloutEngine):
             raise RuntimeError(f"vllm rollout: {sorted(self._asleep)} asleep; call wake_up first")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("vllm rollout: generate needs at least one prompt and no empty prompt")
+        if sampling.logprobs and not self.options.logprobs:
+            raise ValueError("vllm rollout: built without log-probs (rollout.calculate_log_probs false), so "
+                             "generate cannot return them; ask for none (SamplingParams.logprobs False)")
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed + self.dp_rank)
         n, R = sampling.n, sampling.max_tokens
@@ -281,25 +273,11 @@ class VLLMRollout(RolloutEngine):
                 torch.cuda.default_generators[d].manual_seed(base)
             outs = self.llm.generate(requests, params, use_tqdm=False)
         samples = [c for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]  # prompt-major
-        N = len(samples)
-        response_ids = torch.full((N, R), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(N, R, dtype=torch.float32) if sampling.logprobs else None
-        lengths = torch.zeros(N, dtype=torch.long)
-        reasons = []
-        for i, c in enumerate(samples):
-            ids = list(c.token_ids)
-            lengths[i] = len(ids)
-            response_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            if logprobs is not None:  # logprobs=0: one entry per position, the sampled token's
-                logprobs[i, :len(ids)] = torch.tensor(c.logprobs.logprobs, dtype=torch.float32)
-            reasons.append("stop" if c.finish_reason == "stop" else "length")
-        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, torch.device("cpu"))
-        idx = torch.arange(len(prompts)).repeat_interleave(n)  # [N]
-        return GenerationOutput(
-            prompt_ids=prompt_ids[idx], prompt_mask=prompt_mask[idx], response_ids=response_ids,
-            response_mask=torch.arange(R)[None, :] < lengths[:, None], logprobs=logprobs,
-            finish_reasons=reasons, prompt_index=idx,
-        )
+        # logprobs=0: one entry per position, the sampled token's
+        return GenerationOutput.from_samples(
+            prompts, n, R, [(c.token_ids, c.logprobs.logprobs if sampling.logprobs else None,
+                             "stop" if c.finish_reason == "stop" else "length") for c in samples],
+            self.pad_token_id)
 
 
 def _quiet_expected_vllm_warnings() -> None:
