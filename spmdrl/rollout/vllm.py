@@ -27,7 +27,9 @@ build has no sleep mode: sleep and wake_up are no-ops there, the weights and KV 
 (the KV cache is sized to the rollout's need, max_num_seqs x max_model_len, not to a memory fraction).
 
 Log-probs: ``logprobs_mode="processed_logprobs"``, after temperature and top-k / top-p, which is the
-convention every engine follows (spmdrl.rollout.sampling).
+convention every engine follows (spmdrl.rollout.sampling), read back as flat lists. With
+``rollout.calculate_log_probs: false`` the engine is built in vLLM's raw mode and asks for none, as raw
+``LLM.generate`` does (README, "vLLM rollout").
 """
 
 from __future__ import annotations

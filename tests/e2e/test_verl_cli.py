@@ -78,6 +78,7 @@ model:
 rollout:
   n: 2
   gpu_memory_utilization: 0.6
+  calculate_log_probs: false
 parallel:
   rollout_tp: 1
 actor:
