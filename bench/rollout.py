@@ -11,7 +11,7 @@ loop trains on), ``vllm-raw`` is vLLM's ``LLM.generate`` alone without log-probs
 same asking for the sampled token's log-prob (``logprobs=0``), the job spmdrl's engine does; ``vllm-nolp``
 is spmdrl's engine told to skip them (``rollout.calculate_log_probs: false``). "x raw" is a row's rate over
 ``vllm-raw``'s, "x lp" over ``vllm-raw-lp``'s: the first is what log-probs and the wrapper cost together,
-the second the wrapper alone. All three run with ``--vllm-eager`` (default off:
+the second the wrapper alone. Every vllm row runs with ``--vllm-eager`` (default off:
 vLLM's own default, compiled with torch.compile, as production runs set ``rollout.enforce_eager: false``).
 ``--sglang-python .venv-sglang/bin/python`` adds ``sglang`` (``rollout.engine: sglang``: each prompt
 submitted n times, log-probs, the output tensors), ``sglang-nolp``, ``sglang-raw`` (``sglang.Engine.generate``
@@ -197,10 +197,10 @@ def worker(spec: dict) -> None:
             ttft.append(time.perf_counter() - t)
         rss = _peak_rss_mb(runner.child_pids())
         print(json.dumps({**cell, "rates": rates, "ttfts": ttft, "rss_mb": rss}), flush=True)
-    if spec["engine"].startswith("sglang") and not spec["engine"].startswith("sglang-raw"):
-        runner.engine.close()  # stops the engine's scheduler and detokenizer
-    elif spec["engine"].startswith("sglang-raw"):
+    if spec["engine"].startswith("sglang-raw"):
         runner.engine.shutdown()
+    elif spec["engine"].startswith("sglang"):
+        runner.engine.close()  # stops the engine's scheduler and detokenizer
 
 
 # ---- driver side ---------------------------------------------------------------------------------

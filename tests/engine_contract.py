@@ -6,6 +6,7 @@ fixture and imports the tests it runs (pytest collects them there)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,16 @@ from spmdrl.rollout.sampling import truncate_logits
 EOS, PAD = 2, 0
 # fp32 on both sides; the libraries' CPU GEMMs and attention round differently from torch's.
 ATOL = 1e-4
+
+
+def skip_unless_installed(engine: str) -> None:
+    """Skip the calling test module unless ``engine``'s library is installed here. CI runs each library's
+    tests inside its own venv (.ci/vllm-venv, .ci/sglang-venv) from tests/e2e/test_engine_venvs.py; without
+    the library the module skips with the reason in pytest's summary, never silently."""
+    why = getattr(importlib.import_module(f"spmdrl.rollout.{engine}"), f"{engine}_available")()
+    if why is not None:
+        pytest.skip(f"{why}; tests/e2e/test_engine_venvs.py runs this in .venv-{engine}",
+                    allow_module_level=True)
 
 
 def _prompts(lengths: list[int], seed: int = 0, vocab: int = 2048) -> list[list[int]]:

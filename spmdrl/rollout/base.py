@@ -96,7 +96,8 @@ class GenerationOutput:
         their log-probs or None when the call asked for none, "stop" or "length")."""
         N, R = len(samples), max_tokens
         response_ids = torch.full((N, R), pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros(N, R) if all(lp is not None for _, lp, _ in samples) else None
+        with_logprobs = all(lp is not None for _, lp, _ in samples)
+        logprobs = torch.zeros(N, R, dtype=torch.float32) if with_logprobs else None
         lengths = torch.zeros(N, dtype=torch.long)
         for i, (ids, lp, _) in enumerate(samples):
             lengths[i] = len(ids)

@@ -147,7 +147,7 @@ class SGLangRollout(RolloutEngine):
 
     Args:
         model_path: HF folder SGLang builds the model from (config.json, safetensors).
-        mesh: the rollout mesh (dp x tp); its tp size must be 1.
+        mesh: the rollout mesh (dp x tp); at tp > 1 the TP group's first rank owns an engine of SGLang TP tp.
         device: cuda (memory saver on) or cpu (sleep is a no-op).
         eos_token_ids: ids that end a response (passed as stop ids, so every engine stops alike).
         pad_token_id: fills the padding of prompt_ids / response_ids.

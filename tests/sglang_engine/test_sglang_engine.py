@@ -12,16 +12,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from spmdrl.rollout.sglang import sglang_available
-
-# CI runs this file inside .venv-sglang (made by .ci/sglang-venv) from tests/e2e/test_engine_venvs.py;
-# without SGLang it skips with the reason in pytest's summary.
-if sglang_available() is not None:
-    pytest.skip(f"{sglang_available()}; tests/e2e/test_engine_venvs.py runs this in .venv-sglang",
-                allow_module_level=True)
 import psutil
+import pytest
 import torch
 from engine_contract import (  # noqa: F401 (its tests are collected here)
     ATOL,
@@ -30,6 +22,7 @@ from engine_contract import (  # noqa: F401 (its tests are collected here)
     _hf_logprobs,
     _hf_with,
     _prompts,
+    skip_unless_installed,
     test_greedy_matches_native_engine,
     test_output_contract,
 )
@@ -37,6 +30,8 @@ from engine_contract import (  # noqa: F401 (its tests are collected here)
 from spmdrl.rollout import build_rollout
 from spmdrl.rollout.base import SamplingParams
 from spmdrl.rollout.sampling import truncate_logits
+
+skip_unless_installed("sglang")
 
 
 @pytest.fixture(scope="module")

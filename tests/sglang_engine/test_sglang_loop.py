@@ -8,15 +8,10 @@ the rollout log-probs equal to the actor's after every weight sync.
 from __future__ import annotations
 
 import pytest
+from engine_contract import skip_unless_installed
 from engine_loop import check_grpo_through_loop
 
-from spmdrl.rollout.sglang import sglang_available
-
-# CI runs this file inside .venv-sglang (made by .ci/sglang-venv) from tests/e2e/test_engine_venvs.py;
-# without SGLang it skips with the reason in pytest's summary.
-if sglang_available() is not None:
-    pytest.skip(f"{sglang_available()}; tests/e2e/test_engine_venvs.py runs this in .venv-sglang",
-                allow_module_level=True)
+skip_unless_installed("sglang")
 
 
 @pytest.mark.e2e

@@ -11,14 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from spmdrl.rollout.vllm import vllm_available
-
-# CI runs this file inside .venv-vllm (made by .ci/vllm-venv) from tests/e2e/test_engine_venvs.py; without
-# vLLM it skips with the reason in pytest's summary.
-if vllm_available() is not None:
-    pytest.skip(f"{vllm_available()}; tests/e2e/test_engine_venvs.py runs this in .venv-vllm",
-                allow_module_level=True)
 import torch
 from engine_contract import (  # noqa: F401 (its tests are collected here)
     ATOL,
@@ -27,12 +19,15 @@ from engine_contract import (  # noqa: F401 (its tests are collected here)
     _hf_logprobs,
     _hf_with,
     _prompts,
+    skip_unless_installed,
     test_greedy_matches_native_engine,
     test_output_contract,
 )
 
 from spmdrl.rollout import build_rollout
 from spmdrl.rollout.base import SamplingParams
+
+skip_unless_installed("vllm")
 
 
 @pytest.fixture(scope="module")

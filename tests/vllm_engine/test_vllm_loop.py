@@ -7,15 +7,10 @@ metrics, and the rollout log-probs equal to the actor's after every weight sync.
 from __future__ import annotations
 
 import pytest
+from engine_contract import skip_unless_installed
 from engine_loop import check_grpo_through_loop
 
-from spmdrl.rollout.vllm import vllm_available
-
-# CI runs this file inside .venv-vllm (made by .ci/vllm-venv) from tests/e2e/test_engine_venvs.py;
-# without vLLM it skips with the reason in pytest's summary.
-if vllm_available() is not None:
-    pytest.skip(f"{vllm_available()}; tests/e2e/test_engine_venvs.py runs this in .venv-vllm",
-                allow_module_level=True)
+skip_unless_installed("vllm")
 
 
 @pytest.mark.e2e
