@@ -87,9 +87,41 @@ class Batch:
     def to(self, device: torch.device | str) -> "Batch":
         return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensor)
 
+    @property
+    def widths(self) -> tuple[int, int]:
+        """(P, R): the prompt and response widths of the sequence fields."""
+        resp = self.tensors["response_mask"].shape[1]
+        return self.tensors["input_ids"].shape[1] - resp, resp
+
+    def padded(self, prompt_len: int, response_len: int) -> "Batch":
+        """The same rows with prompts left-padded to ``prompt_len`` and responses right-padded to
+        ``response_len`` columns of zeros (attention 0, mask 0), in every [N, P+R] and [N, R] field; other
+        fields as they are."""
+        P, R = self.widths
+        if (P, R) == (prompt_len, response_len):
+            return self
+        if prompt_len < P or response_len < R:
+            raise ValueError(f"cannot pad a batch of widths {(P, R)} to the narrower "
+                             f"{(prompt_len, response_len)}")
+        out = {}
+        for key, v in self.tensors.items():
+            if v.dim() >= 2 and v.shape[1] == P + R:  # [N, P+R]: zeros on the left of the prompt too
+                v = torch.cat([v.new_zeros(v.shape[0], prompt_len - P, *v.shape[2:]), v,
+                               v.new_zeros(v.shape[0], response_len - R, *v.shape[2:])], dim=1)
+            elif v.dim() >= 2 and v.shape[1] == R:  # [N, R]
+                v = torch.cat([v, v.new_zeros(v.shape[0], response_len - R, *v.shape[2:])], dim=1)
+            out[key] = v
+        return Batch(out, self.non_tensor)
+
     @staticmethod
     def cat(batches: Sequence["Batch"]) -> "Batch":
+        """Rows of ``batches`` in order. Batches from different generation calls (DAPO's rounds) have their
+        own prompt and response widths: each is padded to the widest first."""
         first = batches[0]
+        if "response_mask" in first.tensors and "input_ids" in first.tensors:
+            widths = [b.widths for b in batches]
+            p, r = max(w[0] for w in widths), max(w[1] for w in widths)
+            batches = [b.padded(p, r) for b in batches]
         return Batch(
             {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors},
             {k: [x for b in batches for x in b.non_tensor[k]] for k in first.non_tensor},

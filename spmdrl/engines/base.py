@@ -368,26 +368,12 @@ def gather_rows(batch: Batch, group: dist.ProcessGroup, comm_device: torch.devic
     ``[r * len(batch), (r + 1) * len(batch))``.
     """
     size = dist.get_world_size(group)
-    total, resp = batch["input_ids"].shape[1], batch["response_mask"].shape[1]
+    P, R = batch.widths
     shapes = [torch.zeros(2, dtype=torch.int64, device=comm_device) for _ in range(size)]
-    dist.all_gather(shapes, torch.tensor([total - resp, resp], device=comm_device), group=group)
-    p_max = max(int(s[0]) for s in shapes)
-    r_max = max(int(s[1]) for s in shapes)
+    dist.all_gather(shapes, torch.tensor([P, R], device=comm_device), group=group)
+    batch = batch.padded(max(int(s[0]) for s in shapes), max(int(s[1]) for s in shapes))
     out = {}
     for key, v in batch.tensors.items():
-        if v.dim() >= 2 and v.shape[1] == total:
-            pad_p, pad_r = p_max - (total - resp), r_max - resp
-            v = torch.cat(
-                [
-                    v.new_zeros(v.shape[0], pad_p, *v.shape[2:]),
-                    v[:, : total - resp],
-                    v[:, total - resp :],
-                    v.new_zeros(v.shape[0], pad_r, *v.shape[2:]),
-                ],
-                dim=1,
-            )
-        elif v.dim() >= 2 and v.shape[1] == resp:
-            v = torch.cat([v, v.new_zeros(v.shape[0], r_max - resp, *v.shape[2:])], dim=1)
         v = v.contiguous().to(comm_device)
         parts = [torch.empty_like(v) for _ in range(size)]
         dist.all_gather(parts, v, group=group)
