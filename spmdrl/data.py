@@ -346,6 +346,12 @@ class PromptLoader:
         start = step * self.batch_size
         return self._epoch_order(epoch)[start : start + self.batch_size]
 
+    @property
+    def exhausted(self) -> bool:
+        """Whether ``num_epochs`` are used up (the next ``next`` would stop)."""
+        epoch = self.epoch + (self.position >= self.steps_per_epoch)
+        return self.num_epochs is not None and epoch >= self.num_epochs
+
     def __iter__(self) -> "PromptLoader":
         return self
 
@@ -360,14 +366,18 @@ class PromptLoader:
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "num_prompts": len(self.dataset), "batch_size": self.batch_size}
+                "num_prompts": len(self.dataset), "batch_size": self.batch_size, "shuffle": int(self.shuffle)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        # A different dataset, batch size or seed would silently change the order; refuse instead.
-        for key, mine in (("num_prompts", len(self.dataset)), ("batch_size", self.batch_size),
-                          ("seed", self.seed)):
+        # A different dataset, batch size, seed or shuffle would silently change the order (prompts of the
+        # epoch repeated or skipped); refuse instead.
+        for key, mine, config_key in (("num_prompts", len(self.dataset), "the training files"),
+                                      ("batch_size", self.batch_size, "data.train_batch_size"),
+                                      ("seed", self.seed, "trainer.seed"),
+                                      ("shuffle", int(self.shuffle), "data.shuffle")):
             if key in state and int(state[key]) != mine:
-                raise ValueError(f"data loader checkpoint has {key}={state[key]}, but this run has {mine}")
+                raise ValueError(f"data loader checkpoint has {key}={state[key]}, but this run has {mine} "
+                                 f"({config_key}); resume with the value that saved it or start afresh")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
@@ -437,8 +447,11 @@ def build_loaders(cfg: "Config", tokenizer: Any, *, rank: int, world_size: int
     mt = cfg.rollout.multi_turn
     tools = [s.tool_schema for s in load_tool_config(mt.tool_config_path)] if mt.enable else None
     try:
+        # Without trainer.total_steps the run is total_epochs passes, however many batches a step draws
+        # (DAPO's extra rounds): the loader stops there, as verl's epoch loop does.
+        epochs = cfg.trainer.total_epochs if cfg.trainer.total_steps is None else None
         train = build_train_loader(cfg.data, tokenizer, rank=rank, world_size=world_size,
-                                   seed=cfg.trainer.seed, tools=tools)
+                                   seed=cfg.trainer.seed, num_epochs=epochs, tools=tools)
         val = build_val_loader(cfg.data, tokenizer, rank=rank, world_size=world_size, tools=tools)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from err

@@ -124,27 +124,33 @@ class Experience:
         """One step's scored batch: the engine awake for every generation the step needs (DAPO's rounds
         draw from ``more_prompts``; ReMax's greedy baseline), then asleep."""
         with self.session.awake(lambda: self.timer.phase("weight_sync")):
-            batch, metrics = self._collect(prompts, more_prompts)
-            if self.needs_baseline:
-                batch["baseline"] = self._greedy_baseline(prompts, batch)  # [N]
-        return batch, metrics
+            return self._collect(prompts, more_prompts)
+
+    def _round(self, prompts: list["PromptItem"], sampling: SamplingParams, metrics: dict[str, float]
+               ) -> Batch:
+        """One generation round: rollout, reward and, for ReMax, each prompt's greedy baseline ([N]), so
+        that every row carries its own baseline whichever round it came from."""
+        with self.timer.phase("rollout"):
+            batch = self.generate(prompts, sampling)
+        with self.timer.phase("reward"):
+            metrics.update(self.score(batch))
+        if self.needs_baseline:
+            batch["baseline"] = self._greedy_baseline(prompts, batch)  # [N]
+        return batch
 
     def _collect(self, prompts: list["PromptItem"], more_prompts: Iterator[list["PromptItem"]]
                  ) -> tuple[Batch, dict[str, float]]:
         """Rollout + reward; with DAPO dynamic sampling, more prompts until every rank has its share of
-        groups."""
+        groups, or the training set's epochs run out (then the groups kept so far)."""
         sampling = sampling_params(self.cfg)
         fg = self.cfg.algorithm.filter_groups
-        want = len(prompts)  # groups this rank trains on
+        want = self.session.share(len(prompts))  # groups this rank trains on (under rollout TP, its share)
         kept: list[Batch] = []
         metrics: dict[str, float] = {}
         rounds = 0
         while True:
             rounds += 1
-            with self.timer.phase("rollout"):
-                batch = self.generate(prompts, sampling)
-            with self.timer.phase("reward"):
-                metrics.update(self.score(batch))
+            batch = self._round(prompts, sampling, metrics)
             if not fg.enable:
                 return batch, metrics
             keep, counts = filter_groups(batch["scores"], batch["index"])
@@ -155,7 +161,10 @@ class Experience:
             dist.all_reduce(have, op=dist.ReduceOp.MIN, group=self.group)
             if have.item() >= want or (fg.max_num_gen_batches and rounds >= fg.max_num_gen_batches):
                 break
-            prompts = next(more_prompts)
+            # Every rank's loader is at the same position, so all of them run out together.
+            prompts = next(more_prompts, None)
+            if prompts is None:
+                break
         metrics["dapo/num_gen_batches"] = float(rounds)
         # Every rank keeps the same number of whole groups so the update's collectives line up.
         groups = min(int(have.item()), want)
@@ -182,7 +191,7 @@ def rollout_actor_gap(batch: Batch, sampling: SamplingParams) -> dict[str, float
     """How far the rollout engine's log-probs are from the actor's recomputation of the same tokens (verl's
     training/rollout_probs_diff_*): a weight-sync or numerics check. Only comparable when the sampling
     distribution is the actor's full one (no top-k / top-p truncation; see rollout/sampling.py)."""
-    if sampling.top_k > 0 or sampling.top_p < 1.0 or "rollout_logp" not in batch:
+    if not sampling.full_distribution or "rollout_logp" not in batch:
         return {}
     mask = batch["response_mask"].bool()  # [N, R]
     if not mask.any():

@@ -308,21 +308,30 @@ def run(cfg: Config, dims: ParallelDims) -> None:
         while r.step < r.total_steps and not cfg.trainer.val_only:
             metrics = train_step(r)
             r.step += 1
-            if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or r.step == r.total_steps):
+            # The data's total_epochs can run out first when DAPO's extra rounds drew more batches.
+            last = r.step == r.total_steps or r.train_loader.exhausted
+            if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or last):
                 metrics.update(validation_metrics(r.experience, r.val_loader))
             r.watchdog.beat("log")
             sink.log(r.step, metrics)
             # A preemption signal (SIGTERM/SIGUSR1) turns into a checkpoint at this step boundary, then exit.
             stop = preemption.stop_requested(r.step)
-            if ckpt.due(r.step) or stop:
+            if ckpt.due(r.step, last) or stop:
                 r.watchdog.beat("checkpoint")
                 ckpt.save(r.step)
             f = cfg.trainer.plot_freq
-            if r.rank == 0 and f > 0 and (r.step % f == 0 or r.step == r.total_steps or stop):
+            if r.rank == 0 and f > 0 and (r.step % f == 0 or last or stop):
                 plot_run(r.out_dir)  # figures of metrics.jsonl into out_dir/plots; a failure only warns
             if stop:
                 log.warning("stopping after step %d on a preemption signal; resume picks up from here",
                             r.step)
+                break
+            if last and r.step < r.total_steps:
+                if r.rank == 0:
+                    log.warning("data.train_files' %d epoch(s) are used up after step %d of %d: dynamic "
+                                "sampling drew extra generation batches (verl ends its epoch loop here too); "
+                                "set trainer.total_steps to train on past the epochs",
+                                cfg.trainer.total_epochs, r.step, r.total_steps)
                 break
     finally:
         r.watchdog.close()

@@ -176,10 +176,11 @@ class CheckpointManager:
 
     # -- saving
 
-    def due(self, step: int) -> bool:
-        """Save every ``trainer.save_freq`` steps and at the last step (never when save_freq is -1)."""
+    def due(self, step: int, last: bool = False) -> bool:
+        """Save every ``trainer.save_freq`` steps and at the last step (``total_steps``, or ``last``: the
+        run ends early), never when save_freq is -1."""
         freq = self.cfg.trainer.save_freq
-        return freq > 0 and (step % freq == 0 or step == self.total_steps)
+        return freq > 0 and (step % freq == 0 or step == self.total_steps or last)
 
     def save(self, step: int) -> Path:
         """Write ``global_step_{step}``; returns its folder once it is complete and ``latest`` names it."""

@@ -57,6 +57,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def full_distribution(self) -> bool:
+        """No top-k / top-p truncation: the returned log-probs are of the distribution the actor recomputes,
+        so the two can be compared (rollout/sampling.py)."""
+        return self.top_k <= 0 and self.top_p >= 1.0
+
 
 @dataclass
 class GenerationOutput:

@@ -56,6 +56,10 @@ class RolloutSession:
         keep = (out.prompt_index >= share.start) & (out.prompt_index < share.stop)  # [N]
         return out.select(keep.nonzero().squeeze(-1))
 
+    def share(self, num_prompts: int) -> int:
+        """How many of a TP group's ``num_prompts`` prompts this rank keeps the responses of."""
+        return len(tp_share(num_prompts, self.tp_rank, self.tp))
+
     @contextlib.contextmanager
     def awake(self, sync_phase: Callable[[], ContextManager] = contextlib.nullcontext
               ) -> Iterator[RolloutEngine]:

@@ -54,7 +54,7 @@ def test_plain_strings_and_several_files(tmp_path: Path, arith_file: Path, tok) 
     two = PromptDataset([str(arith_file), str(mixed)], tok, max_prompt_length=64)
     assert len(two) == 43 and [i.index for i in two.items] == list(range(43))
     no_template = PromptDataset(str(mixed), tok, max_prompt_length=64, apply_chat_template=False)
-    assert no_template[0].raw_prompt.startswith("What is ")
+    assert no_template[0].raw_prompt == generate_arith("val", 3, seed=0)[0]["prompt"][0]["content"]
 
 
 def test_truncation_modes(tmp_path: Path, tok) -> None:
@@ -122,7 +122,9 @@ def test_drop_last_and_num_epochs(tmp_path: Path, tok) -> None:
                   max_prompt_length=64)
     loader = PromptLoader(ds, batch_size=8, rank=0, world_size=1, seed=0, num_epochs=2)
     assert loader.steps_per_epoch == 2
+    assert not loader.exhausted
     assert len(list(loader)) == 4  # 2 full batches per epoch; the 4 leftover prompts are dropped
+    assert loader.exhausted and not PromptLoader(ds, batch_size=8, rank=0, world_size=1).exhausted
     with pytest.raises(ValueError, match="multiple of the world size 3"):
         PromptLoader(ds, batch_size=8, rank=0, world_size=3)
     with pytest.raises(ValueError, match="larger than the training set"):
@@ -143,6 +145,9 @@ def test_resume_mid_epoch_reproduces_sequence(arith_file: Path, tok) -> None:
     assert got == expected
     with pytest.raises(ValueError, match="seed=3, but this run has 4"):
         PromptLoader(ds, batch_size=8, rank=0, world_size=1, seed=4).load_state_dict(state)
+    # A changed data.shuffle would repeat or skip prompts of the epoch: refused, naming the key.
+    with pytest.raises(ValueError, match=r"shuffle=1, but this run has 0 \(data.shuffle\)"):
+        PromptLoader(ds, batch_size=8, rank=0, world_size=1, seed=3, shuffle=False).load_state_dict(state)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

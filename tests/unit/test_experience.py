@@ -35,14 +35,14 @@ _spec = importlib.util.spec_from_file_location("scripted_policy",
 scripted = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(scripted)
 
-_QUESTION = re.compile(r"What is (\d+) ([-+]) (\d+)\?")
+_QUESTION = re.compile(r"(\d+) ([-+]) (\d+)\?")  # any of the arith task's phrasings
 N = 4  # responses per prompt
 
 pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
 
 
 class ArithAnswers(RolloutEngine):
-    """Answers "What is a op b?": greedy, and every sample of an even a, the right answer; sample j of an odd
+    """Answers "... a op b?": greedy, and every sample of an even a, the right answer; sample j of an odd
     a, (answer + j) mod 10. So groups with an even first operand all score the same (DAPO drops them)."""
 
     def __init__(self, tokenizer) -> None:
@@ -158,6 +158,85 @@ def test_remax_baseline_is_the_greedy_responses_score(tok, tmp_path) -> None:
     # Greedy writes the right answer alone: the bare correct answer scores 1.
     assert batch["baseline"].tolist() == [1.0] * (3 * N)
     assert [(c.n, c.greedy) for c in engine.calls] == [(N, False), (1, True)]
+
+
+def _phrased(rows: list[dict], phrasing: str) -> list[dict]:
+    """``rows`` asked in one phrasing, so that a batch of them has one prompt width."""
+    for r in rows:
+        info = r["extra_info"]
+        r["prompt"] = [{"role": "user", "content": phrasing.format(a=info["a"], op=info["op"], b=info["b"])}]
+    return rows
+
+
+def _rounds_of_two_widths(tok, tmp_path) -> tuple[PromptDataset, PromptLoader]:
+    """Batches of 4 prompts whose first round is all short prompts and whose later rounds are long ones;
+    in the first round only one group is informative (an odd first operand, ``ArithAnswers``)."""
+    rows = generate_arith("train", 64, seed=0)
+    odd = [k for k, r in enumerate(rows[:4]) if r["extra_info"]["a"] % 2 == 1]
+    assert len(odd) < 4  # DAPO needs a second round
+    rows = _phrased(rows[:4], "{a} {op} {b}?") + _phrased(rows[4:], "Please solve this question: what is "
+                                                                     "{a} {op} {b}? Answer with one number.")
+    ds = _prompts(tok, rows, tmp_path)
+    return ds, PromptLoader(ds, batch_size=4, rank=0, world_size=1, shuffle=False, seed=0)
+
+
+def test_dapo_rounds_of_different_prompt_widths_make_one_batch(tok, tmp_path) -> None:
+    """Each round is left-padded to its own longest prompt: the kept groups are padded to the widest before
+    they are joined, and every row still holds its own prompt and response."""
+    ds, loader = _rounds_of_two_widths(tok, tmp_path)
+    exp = _experience(_cfg(enable=True, max_num_gen_batches=10), ArithAnswers(tok), tok)
+    batch, metrics = exp.produce(next(loader), more_prompts=loader)
+    assert metrics["dapo/num_gen_batches"] > 1 and len(batch) == 4 * N
+    widths = {len(ds[i].prompt_ids) for i in set(batch["index"].tolist())}
+    assert len(widths) == 2  # groups of both rounds were kept
+    P = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    assert P == max(widths)
+    for k in range(len(batch)):
+        attn = batch["attention_mask"][k].bool()
+        assert batch["input_ids"][k, :P][attn[:P]].tolist() == ds[int(batch["index"][k])].prompt_ids
+        assert int(attn[P:].sum()) == int(batch["response_mask"][k].sum())  # responses right-padded
+        assert batch["position_ids"][k][attn].tolist() == list(range(int(attn.sum())))
+
+
+def test_remax_with_dynamic_sampling_gives_every_kept_row_its_baseline(tok, tmp_path) -> None:
+    """The kept groups may come from any round: each round's prompts get their greedy baseline."""
+    _, loader = _rounds_of_two_widths(tok, tmp_path)
+    engine = ArithAnswers(tok)
+    exp = _experience(_cfg(enable=True, max_num_gen_batches=10), engine, tok, baseline=True)
+    batch, metrics = exp.produce(next(loader), more_prompts=loader)
+    rounds = int(metrics["dapo/num_gen_batches"])
+    assert rounds > 1 and batch["baseline"].tolist() == [1.0] * (4 * N)  # greedy answers right
+    assert [(c.n, c.greedy) for c in engine.calls] == [(N, False), (1, True)] * rounds
+
+
+def test_dapo_under_rollout_tp_collects_this_ranks_share(tok, tmp_path) -> None:
+    """Under rollout TP 2 every rank of the group generates the group's 4 prompts and keeps 2 of them, so it
+    trains on 2 groups, not 4 (and stops generating once it has them)."""
+    ds = _prompts(tok, generate_arith("train", 64, seed=0), tmp_path)
+    loader = PromptLoader(ds, batch_size=4, rank=0, world_size=1, shuffle=False, seed=0)
+    engine = ArithAnswers(tok)
+    exp = _experience(_cfg(enable=True, max_num_gen_batches=10), engine, tok)
+    exp.session = RolloutSession(engine, lambda: [], sleep_level=1, colocate=True, tp_rank=0, tp=2)
+    batch, metrics = exp.produce(next(loader), more_prompts=loader)
+    rounds = int(metrics["dapo/num_gen_batches"])
+    # Rank 0 keeps the first 2 prompts of each round; its informative ones are those with an odd a.
+    mine = [p for k in range(rounds) for p in ds.items[4 * k:4 * k + 2]]
+    odd = [p.index for p in mine if int(p.extra_info["a"]) % 2 == 1]
+    assert len(batch) == 2 * N and sorted(set(batch["index"].tolist())) == odd[:2]
+    assert len(odd[:-1]) < 2 <= len(odd)  # the last round completed the share
+
+
+def test_dapo_stops_drawing_when_the_epochs_run_out(tok, tmp_path) -> None:
+    """With trainer.total_epochs ending the run, dynamic sampling trains on the groups it kept once the
+    loader's epochs are used up instead of failing with StopIteration."""
+    rows = [r for r in generate_arith("train", 200, seed=0) if r["extra_info"]["a"] % 2 == 0][:7]
+    rows += [r for r in generate_arith("train", 200, seed=0) if r["extra_info"]["a"] % 2 == 1][:1]
+    ds = _prompts(tok, rows, tmp_path)  # 8 prompts, one informative (the last)
+    loader = PromptLoader(ds, batch_size=4, rank=0, world_size=1, shuffle=False, seed=0, num_epochs=1)
+    exp = _experience(_cfg(enable=True, max_num_gen_batches=10), ArithAnswers(tok), tok)
+    batch, metrics = exp.produce(next(loader), more_prompts=loader)
+    assert metrics["dapo/num_gen_batches"] == 2 and batch["index"].tolist() == [7] * N
+    assert loader.exhausted
 
 
 @pytest.mark.parametrize("multi_turn", [False, True])
