@@ -35,7 +35,7 @@ from spmdrl.checkpoint.watchdog import Watchdog
 from spmdrl.config import Config, dump_config, output_dir
 from spmdrl.data import PromptLoader, ValidationLoader, build_loaders
 from spmdrl.engines import build_engine
-from spmdrl.engines.balance import balance_rows
+from spmdrl.engines.balance import balance_rows, balance_slot
 from spmdrl.engines.base import LogProbSource, LossFn, TrainEngine
 from spmdrl.experience import Experience, batch_metrics, rollout_actor_gap, sampling_params
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
@@ -170,10 +170,13 @@ def train_step(r: Run) -> dict[str, float]:
 
     metrics.update(batch_metrics(batch))
     kept_mask, rc = None, cfg.algorithm.rollout_correction
-    mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size  # rows per rank per step
+    mini = _mini_rows(r, cfg.actor.ppo_mini_batch_size)  # the actor's rows per rank per optimizer step
+    critic_mini = _mini_rows(r, cfg.critic.ppo_mini_batch_size)
     if cfg.trainer.balance_batch and r.dims.world_size > 1:
         with t.phase("balance"):
-            batch, balance = balance_rows(batch, cfg.rollout.n, mini, r.group, r.device)
+            # Groups move within slots inside one actor and one critic mini-batch: neither update changes.
+            slot = balance_slot([mini, critic_mini] if r.critic is not None else [mini])
+            batch, balance = balance_rows(batch, cfg.rollout.n, slot, r.group, r.device)
         metrics.update(balance)
     # One on-policy pass: the loss uses the detached current log-probs and measures the rollout gap from
     # its own forward (objectives.py), unless something before the update needs the actor's log-probs.
@@ -187,8 +190,9 @@ def train_step(r: Run) -> dict[str, float]:
                 max_token_len=_budget(a.log_prob_use_dynamic_bsz, a.log_prob_max_token_len_per_gpu),
             )["logp"]
             metrics.update(rollout_actor_gap(batch, sampling_params(cfg)))
-            kept_mask, corr_metrics = _rollout_correction(r, batch)
-            metrics.update(corr_metrics)
+            if "rollout_logp" in batch:  # rollout.calculate_log_probs: verl's default leaves them out
+                kept_mask, corr_metrics = _rollout_correction(r, batch)
+                metrics.update(corr_metrics)
     with t.phase("ref"):
         if r.ref is not None:
             batch["ref_logp"] = r.ref.forward_no_grad(
@@ -209,8 +213,7 @@ def train_step(r: Run) -> dict[str, float]:
         if r.critic is not None:
             c = cfg.critic
             metrics.update(r.critic.train_step(
-                batch, r.critic_loss, c.ppo_mini_batch_size * cfg.rollout.n // r.dims.world_size,
-                c.ppo_micro_batch_size_per_gpu, c.ppo_epochs,
+                batch, r.critic_loss, critic_mini, c.ppo_micro_batch_size_per_gpu, c.ppo_epochs,
                 max_token_len=_budget(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu)))
         metrics.update(r.actor.train_step(
             batch, r.actor_loss, mini, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_epochs,
@@ -223,10 +226,19 @@ def train_step(r: Run) -> dict[str, float]:
     return _reduce(r, metrics, tokens=float(batch["attention_mask"].sum()))
 
 
+def _mini_rows(r: Run, ppo_mini_batch_size: int) -> int:
+    """Rows per rank of one optimizer step: ``ppo_mini_batch_size`` prompts x n over the world."""
+    return ppo_mini_batch_size * r.cfg.rollout.n // r.dims.world_size
+
+
 def _rollout_correction(r: Run, batch) -> tuple[Optional[torch.Tensor], dict[str, float]]:
     """Importance weights into ``batch`` and the mask without rejected tokens (None when nothing is
-    rejected), with the rollout-vs-training diagnostics (always)."""
+    rejected), with the rollout-vs-training diagnostics, which are left out when the rollout sampled from a
+    truncated distribution (top-k / top-p: its log-probs are not the actor's to compare; the config refuses
+    corrections then)."""
     rc = r.cfg.algorithm.rollout_correction
+    if not rc.corrects and not sampling_params(r.cfg).full_distribution:
+        return None, {}
     options = {k: v for k, v in asdict(rc).items() if k != "bypass_mode"}  # the function's keywords
     weights, kept, metrics = rollout_correction(
         batch["old_logp"], batch["rollout_logp"], batch["response_mask"], **options, group=r.group)

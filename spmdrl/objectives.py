@@ -16,6 +16,7 @@ from spmdrl.algos.rollout_correction import rollout_correction
 from spmdrl.batch import Batch
 from spmdrl.config import Config
 from spmdrl.engines.base import LossFn, LossScale
+from spmdrl.experience import sampling_params
 
 
 def actor_loss_fn(cfg: Config) -> LossFn:
@@ -24,6 +25,8 @@ def actor_loss_fn(cfg: Config) -> LossFn:
     policy_loss = get_policy_loss(a.policy_loss)
     kl_fn = get_kl(a.kl_loss_type) if a.use_kl_loss else None
     norm_len = a.loss_scale_factor or cfg.data.max_response_length
+    # The rollout gap is measured only against the actor's own (untruncated) distribution.
+    gap_comparable = sampling_params(cfg).full_distribution
 
     def loss_fn(outputs: dict, mb: Batch, scale: LossScale):
         logp = outputs["logp"]  # [b, R]
@@ -51,7 +54,7 @@ def actor_loss_fn(cfg: Config) -> LossFn:
             loss = loss + a.kl_loss_coef * agg_loss(kl, mask, a.loss_agg_mode, **counts)
             metrics["actor/kl_loss"] = float(agg_loss(kl.detach(), mask, a.loss_agg_mode).item())
             metrics["actor/kl_coef"] = a.kl_loss_coef
-        if "old_logp" not in mb and "rollout_logp" in mb:
+        if "old_logp" not in mb and "rollout_logp" in mb and gap_comparable:
             metrics.update(rollout_gap_metrics(logp.detach(), mb["rollout_logp"], mask))
         return loss, metrics
 

@@ -11,6 +11,8 @@ about the same number of attended tokens:
   mini-batch of every rank), so the union of the rows in each global mini-batch, and with the global loss
   denominators the update itself, is the same with and without balancing.
 - **Every rank keeps as many rows**: the update's collectives need as many mini-batches everywhere.
+- **Every trained model's mini-batches**: with a critic whose mini-batch differs from the actor's, a slot is
+  their greatest common divisor (``balance_slot``), so it lies inside one mini-batch of each.
 
 The plan is computed by every rank from the same all-gathered lengths (no leader, no pickling): in each
 slot, groups by descending tokens go to the lightest rank that still has room (greedy LPT with equal
@@ -18,6 +20,10 @@ counts, as verl's equal-size partitions).
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +51,12 @@ def plan_groups(tokens: list[list[int]], slot_groups: int) -> list[list[int]]:
         for r in range(ranks):
             out[r].extend(sorted(taken[r]))  # the slot's groups in their original order
     return out
+
+
+def balance_slot(mini_rows: Sequence[int]) -> int:
+    """Rows per rank of one balancing slot, given each trained model's mini-batch rows per rank: the largest
+    slot inside one mini-batch of every model."""
+    return functools.reduce(math.gcd, mini_rows)
 
 
 def balance_rows(batch: Batch, group_size: int, mini_rows: int, group: dist.ProcessGroup,

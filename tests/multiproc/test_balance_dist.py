@@ -1,7 +1,8 @@
 """trainer.balance_batch on 2 gloo ranks: rank 0 generated the long answers and rank 1 the short ones.
 Balancing must even out the tokens while each group (the n responses of a prompt) stays whole on one rank
 and each global mini-batch keeps its rows, so one FSDP2 actor update with 2 mini-batches is the same with
-and without it (float32: 1e-5)."""
+and without it (float32: 1e-5). A critic whose mini-batch is half the actor's (PPO) keeps its update too
+when the slots are ``balance_slot``'s; slots of the actor's mini-batch alone would change it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import spawn
-from rows import pg_loss, rows_with_lengths
+from rows import pg_loss, rows_with_lengths, vf_loss
 
 pytestmark = pytest.mark.dist
 
@@ -33,7 +34,7 @@ def _rank_batch(rank: int, vocab: int):
 def _run(rank: int, world: int, model_dir: str) -> dict:
     import torch.distributed as dist
 
-    from spmdrl.engines.balance import balance_rows
+    from spmdrl.engines.balance import balance_rows, balance_slot
     from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
 
@@ -44,17 +45,30 @@ def _run(rank: int, world: int, model_dir: str) -> dict:
     out = {"metrics": metrics, "tokens": [int(b["attention_mask"].sum()) for b in (mine, balanced)],
            "index": balanced["index"].tolist(),
            "rows": [_row_keys(b) for b in (mine, balanced)]}
+    critic_mini = mini // 2
+    slot = balance_slot([mini, critic_mini])
+    by_slot, _ = balance_rows(mine, N, slot, dist.group.WORLD, torch.device("cpu"))
     weights = {}
-    for name, batch in (("off", mine), ("on", balanced)):
-        eng = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0)
-        eng.train_step(batch, pg_loss, mini_batch_size=mini, micro_batch_size=2)
+    for name, role, batch, loss, size in (("off", "actor", mine, pg_loss, mini),
+                                          ("on", "actor", balanced, pg_loss, mini),
+                                          ("critic_off", "critic", mine, vf_loss, critic_mini),
+                                          ("critic_on", "critic", by_slot, vf_loss, critic_mini),
+                                          ("critic_actor_slots", "critic", balanced, vf_loss, critic_mini)):
+        eng = FSDP2Engine(model_dir, role=role, dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0)
+        eng.train_step(batch, loss, mini_batch_size=size, micro_batch_size=2)
         weights[name] = {k: v.clone() for k, v in eng.export_weights()}
         del eng
     # Only small values go back through the queue (spawn's pipe would block on whole weight sets).
     off, on, start = weights["off"], weights["on"], _initial(model_dir)
     out["moved"] = max(float((off[k].float() - start[k].float()).abs().max()) for k in off if k in start)
-    out["apart"] = max(float((off[k] - on[k]).abs().max()) for k in off)
+    out["apart"] = _apart(off, on)
+    out["critic_apart"] = _apart(weights["critic_off"], weights["critic_on"])
+    out["critic_apart_actor_slots"] = _apart(weights["critic_off"], weights["critic_actor_slots"])
     return out
+
+
+def _apart(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def _initial(model_dir: str) -> dict:
@@ -102,3 +116,9 @@ def test_groups_stay_whole_and_mini_batches_keep_their_rows(ranks):
 def test_update_is_the_same_with_and_without_balancing(ranks):
     for r in ranks:
         assert r["moved"] > 1e-5 and r["apart"] < 1e-5, (r["moved"], r["apart"])
+
+
+def test_a_critic_with_smaller_mini_batches_keeps_its_update(ranks):
+    for r in ranks:
+        assert r["critic_apart"] < 1e-5, r["critic_apart"]
+        assert r["critic_apart_actor_slots"] > 1e-4, r["critic_apart_actor_slots"]  # what the slot prevents

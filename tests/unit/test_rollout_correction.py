@@ -120,3 +120,21 @@ def test_one_pass_loss_logs_the_gap_from_its_own_forward():
     _, _, full = _run()
     assert metrics["rollout_corr/kl"] == pytest.approx(full["rollout_corr/kl"])
     assert not any(k.endswith(("_max", "_min")) for k in metrics)  # micro-batch extremes would be averaged
+
+
+@pytest.mark.parametrize("truncation", [("top_p", 0.9), ("top_k", 50)])
+def test_no_diagnostics_under_top_p_or_top_k(truncation):
+    """Sampled from a truncated distribution, the rollout's log-probs are not the actor's to compare with
+    (rollout/sampling.py): neither the one-pass loss nor the loop logs rollout_corr/* then."""
+    from types import SimpleNamespace
+
+    from spmdrl.loop import _rollout_correction
+
+    cfg = Config()
+    setattr(cfg.rollout, *truncation)
+    mb = Batch({"response_mask": MASK, "rollout_logp": ROLLOUT, "advantages": torch.zeros(3, 4),
+                "ref_logp": TRAIN})
+    _, metrics = actor_loss_fn(cfg)({"logp": TRAIN}, mb, LossScale(global_tokens=5.0, global_seqs=2.0))
+    assert not [k for k in metrics if k.startswith("rollout_corr/")]
+    mb["old_logp"] = TRAIN
+    assert _rollout_correction(SimpleNamespace(cfg=cfg, group=None), mb) == (None, {})
