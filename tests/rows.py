@@ -1,8 +1,10 @@
 """Training rows with chosen prompt and response lengths, laid out as ``batch.from_generation`` makes them
-(prompts left-padded, responses right-padded), and the two losses the engine tests train with."""
+(prompts left-padded, responses right-padded), the two losses the engine tests train with, and the FSDP2
+engine of a world of one they train."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -35,3 +37,12 @@ def pg_loss(outputs, mb, scale):
 def vf_loss(outputs, mb, scale):
     loss = 0.5 * ((outputs["values"] - mb["returns"]) ** 2 * mb["response_mask"]).sum() / scale.global_tokens
     return loss, {"critic/vf_loss": loss.item()}
+
+
+def fsdp2_engine(model_dir: Path, role: str = "actor", **kw):
+    """An FSDP2 engine of ``role`` on a world of one (lr 1e-4, seed 0 unless ``kw`` says otherwise)."""
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
+    from spmdrl.parallel import ParallelDims
+
+    return FSDP2Engine(str(model_dir), role=role, dp_mesh=ParallelDims(1).build().fsdp_mesh, device="cpu",
+                       **{"lr": 1e-4, "seed": 0, **kw})

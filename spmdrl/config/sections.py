@@ -213,9 +213,10 @@ class ActorConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
     lr_warmup_steps: int = 0
-    """Optimizer steps of linear warm-up from 0 to lr."""
+    """Training steps of linear warm-up from 0 to lr (as verl, the schedule advances once per training
+    step: every mini-batch of a step uses the same rate)."""
     lr_scheduler: Literal["constant", "cosine"] = "constant"
-    """Schedule after warm-up."""
+    """Schedule after warm-up; cosine reaches min_lr_ratio at the run's last training step."""
     min_lr_ratio: float = 0.0
     """Cosine floor as a fraction of lr."""
     max_grad_norm: float = 1.0
@@ -297,7 +298,7 @@ class CriticConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     lr_warmup_steps: int = 0
-    """Optimizer steps of linear warm-up."""
+    """Training steps of linear warm-up."""
     max_grad_norm: float = 1.0
     """Clip the critic's gradient norm to this (0 disables)."""
     ppo_epochs: int = 1

@@ -153,7 +153,9 @@ class TrainEngine(abc.ABC):
         entropy_grad: bool = True,
         max_token_len: Optional[int] = None,
     ) -> dict[str, float]:
-        """``epochs`` passes over ``batch``, one optimizer step per mini-batch of ``mini_batch_size`` rows.
+        """``epochs`` passes over ``batch``, one optimizer step per mini-batch of ``mini_batch_size`` rows,
+        all at the learning rate of this training step: the schedule advances once per call, as verl's
+        does, so ``lr_warmup_steps`` and the cosine's length count training steps whatever the mini-batches.
 
         Sizes are per rank. With a model replica of k ranks (TP, or TP x PP), a mini-batch is the
         replica's union (``mini_batch_size * k`` rows) cut into micro-batches of ``micro_batch_size``,
@@ -189,13 +191,12 @@ class TrainEngine(abc.ABC):
                     self._forward_backward(pad, _zero_loss, scale, with_entropy, entropy_grad)
                 self._finish_grads()
                 norms.append(self._clip_grads())
-                lr = optimizer.param_groups[0]["lr"]
                 # A non-finite norm would poison the weights and Adam's moments: skip this update.
                 if math.isfinite(norms[-1]):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
                 self.global_step += 1
+        scheduler.step()
         out = self._reduce_loss_metrics(sums, n_micro)
         prefix = "critic" if self.role == "critic" else "actor"
         out[f"{prefix}/lr"] = float(lr)

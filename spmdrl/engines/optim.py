@@ -43,10 +43,12 @@ def value_head_weight(hidden_size: int, seed: int) -> torch.Tensor:
 class WarmupSchedule:
     """LR multiplier: linear warm-up to 1 over ``warmup_steps``, then constant or cosine to ``min_lr_ratio``.
 
-    The first optimizer step already uses ``1 / warmup_steps`` of the peak
-    (not 0), so no step is wasted. Cosine decays over the steps after
-    warm-up up to ``total_steps`` and stays at the floor after that. A class,
-    not a closure, so ``LambdaLR.state_dict`` records its settings.
+    Steps are training steps (the engine advances the schedule once per
+    ``train_step``, whatever its mini-batches and epochs). The first step
+    already uses ``1 / warmup_steps`` of the peak (not 0), so no step is
+    wasted. Cosine decays over the steps after warm-up up to ``total_steps``
+    and stays at the floor after that. A class, not a closure, so
+    ``LambdaLR.state_dict`` records its settings.
     """
 
     def __init__(
@@ -60,7 +62,7 @@ class WarmupSchedule:
             raise ValueError(f"lr_scheduler={kind!r} is not supported; valid: constant, cosine")
         if kind == "cosine" and not total_steps:
             raise ValueError(
-                "lr_scheduler='cosine' needs total_steps (optimizer steps of the run), got None/0"
+                "lr_scheduler='cosine' needs total_steps (training steps of the run), got None/0"
             )
         if not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]")
@@ -108,7 +110,7 @@ def move_optimizer_state(
 # the schedule); a difference in any other value (amsgrad, maximize, ...) cannot be applied to saved state.
 _APPLIED = ("betas", "weight_decay", "eps", "foreach", "fused", "capturable", "differentiable")
 _SCHEDULE_KEYS = {"warmup_steps": "lr_warmup_steps", "kind": "lr_scheduler", "min_lr_ratio": "min_lr_ratio",
-                  "total_steps": "lr schedule length (optimizer steps)"}
+                  "total_steps": "lr schedule length (training steps)"}
 
 
 def _plain(value: object) -> object:

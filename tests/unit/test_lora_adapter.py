@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rows import fsdp2_engine
 
 from spmdrl.errors import ConfigError
 
@@ -33,11 +34,7 @@ def adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> t
 
 
 def _engine(model_dir: Path, spec):
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
-    from spmdrl.parallel import ParallelDims
-
-    return FSDP2Engine(str(model_dir), role="actor", dp_mesh=ParallelDims(1).build().fsdp_mesh, device="cpu",
-                       lr=1e-4, seed=0, lora=spec)
+    return fsdp2_engine(model_dir, lora=spec)
 
 
 def test_an_adapter_folder_starts_the_adapters_with_its_own_config(tiny_model_dir, adapter):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from rows import fsdp2_engine as _engine
 from rows import pg_loss, rows_with_lengths, vf_loss
 
 from spmdrl.batch import Batch
@@ -20,14 +21,6 @@ pytestmark = pytest.mark.usefixtures("gloo_world_of_one")
 
 def long_tailed_batch(vocab: int, prompt: list[int] = PROMPT, resp: list[int] = RESP) -> Batch:
     return rows_with_lengths(prompt, resp, vocab, seed=1)
-
-
-def _engine(model_dir: Path, role: str = "actor", **kw):
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
-    from spmdrl.parallel import ParallelDims
-
-    return FSDP2Engine(str(model_dir), role=role, dp_mesh=ParallelDims(1).build().fsdp_mesh, device="cpu",
-                       lr=1e-4, seed=0, **kw)
 
 
 def _weights(engine) -> dict[str, torch.Tensor]:
