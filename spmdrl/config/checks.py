@@ -292,16 +292,6 @@ def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":
     except ValueError as err:
         raise ConfigError(str(err)) from err
     _check(
-        a.ppo_mini_batch_size <= d.train_batch_size,
-        f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) is larger than data.train_batch_size "
-        f"({d.train_batch_size}); a mini-batch is a part of the batch",
-    )
-    _check(
-        d.train_batch_size % a.ppo_mini_batch_size == 0,
-        f"data.train_batch_size ({d.train_batch_size}) is not a multiple of actor.ppo_mini_batch_size "
-        f"({a.ppo_mini_batch_size})",
-    )
-    _check(
         d.train_batch_size % dims.rollout_dp == 0,
         f"data.train_batch_size x rollout.n = {d.train_batch_size} x {r.n} responses cannot be split over "
         f"{dims.rollout_dp} data-parallel ranks with all n responses of a prompt on one rank; make "
@@ -314,11 +304,22 @@ def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":
         f"keeps 1/{dims.rollout_tp} of them as whole groups; make data.train_batch_size a multiple of "
         f"{world_size}",
     ) if dims.rollout_tp > 1 else None
-    _check(
-        (a.ppo_mini_batch_size * r.n) % world_size == 0 and a.ppo_mini_batch_size % dims.rollout_dp == 0,
-        f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size} x {r.n} does not split evenly over "
-        f"{world_size} ranks; make actor.ppo_mini_batch_size a multiple of {dims.rollout_dp}",
-    )
+    from spmdrl.algos.registry import ADVANTAGES
+
+    minis = [("actor", a.ppo_mini_batch_size)]
+    if ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_values"):  # the critic trains too
+        minis.append(("critic", cfg.critic.ppo_mini_batch_size))
+    for role, mini in minis:
+        _check(mini <= d.train_batch_size,
+               f"{role}.ppo_mini_batch_size ({mini}) is larger than data.train_batch_size "
+               f"({d.train_batch_size}); a mini-batch is a part of the batch")
+        _check(d.train_batch_size % mini == 0,
+               f"data.train_batch_size ({d.train_batch_size}) is not a multiple of "
+               f"{role}.ppo_mini_batch_size ({mini})")
+        _check((mini * r.n) % world_size == 0 and mini % dims.rollout_dp == 0,
+               f"{role}.ppo_mini_batch_size x rollout.n = {mini} x {r.n} does not split evenly over "
+               f"{world_size} ranks (whole groups of n responses per rank); make {role}.ppo_mini_batch_size "
+               f"a multiple of {dims.rollout_dp}")
     return dims
 
 

@@ -133,6 +133,29 @@ def test_world_size_consistency(monkeypatch, capsys):
     assert code == 2 and "make data.train_batch_size a multiple of 3" in err
 
 
+PPO = str(REPO / "configs" / "ppo.yaml")
+
+
+@pytest.mark.parametrize("extra,fragment", [
+    # A critic mini-batch of 1 prompt on 2 ranks would be 0 rows per rank (range(0, n, 0) at step 1).
+    (["--critic.ppo_mini_batch_size", "1"], "critic.ppo_mini_batch_size x rollout.n = 1 x 2 does not split "
+                                            "evenly over 2 ranks"),
+    (["--critic.ppo_mini_batch_size", "12"], "data.train_batch_size (32) is not a multiple of "
+                                             "critic.ppo_mini_batch_size (12)"),
+    (["--critic.ppo_mini_batch_size", "64"], "critic.ppo_mini_batch_size (64) is larger than"),
+])
+def test_the_critics_mini_batch_is_checked_as_the_actors(extra, fragment):
+    from spmdrl.config.checks import validate_config
+    from spmdrl.errors import ConfigError
+
+    cfg, _ = parse_config(["--config", PPO, *extra])
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, 2)
+    assert fragment in str(err.value)
+    # Without a critic the key is not used, so nothing is refused for it.
+    validate_config(parse_config(["--config", GRPO, *extra])[0], 2)
+
+
 def test_backends_check_their_own_options(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     code, err = run_main(["--config", GRPO, "--parallel.rollout_tp", "2"], capsys)
