@@ -183,7 +183,8 @@ def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None, *, table
     # Outside torchrun (WORLD_SIZE unset), --print_config shows the config of a run meant for more ranks.
     if not (any(w.startswith("--print_config") for w in rest) and "WORLD_SIZE" not in os.environ):
         check_world_size(verl, world)
-    flat, origin, notes = translate(verl, world, table=table, config_cls=config_cls)
+    flat, origin, notes = translate(verl, world, table=table, config_cls=config_cls,
+                                    given=_keys_set_by(configs))
     if notes and os.environ.get("RANK", "0") == "0":
         print(f"{prog}: info: verl keys accepted with no effect here: {'; '.join(notes)}",
               file=sys.stderr)
@@ -192,6 +193,22 @@ def rewrite_argv(argv: Sequence[str], world_size: Optional[int] = None, *, table
         out += ["--config", c]
     out += ["--config", yaml.safe_dump(_unflatten(flat), default_flow_style=True, width=1 << 30).strip()]
     return out + rest, origin
+
+
+def _keys_set_by(configs: Sequence[str]) -> set[str]:
+    """The spmdrl keys the ``--config`` words set (a YAML file, or YAML text as jsonargparse takes it), so
+    that verl's linked defaults do not override them; what does not read is left to jsonargparse to
+    report."""
+    keys: set[str] = set()
+    for word in configs:
+        try:
+            text = open(word).read() if os.path.isfile(word) else word
+            tree = yaml.safe_load(text)
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(tree, dict):
+            keys |= set(_flatten(tree))
+    return keys
 
 
 def annotate(message: str, origin: dict[str, str]) -> str:

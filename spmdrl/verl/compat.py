@@ -141,8 +141,10 @@ def _fsdp_size(value: Any, ctx: Ctx) -> dict[str, Any]:
 
 
 def _clip_ratio(value: Any, ctx: Ctx) -> dict[str, Any]:
-    # verl's clip_ratio is the default of both sides; explicit clip_ratio_low/high (later rows) win.
-    return {} if value is None else {"actor.clip_ratio_low": value, "actor.clip_ratio_high": value}
+    # verl's clip_ratio is the default of both sides; explicit clip_ratio_low/high (later rows, or a
+    # --config file) win.
+    sides = [k for k in ("actor.clip_ratio_low", "actor.clip_ratio_high") if k not in ctx.given]
+    return {} if value is None else {k: value for k in sides}
 
 
 def _filter_overlong(value: Any, ctx: Ctx) -> dict[str, Any]:
@@ -500,13 +502,18 @@ def _is_empty(value: Any) -> bool:
 
 
 def translate(verl: dict[str, Any], world_size: int, *, table: Optional[list[Rule]] = None,
-              config_cls: Optional[type] = None) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+              config_cls: Optional[type] = None, given: frozenset[str] | set[str] = frozenset()
+              ) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """Flattened verl keys -> (flattened spmdrl keys, spmdrl key -> verl key it came from, info notes).
-    ``table`` / ``config_cls``: the RL trainer's (TABLE, Config) unless given (spmdrl.verl.sft's)."""
+    ``table`` / ``config_cls``: the RL trainer's (TABLE, Config) unless given (spmdrl.verl.sft's).
+    ``given``: spmdrl keys a ``--config`` file sets; a verl link (FOLLOWS) or default (clip_ratio for both
+    sides) never overrides them."""
     table = TABLE if table is None else table
     if table is TABLE:
-        verl = {**{t: verl[s] for t, s in FOLLOWS.items() if t not in verl and s in verl}, **verl}
-    ctx = Ctx(world_size, verl)
+        linked = {t: verl[s] for t, s in FOLLOWS.items()
+                  if t not in verl and s in verl and rule_for(t, table).spmdrl not in given}
+        verl = {**linked, **verl}
+    ctx = Ctx(world_size, verl, frozenset(given))
     unknown = [k for k in verl if rule_for(k, table) is None and not _is_empty(verl[k])]
     if unknown:
         key = unknown[0]

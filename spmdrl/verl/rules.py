@@ -20,6 +20,7 @@ class Ctx:
 
     world_size: int
     verl: dict[str, Any]  # every verl key of the run (defaults, file, command line), flattened
+    given: frozenset[str] = frozenset()  # spmdrl keys a --config file sets (a verl default never overrides)
 
 
 @dataclass(frozen=True)

@@ -298,3 +298,28 @@ def test_packing_and_token_budget_keys_take_their_verl_meaning():
     assert (cfg.critic.use_dynamic_bsz, cfg.critic.ppo_max_token_len_per_gpu) == (True, 8192)
     assert cfg.critic.forward_max_token_len_per_gpu == 8192
     assert (cfg.reward_model.use_dynamic_bsz, cfg.reward_model.forward_max_token_len_per_gpu) == (True, 1024)
+
+
+def test_verl_links_do_not_override_what_a_config_file_sets(tmp_path):
+    """A mixed command line: verl's linked defaults (FOLLOWS) fill only keys that neither the verl words nor
+    the --config files give."""
+    mine = tmp_path / "s.yaml"
+    mine.write_text("critic:\n  ppo_mini_batch_size: 16\n  ppo_epochs: 3\n"
+                    "  forward_max_token_len_per_gpu: 999\nactor:\n  log_prob_max_token_len_per_gpu: 777\n"
+                    "ref:\n  log_prob_max_token_len_per_gpu: 555\n")
+    for config in (str(mine), mine.read_text()):  # a file, or YAML text as jsonargparse also takes it
+        cfg = parse_config(["--config", config, "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                            "actor_rollout_ref.actor.ppo_epochs=2",
+                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                            "critic.ppo_max_token_len_per_gpu=8192"])[0]
+        assert (cfg.actor.ppo_mini_batch_size, cfg.critic.ppo_mini_batch_size) == (4, 16)
+        assert (cfg.actor.ppo_epochs, cfg.critic.ppo_epochs) == (2, 3)
+        assert cfg.actor.log_prob_max_token_len_per_gpu == 777
+        assert cfg.ref.log_prob_max_token_len_per_gpu == 555
+        assert cfg.critic.forward_max_token_len_per_gpu == 999
+    # verl's clip_ratio is the default of both sides: a side the file gives keeps its value.
+    dapo = parse_config(["--config", "configs/dapo.yaml", "actor_rollout_ref.actor.clip_ratio=0.3"])[0]
+    assert (dapo.actor.clip_ratio_low, dapo.actor.clip_ratio_high) == (0.2, 0.28)
+    # A key the file leaves out still follows, as in verl.
+    cfg = parse_config(["--config", "configs/grpo.yaml", "actor_rollout_ref.actor.ppo_epochs=2"])[0]
+    assert cfg.critic.ppo_epochs == 2
