@@ -70,7 +70,7 @@ for _name, _fn in _BASE.items():
 
 
 class FixedKLController:
-    """A constant KL coefficient."""
+    """A constant KL coefficient: the configured one, also after a resume."""
 
     def __init__(self, kl_coef: float) -> None:
         self.value = float(kl_coef)
@@ -78,11 +78,17 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """Nothing to adapt; kept so the loop treats both controllers alike."""
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+    def state_dict(self) -> dict[str, Union[float, str]]:
+        return {"type": "fixed", "kl_coef": self.value, "value": self.value}
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
+    def load_state_dict(self, state: dict[str, Union[float, str]]) -> None:
+        """Nothing to restore: a changed ``algorithm.kl_ctrl.kl_coef`` applies, and rank 0 says so."""
+        saved = float(state["value"])
+        if state.get("type", "fixed") != "fixed":
+            _say(f"algorithm.kl_ctrl.type: {state['type']} in the checkpoint (coefficient {saved:.6g}) -> "
+                 f"fixed configured, kl_coef {self.value}")
+        elif saved != self.value:
+            _say(f"algorithm.kl_ctrl.kl_coef: {saved} in the checkpoint -> {self.value} configured")
 
 
 class AdaptiveKLController:
@@ -91,7 +97,8 @@ class AdaptiveKLController:
     The proportional error is clipped to +-20% so one noisy batch cannot swing
     the coefficient; ``n_steps / horizon`` sets how fast it moves. ``n_steps``
     is the number of responses (prompts x n) in the batch, as verl's trainer
-    passes it, so ``horizon`` is counted in responses too.
+    passes it, so ``horizon`` is counted in responses too. A resume continues
+    from the saved coefficient, unless the configured starting value changed.
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
@@ -100,7 +107,7 @@ class AdaptiveKLController:
                 f"adaptive KL controller needs target_kl > 0 and horizon > 0 "
                 f"(algorithm.kl_ctrl), got target_kl={target_kl}, horizon={horizon}"
             )
-        self.value = float(init_kl_coef)
+        self.init = self.value = float(init_kl_coef)
         self.target = float(target_kl)
         self.horizon = int(horizon)
 
@@ -108,11 +115,28 @@ class AdaptiveKLController:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+    def state_dict(self) -> dict[str, Union[float, str]]:
+        return {"type": "adaptive", "kl_coef": self.init, "value": self.value}
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
+    def load_state_dict(self, state: dict[str, Union[float, str]]) -> None:
+        """The saved coefficient; a checkpoint of a fixed controller, or one started from another
+        ``algorithm.kl_ctrl.kl_coef``, restarts from the configured value instead (rank 0 says so).
+        ``target_kl`` and ``horizon`` are always the configured ones."""
+        saved_type, saved_init = state.get("type", "adaptive"), state.get("kl_coef")
+        if saved_type != "adaptive":
+            _say(f"algorithm.kl_ctrl.type: {saved_type} in the checkpoint -> adaptive configured: the "
+                 f"coefficient starts from kl_coef {self.init}")
+        elif saved_init is not None and float(saved_init) != self.init:
+            _say(f"algorithm.kl_ctrl.kl_coef: {saved_init} in the checkpoint -> {self.init} configured: the "
+                 f"adaptive coefficient restarts from it (it was at {float(state['value']):.6g})")
+        else:
+            self.value = float(state["value"])
+
+
+def _say(line: str) -> None:
+    """One line about a resumed setting, from rank 0 (as the engines report optimizer settings)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[checkpoint] {line}", flush=True)
 
 
 KLController = Union[FixedKLController, AdaptiveKLController]

@@ -80,9 +80,32 @@ def test_adaptive_controller():
     assert ctrl.value == pytest.approx(0.09996)
     ctrl.update(current_kl=0.45, n_steps=50)  # error -0.1: x (1 - 0.1 * 0.5) = x 0.95
     assert ctrl.value == pytest.approx(0.094962)
-    restored = build_kl_controller("adaptive", kl_coef=1.0, target_kl=0.5, horizon=100)
+    restored = build_kl_controller("adaptive", kl_coef=0.1, target_kl=0.5, horizon=100)
     restored.load_state_dict(ctrl.state_dict())
     assert restored.value == pytest.approx(0.094962)
+
+
+def test_a_resume_applies_a_changed_kl_coef_and_says_so(capsys):
+    """A fixed coefficient is configuration, not state: the configured value wins over the checkpoint's. An
+    adaptive one continues from the saved value, unless its configured starting value changed."""
+    saved = build_kl_controller("fixed", kl_coef=0.001)
+    resumed = build_kl_controller("fixed", kl_coef=0.05)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.value == 0.05
+    said = capsys.readouterr().out
+    assert said == "[checkpoint] algorithm.kl_ctrl.kl_coef: 0.001 in the checkpoint -> 0.05 configured\n"
+    same = build_kl_controller("fixed", kl_coef=0.001)
+    same.load_state_dict({"value": 0.001})  # a checkpoint from before the type was saved
+    assert same.value == 0.001 and capsys.readouterr().out == ""
+    adaptive = build_kl_controller("adaptive", kl_coef=0.1, target_kl=0.5, horizon=100)
+    adaptive.update(current_kl=1.0, n_steps=10)
+    changed = build_kl_controller("adaptive", kl_coef=0.2, target_kl=0.5, horizon=100)
+    changed.load_state_dict(adaptive.state_dict())
+    assert changed.value == 0.2
+    assert "kl_coef: 0.1 in the checkpoint -> 0.2 configured" in capsys.readouterr().out
+    from_fixed = build_kl_controller("adaptive", kl_coef=0.1, target_kl=0.5, horizon=100)
+    from_fixed.load_state_dict(saved.state_dict())
+    assert from_fixed.value == 0.1 and "type: fixed in the checkpoint -> adaptive" in capsys.readouterr().out
 
 
 def test_adaptive_controller_rejects_bad_settings():
@@ -95,7 +118,7 @@ def test_fixed_controller_and_factory():
     assert isinstance(ctrl, FixedKLController)
     ctrl.update(current_kl=100.0, n_steps=1000)
     assert ctrl.value == 0.05
-    assert ctrl.state_dict() == {"value": 0.05}
+    assert ctrl.state_dict() == {"type": "fixed", "kl_coef": 0.05, "value": 0.05}
     with pytest.raises(ValueError, match="adaptive, fixed"):
         build_kl_controller("pid", kl_coef=0.1, target_kl=0.1, horizon=10)
 
