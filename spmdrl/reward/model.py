@@ -40,13 +40,16 @@ if TYPE_CHECKING:
     from spmdrl.parallel import ParallelDims
 
 
-def render(tokenizer: Any, chats: Sequence[Sequence[dict]], responses: Sequence[str]) -> list[str]:
+def render(tokenizer: Any, chats: Sequence[Sequence[dict]], responses: Sequence[str],
+           turns: Optional[Sequence[Optional[Sequence[dict]]]] = None) -> list[str]:
     """Each prompt's chat messages with the response as the assistant's turn, in ``tokenizer``'s chat
-    template."""
+    template; where ``turns`` gives a row's conversation after the prompt (a multi-turn response: assistant
+    and tool messages), those messages instead."""
+    turns = turns if turns is not None else [None] * len(responses)
     return [
-        tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": response}], tokenize=False,
-                                      add_generation_prompt=False)
-        for chat, response in zip(chats, responses)
+        tokenizer.apply_chat_template([*chat, *(rest or [{"role": "assistant", "content": response}])],
+                                      tokenize=False, add_generation_prompt=False)
+        for chat, response, rest in zip(chats, responses, turns)
     ]
 
 
@@ -97,8 +100,10 @@ class RewardModelScorer:
                    micro_batch_size=rm.micro_batch_size_per_gpu, max_length=rm.max_length,
                    max_token_len=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None)
 
-    def model_scores(self, chats: Sequence[Sequence[dict]], responses: Sequence[str]) -> torch.Tensor:
-        """The reward model's score of each (prompt chat, response) of this rank: [N] float32.
+    def model_scores(self, chats: Sequence[Sequence[dict]], responses: Sequence[str],
+                     turns: Optional[Sequence[Optional[Sequence[dict]]]] = None) -> torch.Tensor:
+        """The reward model's score of each (prompt chat, response) of this rank: [N] float32; ``turns``:
+        each row's conversation after the prompt, for multi-turn responses (``render``).
 
         Collective: every rank calls it for every batch, holding any number of rows (0 too). The engine runs
         the same number of forwards on every rank, so rows are padded to the largest rank's count with a
@@ -112,7 +117,7 @@ class RewardModelScorer:
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         if int(most) == 0:
             return torch.zeros(0)
-        texts = render(self.tokenizer, chats, responses)
+        texts = render(self.tokenizer, chats, responses, turns)
         texts += [""] * (int(most) - n)  # fillers: one pad token each (encode)
         batch = encode(self.tokenizer, texts, self.max_length, self.pad_token_id)
         scores = self.engine.forward_no_grad(batch, self.micro_batch_size, max_token_len=self.max_token_len)

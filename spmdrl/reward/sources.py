@@ -150,7 +150,11 @@ class ModelReward:
         self.scorer, self.weight = scorer, weight
 
     def __call__(self, batch: Batch, texts: Sequence[str]) -> SourceScores:
-        scores = self.scorer.model_scores(batch["chat"], texts)  # [N]
+        # A multi-turn response is a conversation (assistant and tool turns, extra_info["messages"]): the
+        # model scores it whole, not one decoded message.
+        turns = [info.get("messages") if isinstance(info, dict) else None
+                 for info in batch.get("extra_info", [None] * len(texts))]
+        scores = self.scorer.model_scores(batch["chat"], texts, turns)  # [N]
         metrics = {"reward/rm_score/mean": float(scores.mean())} if len(scores) else {}
         return SourceScores(scores, metrics)
 
@@ -174,7 +178,10 @@ class OverlongPenalty:
                                                                           penalty_factor)
 
     def __call__(self, batch: Batch, texts: Sequence[str]) -> SourceScores:
-        lengths = batch["response_mask"].sum(-1)  # [N]
+        # The response's share of max_response_length: generated tokens, and in a multi-turn response the
+        # tool output too (the attended response tokens, as verl's DAPO reward counts them).
+        R = batch["response_mask"].shape[1]
+        lengths = batch["attention_mask"][:, -R:].sum(-1)  # [N]
         return SourceScores(overlong_penalty(lengths, max_response_length=self.max_response_length,
                                              buffer_len=self.buffer_len, penalty_factor=self.penalty_factor))
 

@@ -30,3 +30,16 @@ def test_filter_groups_drops_groups_with_equal_scores():
     # 5: mixed -> keep; 9: all 1 -> drop; 2: alone -> keep; 4: all 0.5 -> drop
     assert keep.tolist() == [True, True, True, False, False, True, False, False]
     assert counts == {"kept_groups": 2, "dropped_groups": 2}
+
+
+def test_overlong_counts_the_tool_output_a_multi_turn_response_spent():
+    """The length limit is spent by generated and tool tokens alike (R = data.max_response_length covers
+    both), so the overlong penalty counts the attended response tokens, as verl's DAPO reward does."""
+    from spmdrl.batch import Batch
+    from spmdrl.reward.sources import OverlongPenalty
+
+    gen = T([[1, 1, 0, 0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0]])  # [2, R]: tool tokens 2..5
+    attn = T([[1] * 10, [1, 1, 1] + [0] * 7]).long()
+    batch = Batch({"response_mask": gen, "attention_mask": torch.cat([torch.ones(2, 3).long(), attn], 1)})
+    out = OverlongPenalty(max_response_length=10, buffer_len=4, penalty_factor=1.0)(batch, ["", ""]).scores
+    assert out.tolist() == [-1.0, 0.0]  # 10 tokens spent: the full penalty, though only 6 were generated

@@ -51,3 +51,31 @@ def test_config_check_refuses_a_causal_lm_as_reward_model(tmp_path) -> None:
         validate_config(cfg, 1)
     cfg, _ = parse_config(["--reward_model.enable", "true", "--reward_model.model.path", str(rm)])
     validate_config(cfg, 1)
+
+
+def test_a_multi_turn_response_is_scored_as_its_conversation(tiny_model_dir, tmp_path, gloo_world_of_one):
+    """In a multi-turn run the reward model reads the whole conversation after the prompt (assistant turns
+    and tool output, extra_info["messages"]), rendered with its own template, not one decoded message."""
+    from rows import fsdp2_engine
+    from transformers import AutoTokenizer
+
+    from spmdrl.batch import Batch
+    from spmdrl.builtin.models import build_model
+    from spmdrl.reward.model import RewardModelScorer
+    from spmdrl.reward.sources import ModelReward
+
+    rm_dir = build_model(tmp_path / "rm", "tiny", seed=0, reward=True)
+    tok = AutoTokenizer.from_pretrained(rm_dir)
+    scorer = RewardModelScorer(fsdp2_engine(rm_dir, "reward"), tok, group=torch.distributed.group.WORLD,
+                               micro_batch_size=4, max_length=None)
+    chat = [{"role": "user", "content": "What is 12 * 34?"}]
+    turns = [{"role": "assistant", "content": '<tool_call>{"name": "calculator"}</tool_call>'},
+             {"role": "tool", "content": "408"}, {"role": "assistant", "content": "Answer: 408"}]
+    flat = '<tool_call>{"name": "calculator"}</tool_call>\n408\nAnswer: 408'  # the decoded response
+    assert render(tok, [chat], [flat], [turns]) == [tok.apply_chat_template([*chat, *turns], tokenize=False)]
+    batch = Batch({"response_mask": torch.ones(2, 3)},
+                  {"chat": [chat, chat], "extra_info": [{"messages": turns}, {"index": 1}]})
+    got = ModelReward(scorer, 1.0)(batch, [flat, "Answer: 408"]).scores
+    want = scorer.model_scores([chat, chat], [flat, "Answer: 408"], [turns, None])
+    single = scorer.model_scores([chat], [flat])
+    assert torch.equal(got, want) and float((got[0] - single[0]).abs()) > 1e-6
