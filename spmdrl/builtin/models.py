@@ -73,7 +73,7 @@ WARM_STARTS: dict[str, dict[str, Any]] = {
     },
 }
 # Bump when a recipe (or the SFT trainer's arithmetic) changes, so a stale cached warm start is not reused.
-WARM_START_VERSION = 1
+WARM_START_VERSION = 2
 # What torchrun sets for its children: without them the SFT child runs as a world of one, not as a member of
 # the RL run's rendezvous.
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

@@ -53,13 +53,26 @@ def _rng(task: str, split: str, seed: int) -> random.Random:
     return random.Random(f"spmdrl/{task}/{split}/{seed}")
 
 
+# The ways an arith question is asked: prompts of four token lengths (13, 16, 19 and 27 tokens with the
+# built-in chat template), so every run of the built-in task meets left padding, DAPO rounds of different
+# widths and packing with real work to save, as real data does.
+ARITH_PHRASINGS = (
+    "What is {a} {op} {b}?",
+    "{a} {op} {b}?",
+    "What is the value of {a} {op} {b}?",
+    "Please solve this question: what is {a} {op} {b}? Answer with one number.",
+)
+
+
 def generate_arith(split: str, num: int, seed: int) -> list[Row]:
-    """``What is a + b?`` / ``What is a - b?`` with single-digit operands and a single-digit answer.
+    """``What is a + b?`` / ``What is a - b?`` with single-digit operands and a single-digit answer, asked in
+    one of ``ARITH_PHRASINGS`` (drawn from a stream of its own, so the problems are those of the single
+    phrasing the task had before).
 
     The answer is one token of the built-in tokenizer (digits are single
     tokens), so the optimal response is two tokens: the digit, then EOS.
     """
-    rng = _rng("arith", split, seed)
+    rng, phrasing = _rng("arith", split, seed), _rng("arith/phrasing", split, seed)
     rows = []
     for i in range(num):
         # The answer is drawn first, uniformly, so that no constant guess beats
@@ -71,8 +84,8 @@ def generate_arith(split: str, num: int, seed: int) -> list[Row]:
         else:
             b = rng.randint(0, 9 - ans)
             a = ans + b
-        rows.append(_row("spmdrl/arith", "math", f"What is {a} {op} {b}?", str(ans), split, i,
-                         a=a, b=b, op=op))
+        question = phrasing.choice(ARITH_PHRASINGS).format(a=a, op=op, b=b)
+        rows.append(_row("spmdrl/arith", "math", question, str(ans), split, i, a=a, b=b, op=op))
     return rows
 
 
@@ -143,7 +156,7 @@ def get_task(name: str) -> Callable[[str, int, int], list[Row]]:
 DEFAULT_TRAIN_SIZE = 8192
 DEFAULT_VAL_SIZE = 128
 # Bump when a generator or the default sizes change, so stale cached files are not reused.
-BUILTIN_DATA_VERSION = 2
+BUILTIN_DATA_VERSION = 3
 SPLITS = ("train", "val")
 
 

@@ -14,6 +14,8 @@ import pytest
 from conftest import SAMPLED_VAL_REWARD as KEY
 from conftest import main_job_short
 
+from spmdrl.builtin.models import WARM_START_VERSION
+
 pytestmark = pytest.mark.e2e
 
 def test_sft_warm_start_then_grpo_raises_accuracy(tmp_path, spmdrl_cache):
@@ -21,7 +23,7 @@ def test_sft_warm_start_then_grpo_raises_accuracy(tmp_path, spmdrl_cache):
     assert "[rank 1/2]" in run.stdout and "[rank 0/2]" in run.stdout  # one start-up line per rank
     assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, 41))
     # The warm start is spmdrl.sft's export, its SFT metrics and recipe kept beside the weights.
-    warm = Path(spmdrl_cache) / "models" / "tiny-arith-v1-seed0"
+    warm = Path(spmdrl_cache) / "models" / f"tiny-arith-v{WARM_START_VERSION}-seed0"
     info = json.loads((warm / "spmdrl_builtin.json").read_text())
     assert info["warm_start"] == "tiny-arith" and info["sft"]["trainer.total_steps"] == 75
     sft = [json.loads(line) for line in (warm / "sft_metrics.jsonl").read_text().splitlines()]

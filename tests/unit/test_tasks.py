@@ -21,10 +21,13 @@ def test_arith_rows_follow_verl_layout_and_are_reproducible() -> None:
         info = r["extra_info"]
         assert info["split"] == "train" and info["index"] == i
         a, b, op = info["a"], info["b"], info["op"]
-        assert r["prompt"][0]["content"] == f"What is {a} {op} {b}?"
+        assert r["prompt"][0]["content"] in [p.format(a=a, op=op, b=b) for p in tasks.ARITH_PHRASINGS]
         ans = a + b if op == "+" else a - b
         assert 0 <= min(a, b) and max(a, b) <= 9
         assert 0 <= ans <= 9 and r["reward_model"] == {"style": "rule", "ground_truth": str(ans)}
+    # Every phrasing is used, so prompts come in several token lengths.
+    assert {r["prompt"][0]["content"].split(str(r["extra_info"]["a"]))[0] for r in rows} == {
+        p.split("{a}")[0] for p in tasks.ARITH_PHRASINGS}
     answers = [int(r["reward_model"]["ground_truth"]) for r in tasks.generate_arith("train", 2000, seed=0)]
     # near uniform: no constant guess wins
     assert max(answers.count(d) for d in range(10)) < 0.13 * len(answers)
