@@ -1,7 +1,10 @@
-"""verl's GSM8K GRPO quickstart command line, unchanged but for local paths, for 2 steps on 2 ranks.
+"""verl's GSM8K GRPO example and its PPO quickstart command lines, unchanged but for local paths and CPU
+sizes, for 2 steps on 2 ranks.
 
-One run serves three checks: its resolved config equals the spmdrl YAML of the same run written by
-hand; tensorboard's event file and wandb's offline run folder hold each step's metrics.
+The GRPO run serves three checks: its resolved config equals the spmdrl YAML of the same run written by
+hand; tensorboard's event file and wandb's offline run folder hold each step's metrics. The PPO quickstart
+(docs/start/quickstart.rst: a critic, several mini-batches, verl's defaults for everything else, so no
+rollout log-probs) takes its steps with its critic.
 """
 
 from __future__ import annotations
@@ -115,6 +118,40 @@ trainer:
 """
 
 
+# verl's docs/start/quickstart.rst, key for key: local model and data, trainer.n_gpus_per_node=2, CPU sizes
+# (batch 8 for 256, mini-batch 4 for 64, responses of 8 tokens for 256). Added: the step count and the
+# output folder.
+PPO_QUICKSTART = """
+    data.train_files={data}/train.parquet
+    data.val_files={data}/test.parquet
+    data.train_batch_size=8
+    data.max_prompt_length=512
+    data.max_response_length=8
+    actor_rollout_ref.model.path={model}
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.ppo_mini_batch_size=4
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.4
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
+    critic.optim.lr=1e-5
+    critic.model.path={model}
+    critic.ppo_micro_batch_size_per_gpu=4
+    algorithm.kl_ctrl.kl_coef=0.001
+    trainer.logger=['console']
+    trainer.val_before_train=False
+    trainer.default_hdfs_dir=null
+    trainer.n_gpus_per_node=2
+    trainer.nnodes=1
+    trainer.save_freq=10
+    trainer.test_freq=10
+    trainer.total_epochs=15
+    trainer.total_training_steps=2
+    trainer.default_local_dir={out}
+"""
+
+
 def _gsm8k_jsonl(path: Path, n: int, start: int) -> Path:
     rows = [{"question": f"Sam has {a} apples and buys {a + 3} more. How many apples does he have now?",
              "answer": f"{a} + {a + 3} = <<{a}+{a + 3}={2 * a + 3}>>{2 * a + 3}\n#### {2 * a + 3}"}
@@ -124,17 +161,43 @@ def _gsm8k_jsonl(path: Path, n: int, start: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def verl_run(tmp_path_factory, tiny_model_dir, spmdrl_cache) -> dict:
+def gsm8k(tmp_path_factory) -> Path:
+    """verl's GSM8K parquet layout, made by spmdrl.builtin.gsm8k from GSM8K-style JSONL rows."""
     from spmdrl.builtin.gsm8k import main as prepare
 
-    root = tmp_path_factory.mktemp("verl_cli")
-    data, out = root / "gsm8k", root / "out"
+    root = tmp_path_factory.mktemp("gsm8k")
     assert prepare(["--input", str(_gsm8k_jsonl(root / "train.jsonl", 8, 1)),
-                    str(_gsm8k_jsonl(root / "test.jsonl", 2, 20)), "--out", str(data)]) == 0
-    paths = dict(data=data, model=tiny_model_dir, out=out)
+                    str(_gsm8k_jsonl(root / "test.jsonl", 2, 20)), "--out", str(root / "data")]) == 0
+    return root / "data"
+
+
+@pytest.fixture(scope="module")
+def verl_run(tmp_path_factory, tiny_model_dir, spmdrl_cache, gsm8k) -> dict:
+    paths = dict(data=gsm8k, model=tiny_model_dir, out=tmp_path_factory.mktemp("verl_cli") / "out")
     argv = shlex.split(VERL_COMMAND.format(**paths)) + ["--trainer.progress_bar", "false"]
     proc = train(argv, cache=spmdrl_cache, nproc=2, env={"WANDB_MODE": "offline"})
-    return dict(paths, proc=proc, rows=read_metrics(out))
+    return dict(paths, proc=proc, rows=read_metrics(paths["out"]))
+
+
+def test_ppo_quickstart_takes_its_steps(tmp_path, tiny_model_dir, spmdrl_cache, gsm8k):
+    """verl's first command: PPO with a critic, several mini-batches and verl's defaults (no rollout
+    log-probs, so the old log-probs come from the actor alone)."""
+    out = tmp_path / "out"
+    argv = shlex.split(PPO_QUICKSTART.format(data=gsm8k, model=tiny_model_dir, out=out))
+    train(argv + ["--trainer.progress_bar", "false"], cache=spmdrl_cache, nproc=2)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert {"critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "actor/ppo_kl"} <= set(r)
+        assert r["timing/old_logp"] > 0 and "actor/reward_kl_penalty" not in r  # verl: no KL in the reward
+        assert not [k for k in r if k.startswith(("rollout_corr/", "training/rollout_"))]
+    assert any(k.startswith("val-core/openai/gsm8k/") for k in rows[-1])  # test_freq 10: at the last step
+    assert (out / "checkpoints" / "global_step_2" / "manifest.json").is_file()  # save_freq 10: the last step
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["algorithm"]["adv_estimator"] == "gae"
+    assert resolved["rollout"]["calculate_log_probs"] is False
+    # verl's links: the critic's mini-batch and epochs follow the actor's.
+    assert resolved["critic"]["ppo_mini_batch_size"] == 4 and resolved["actor"]["ppo_mini_batch_size"] == 4
 
 
 def test_resolved_config_equals_the_hand_written_spmdrl_config(verl_run, tmp_path):
