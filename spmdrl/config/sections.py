@@ -455,7 +455,8 @@ class TrainerConfig:
     output_dir: str = "outputs/{project_name}/{experiment_name}"
     """Folder for everything a run writes; {project_name} and {experiment_name} are filled in."""
     total_epochs: int = 1
-    """Passes over the training set (total_steps wins when set)."""
+    """Passes over the training set (total_steps wins when set). The run ends when they are used up, which
+    with dynamic sampling (extra generation batches) can be before total_epochs x batches per epoch steps."""
     total_steps: Optional[int] = None
     """Training steps; null means total_epochs worth."""
     seed: int = 1
