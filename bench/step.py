@@ -79,6 +79,10 @@ def summarize(rows: list[dict]) -> dict:
     return {
         "step_s": med("timing/step"), "rollout_s": med("timing/rollout"), "update_s": med("timing/update"),
         "sync_s": med("timing/weight_sync"),
+        # offload: the optimizer state's moves around rollout (the memory plan's decision; none on CPU)
+        "offload_s": statistics.median(r.get("timing/offload", 0.0) + r.get("timing/onload", 0.0)
+                                       for r in rows),
+        "other_s": med("timing/other"),
         "length": med("response_length/mean"),
         "peak_gb": max(r["memory/overall_peak_gb"] for r in rows),
         "max_phase_gb": max(max(v for k, v in r.items() if k.endswith("_peak_gb") and "overall" not in k
@@ -172,18 +176,18 @@ def main() -> None:
           f"bf16 = bf16 compute with float32 master weights (TRL: bf16=True autocast; spmdrl: FSDP2 "
           f"param_dtype and rollout dtype). 'vs TRL' divides TRL fp32's s/step by the row's.\n")
     print("| runner | training | rollout | precision | ranks | sleep/wake | resp len | s/step | gen tok/s "
-          "| rollout s | sync s | update s | peak GB | max phase GB | vs TRL fp32 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| rollout s | sync s | update s | offload s | other s | peak GB | max phase GB | vs TRL fp32 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d, r in trl.items():
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
         print(f"| TRL GRPOTrainer | transformers | transformers | {d} | 1 | - | {r['length']:.1f} | "
-              f"{r['step_s']:.2f} | {tokens / r['step_s']:.0f} | | | | | | {ratio} |")
+              f"{r['step_s']:.2f} | {tokens / r['step_s']:.0f} | | | | | | | | {ratio} |")
     for (world, colocate, d, engine, tp, train), r in rows:
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
         print(f"| spmdrl | {train} | {engine} tp={tp} | {d} | {world} | {'on' if colocate else 'off'} | "
               f"{r['length']:.1f} | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} | {r['rollout_s']:.2f} | "
-              f"{r['sync_s']:.3f} | {r['update_s']:.2f} | {r['peak_gb']:.2f} | {r['max_phase_gb']:.2f} | "
-              f"{ratio} |")
+              f"{r['sync_s']:.3f} | {r['update_s']:.2f} | {r['offload_s']:.3f} | {r['other_s']:.3f} | "
+              f"{r['peak_gb']:.2f} | {r['max_phase_gb']:.2f} | {ratio} |")
 
 
 if __name__ == "__main__":

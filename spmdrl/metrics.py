@@ -2,16 +2,26 @@
 
     timer = PhaseTimer(device, on_phase=watchdog.beat)   # on_phase: told each phase's name as it starts
     with timer.phase("rollout"): ...
-    metrics.update(timer.pop())     # timing/rollout, memory/rollout_peak_gb, ...
+    metrics.update(timer.pop())     # timing/rollout, memory/rollout_peak_gb, ..., timing/step, timing/other
+
+Every second of a step is in a named phase: ``pop`` closes the step's window (from the previous ``pop``)
+into ``timing/step`` and reports what no phase covered as ``timing/other``. A phase opened inside
+another is reported as ``timing/<outer>/<inner>`` (multi-turn ``rollout/tools``) and counted once, in its
+outer phase.
 
 Peak memory per phase: on CUDA ``torch.cuda.max_memory_allocated`` (reset at
 phase start) plus NVML's device-wide figure when pynvml is importable; on CPU
 the process's peak resident set (VmHWM), reset at phase start through
-``/proc/self/clear_refs`` so each phase reports its own high-water mark.
+``/proc/self/clear_refs``. glibc keeps most freed memory in the heap, so on CPU a phase's peak is the
+process's high-water mark so far unless ``exact_memory`` (``trainer.exact_memory``) trims the heap at
+each phase start: then it is what the phase itself holds (live memory at its start plus its own
+temporaries), the figure the memory plan predicts, at some cost in time.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import os
@@ -37,6 +47,22 @@ def _rss_peak_bytes() -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> Optional[ctypes.CDLL]:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to trim
+        return None
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the OS (glibc ``malloc_trim``), so the resident set is what is
+    live: glibc keeps freed chunks below its (self-raising, up to 32 MB) mmap threshold in the heap."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def _reset_rss_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -49,16 +75,27 @@ def _reset_rss_peak() -> bool:
 class PhaseTimer:
     """Wall time and peak memory of each named phase of a step."""
 
-    def __init__(self, device: torch.device, on_phase: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, device: torch.device, on_phase: Optional[Callable[[str], None]] = None,
+                 exact_memory: bool = False) -> None:
         self.device = device
         self.on_phase = on_phase  # the hang watchdog's heartbeat (spmdrl/checkpoint/watchdog.py)
+        self.exact_memory = exact_memory  # CPU: trim the heap at each phase start (trainer.exact_memory)
         self._metrics: dict[str, float] = {}
         self._overall_peak = 0.0
+        self._open: list[str] = []  # the phases running now, outermost first
+        self._covered = 0.0  # seconds of the window inside outermost phases
+        self._window = time.perf_counter()
+
+    def restart(self) -> None:
+        """Start a fresh window and forget what was timed so far (before the first step)."""
+        self._metrics, self._covered, self._window = {}, 0.0, time.perf_counter()
 
     def _reset_peak(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            if self.exact_memory:
+                trim_heap()
             _reset_rss_peak()
 
     def _peak_gb(self) -> float:
@@ -72,15 +109,21 @@ class PhaseTimer:
             self.on_phase(name)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._reset_peak()
+        outer = not self._open
+        name = "/".join([*self._open, name])
+        self._open.append(name.rsplit("/", 1)[-1])
+        if outer:  # a nested phase's peak is its outer phase's too: resetting it would lose that
+            self._reset_peak()
         start = time.perf_counter()
         try:
             yield
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._metrics[f"timing/{name}"] = (self._metrics.get(f"timing/{name}", 0.0)
-                                               + time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self._open.pop()
+            self._metrics[f"timing/{name}"] = self._metrics.get(f"timing/{name}", 0.0) + seconds
+            self._covered += seconds if outer else 0.0
             peak = self._peak_gb()
             key = f"memory/{name}_peak_gb"
             self._metrics[key] = max(self._metrics.get(key, 0.0), peak)
@@ -89,9 +132,14 @@ class PhaseTimer:
                 self._metrics[f"memory/{name}_nvml_gb"] = _nvml_used_gb(self.device)
 
     def pop(self) -> dict[str, float]:
-        """Metrics since the last pop, plus the run's overall peak so far."""
+        """Metrics since the last pop, the window's ``timing/step`` and ``timing/other`` (the seconds of it
+        that no phase covered), and the run's overall peak so far; a new window starts."""
+        now = time.perf_counter()
         out, self._metrics = self._metrics, {}
+        out["timing/step"] = now - self._window
+        out["timing/other"] = max(0.0, out["timing/step"] - self._covered)
         out["memory/overall_peak_gb"] = self._overall_peak
+        self._covered, self._window = 0.0, now
         return out
 
 

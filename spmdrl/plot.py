@@ -38,7 +38,8 @@ log = logging.getLogger("spmdrl")
 FIGSIZE = (11.0, 4.2)  # inches; two panels side by side
 DPI = 100
 KL_KEYS = ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl")
-PHASES = ("weight_sync", "rollout", "reward", "old_logp", "ref", "values", "adv", "update")
+PHASES = ("data", "offload", "weight_sync", "rollout", "reward", "onload", "balance", "old_logp", "ref",
+          "values", "adv", "update", "validation", "metrics", "log", "checkpoint", "plot", "other")
 LINESTYLES = ("-", "--", ":", "-.")
 
 
@@ -183,7 +184,8 @@ def _phases(run: RunMetrics, prefix: str, suffix: str) -> list[str]:
     """Phase names present in a run, the loop's order first, then any others alphabetically."""
     found = {k[len(prefix):-len(suffix) or None]
              for k in run.keys() if k.startswith(prefix) and k.endswith(suffix)}
-    found = {f for f in found if f not in ("step", "overall") and not f.startswith("rank")}  # not phases
+    # not phases: the step itself, memory totals; a phase inside another (rollout/tools) is counted there
+    found = {f for f in found if f not in ("step", "overall") and not f.startswith("rank") and "/" not in f}
     return [p for p in PHASES if p in found] + sorted(found - set(PHASES))
 
 
