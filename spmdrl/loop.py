@@ -14,7 +14,9 @@ ranks agree.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +43,7 @@ from spmdrl.experience import Experience, batch_metrics, rollout_actor_gap, samp
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords
+from spmdrl.plan import Plan, make_plan
 from spmdrl.plot import plot_run
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
 from spmdrl.reward.sources import build_rewards
@@ -72,7 +75,13 @@ class Run:
     total_steps: int
     actor_loss: LossFn
     critic_loss: LossFn
+    plan: Optional[Plan] = None  # the memory plan (spmdrl/plan) and its decisions
     step: int = 0
+
+    @property
+    def offload(self) -> bool:
+        """The plan's decision (trainer.offload): optimizer state off the device while rollout runs."""
+        return self.plan is not None and self.plan.offload
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -101,14 +110,17 @@ def _engines(cfg: Config, dims: ParallelDims, device: torch.device, total_steps:
     return actor, ref, critic
 
 
-def build(user_cfg: Config, dims: ParallelDims) -> Run:
-    """Every component of this rank, in the order the collectives of their construction need."""
+def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> Run:
+    """Every component of this rank, in the order the collectives of their construction need; ``plan``'s
+    decisions (the memory plan, made before any process group; made here when not given) apply."""
     from transformers import AutoTokenizer
 
     rank = dist.get_rank()
     device = device_for_rank(dims.device_type)
     torch.manual_seed(user_cfg.trainer.seed)
-    cfg = resolve_builtins(user_cfg)
+    plan = plan or make_plan(user_cfg, dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                             dims.device_type)
+    cfg = resolve_builtins(plan.apply(user_cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     rollout_rank, _ = rollout_coords(dims.rollout_mesh)
     train_loader, val_loader = build_loaders(cfg, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp)
@@ -121,7 +133,7 @@ def build(user_cfg: Config, dims: ParallelDims) -> Run:
                     "the default (auto) picks float32 here", device.type.upper(), EMULATED_BF16_SLOWDOWN)
     actor, ref, critic = _engines(cfg, dims, device, total_steps)
     watchdog = Watchdog(cfg.trainer.hang_timeout_s, rank, dims.world_size)
-    timer = PhaseTimer(device, on_phase=watchdog.beat)
+    timer = PhaseTimer(device, on_phase=watchdog.beat, exact_memory=cfg.trainer.exact_memory)
     # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
     rollout_dtype = resolve_dtype(cfg.rollout.dtype, device.type)
     experience = Experience.from_config(cfg, dims, device, tokenizer, rewards, timer,
@@ -135,6 +147,7 @@ def build(user_cfg: Config, dims: ParallelDims) -> Run:
         kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), timer=timer,
         watchdog=watchdog,
         total_steps=total_steps, actor_loss=actor_loss_fn(cfg), critic_loss=critic_loss_fn(cfg),
+        plan=plan,
     )
 
 
@@ -153,20 +166,22 @@ def _budget(use_dynamic_bsz: bool, max_token_len: int) -> Optional[int]:
     return max_token_len if use_dynamic_bsz else None
 
 
-def train_step(r: Run) -> dict[str, float]:
-    """One GRPO/PPO step on this rank's share of the batch; returns metrics reduced over ranks."""
+def train_step(r: Run) -> tuple[dict[str, float], float]:
+    """One GRPO/PPO step on this rank's share of the batch: (this rank's metrics, its tokens); every
+    piece of work in a phase (``finish_step`` reduces them and closes the step's timing window)."""
     cfg, t = r.cfg, r.timer
     a, ref = cfg.actor, cfg.ref
-    start = time.perf_counter()
-    prompts = next(r.train_loader)
-
-    if cfg.trainer.colocate:  # optimizer state and gradients leave the device while rollout runs
-        for engine in r.trained:
-            engine.offload()
+    with t.phase("data"):
+        prompts = next(r.train_loader)
+    if r.offload:  # the memory plan's decision: optimizer state and gradients leave while rollout runs
+        with t.phase("offload"):
+            for engine in r.trained:
+                engine.offload()
     batch, metrics = r.experience.produce(prompts, more_prompts=r.train_loader)
-    if cfg.trainer.colocate:
-        for engine in r.trained:
-            engine.onload()
+    if r.offload:
+        with t.phase("onload"):
+            for engine in r.trained:
+                engine.onload()
 
     metrics.update(batch_metrics(batch))
     kept_mask, rc = None, cfg.algorithm.rollout_correction
@@ -220,10 +235,20 @@ def train_step(r: Run) -> dict[str, float]:
             entropy_grad=cfg.actor.entropy_coeff != 0,
             max_token_len=_budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)))
         r.experience.session.actor_changed()
+    return metrics, float(batch["attention_mask"].sum())
 
-    metrics.update(t.pop())
-    metrics["timing/step"] = time.perf_counter() - start
-    return _reduce(r, metrics, tokens=float(batch["attention_mask"].sum()))
+
+def finish_step(r: Run, metrics: dict[str, float], tokens: float) -> dict[str, float]:
+    """Close the step's timing window (``timing/step``, ``timing/other``: what no phase covered) and reduce
+    the metrics over ranks; the reduction is timed as ``timing/metrics`` and counted in the step."""
+    metrics.update(r.timer.pop())
+    start = time.perf_counter()
+    metrics = _reduce(r, metrics, tokens)
+    reduce_s = time.perf_counter() - start
+    metrics["timing/metrics"] = reduce_s
+    metrics["timing/step"] += reduce_s
+    r.timer.restart()  # the next window starts after the reduction
+    return metrics
 
 
 def _mini_rows(r: Run, ppo_mini_batch_size: int) -> int:
@@ -292,8 +317,44 @@ def _gather_float(value: float) -> list[float]:
     return out.tolist()
 
 
-def run(cfg: Config, dims: ParallelDims) -> None:
-    r = build(cfg, dims)
+def _step(r: Run, ckpt: CheckpointManager, sink: MetricsSink, preemption: Preemption) -> bool:
+    """One training step and what follows it (validation, logging, checkpoint, figures); whether the run
+    goes on. Logging, checkpoint and figures are phases of the next step's window."""
+    cfg, t = r.cfg, r.timer
+    metrics, tokens = train_step(r)
+    r.step += 1
+    # The data's total_epochs can run out first when DAPO's extra rounds drew more batches.
+    last = r.step == r.total_steps or r.train_loader.exhausted
+    if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or last):
+        with t.phase("validation"):
+            metrics.update(validation_metrics(r.experience, r.val_loader))
+    metrics = finish_step(r, metrics, tokens)
+    with t.phase("log"):
+        sink.log(r.step, metrics)
+    # A preemption signal (SIGTERM/SIGUSR1) turns into a checkpoint at this step boundary, then exit.
+    stop = preemption.stop_requested(r.step)
+    if ckpt.due(r.step, last) or stop:
+        with t.phase("checkpoint"):
+            ckpt.save(r.step)
+    f = cfg.trainer.plot_freq
+    if r.rank == 0 and f > 0 and (r.step % f == 0 or last or stop):
+        with t.phase("plot"):
+            plot_run(r.out_dir)  # figures of metrics.jsonl into out_dir/plots; a failure only warns
+    if stop:
+        log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
+        return False
+    if last and r.step < r.total_steps:
+        if r.rank == 0:
+            log.warning("data.train_files' %d epoch(s) are used up after step %d of %d: dynamic sampling "
+                        "drew extra generation batches (verl ends its epoch loop here too); set "
+                        "trainer.total_steps to train on past the epochs", cfg.trainer.total_epochs, r.step,
+                        r.total_steps)
+        return False
+    return True
+
+
+def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
+    r = build(cfg, dims, plan)
     preemption = Preemption()  # SIGTERM/SIGUSR1 handlers: checkpoint and stop at the next step boundary
     # What a checkpoint holds; each part declares how it is stored (spmdrl/checkpoint/manager.py).
     parts = {"actor": r.actor, "critic": r.critic, "data": r.train_loader, "kl_ctrl": r.kl_ctrl,
@@ -310,6 +371,7 @@ def run(cfg: Config, dims: ParallelDims) -> None:
         if resumed is None:  # a fresh start keeps an earlier run's files (under previous/), never overwrites
             set_aside_earlier_run(r.out_dir)
         (r.out_dir / "config.yaml").write_text(r.config_text)
+        (r.out_dir / "plan.json").write_text(json.dumps(r.plan.summary(), indent=1) + "\n")
     sink = MetricsSink(r.out_dir, cfg.trainer.logger, r.total_steps, rank=r.rank,
                        progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
                        experiment=cfg.trainer.experiment_name, config=asdict(cfg), initial_step=r.step)
@@ -317,34 +379,9 @@ def run(cfg: Config, dims: ParallelDims) -> None:
         # trainer.val_only (verl's): the initial or resumed weights' validation metrics, and no training.
         if cfg.trainer.val_only or (cfg.trainer.val_before_train and r.step == 0):
             sink.log(r.step, validation_metrics(r.experience, r.val_loader))
-        while r.step < r.total_steps and not cfg.trainer.val_only:
-            metrics = train_step(r)
-            r.step += 1
-            # The data's total_epochs can run out first when DAPO's extra rounds drew more batches.
-            last = r.step == r.total_steps or r.train_loader.exhausted
-            if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or last):
-                metrics.update(validation_metrics(r.experience, r.val_loader))
-            r.watchdog.beat("log")
-            sink.log(r.step, metrics)
-            # A preemption signal (SIGTERM/SIGUSR1) turns into a checkpoint at this step boundary, then exit.
-            stop = preemption.stop_requested(r.step)
-            if ckpt.due(r.step, last) or stop:
-                r.watchdog.beat("checkpoint")
-                ckpt.save(r.step)
-            f = cfg.trainer.plot_freq
-            if r.rank == 0 and f > 0 and (r.step % f == 0 or last or stop):
-                plot_run(r.out_dir)  # figures of metrics.jsonl into out_dir/plots; a failure only warns
-            if stop:
-                log.warning("stopping after step %d on a preemption signal; resume picks up from here",
-                            r.step)
-                break
-            if last and r.step < r.total_steps:
-                if r.rank == 0:
-                    log.warning("data.train_files' %d epoch(s) are used up after step %d of %d: dynamic "
-                                "sampling drew extra generation batches (verl ends its epoch loop here too); "
-                                "set trainer.total_steps to train on past the epochs",
-                                cfg.trainer.total_epochs, r.step, r.total_steps)
-                break
+        r.timer.restart()  # the first step's window starts here
+        while r.step < r.total_steps and not cfg.trainer.val_only and _step(r, ckpt, sink, preemption):
+            pass
     finally:
         r.watchdog.close()
         sink.close()

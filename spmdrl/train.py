@@ -5,9 +5,11 @@
     python -m spmdrl.train --config configs/grpo.yaml --print_config
 
 Parse and check the config (bad input exits 2 before any process group
-exists), take the output folder's lock on rank 0 (a second run on the same
-folder exits 2 naming the holder), start torch.distributed, build the meshes,
-then hand over to the loop in ``spmdrl.loop``. The process group is torn down
+exists), make the memory plan (``spmdrl.plan``: a phase that cannot fit exits 2
+too; ``--trainer.plan_only true`` prints it and exits here), take the output
+folder's lock on rank 0 (a second run on the same folder exits 2 naming the
+holder), start torch.distributed, build the meshes, then hand over to the loop
+in ``spmdrl.loop``. The process group is torn down
 in ``finally`` so a failing rank does not leave the others waiting on a dead
 store; the lock is released there too.
 """
@@ -27,27 +29,37 @@ from spmdrl.config import output_dir
 from spmdrl.config.checks import validate_config
 from spmdrl.config.parse import exit_with, parse_config
 from spmdrl.errors import ConfigError
+from spmdrl.parallel import resolve_device_type
+from spmdrl.plan import make_plan
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
         cfg, debug = parse_config(argv)
-        validate_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        validate_config(cfg, world_size)
+        plan = make_plan(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                         resolve_device_type(cfg.trainer.device))
+        if os.environ.get("RANK", "0") == "0":
+            print(plan.table(), flush=True)
+        plan.check()  # a phase that cannot fit stops here, plan_only or not
+        if cfg.trainer.plan_only:
+            return 0
         # Rank 0 (the one writer of metrics and config) claims the folder before any model loads.
         lock = OutputLock.acquire(output_dir(cfg)) if os.environ.get("RANK", "0") == "0" else None
     except ConfigError as err:
         exit_with(err, debug)
 
     from spmdrl.loop import run
-    from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
+    from spmdrl.parallel import ParallelDims, init_distributed
 
     finished, code, world_size = False, 0, 1
     try:
         device_type = resolve_device_type(cfg.trainer.device)
         _, world_size = init_distributed(device_type, collective_timeout_s(cfg.trainer.hang_timeout_s))
         dims = ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build()
-        run(cfg, dims)
+        run(cfg, dims, plan)
         finished = True
     except ConfigError as err:
         # Problems only visible once files are opened (a bad parquet column, a

@@ -23,7 +23,10 @@ warm-up and left out when there are more), medians of:
 - weight sync: timing/weight_sync (waking the engine's weights and loading the actor's) and GB/s over the
   model's bytes in the rollout dtype;
 - memory per phase: torch.cuda.max_memory_allocated (RSS on CPU) and NVML's device-wide used memory; the
-  colocated peak over the larger of the rollout and update phases (the goal is <= 1.1);
+  colocated peak over the larger of the rollout and update phases (the goal is <= 1.1); beside them the
+  memory plan's predicted peak of each phase (the run's plan.json);
+- where the time goes besides the named phases: timing/other (what no phase covered) and offload (the
+  optimizer state's moves around rollout, when the plan decided them);
 - MFU of the update: 6 x parameters x tokens / update s / the device's dense bf16 peak (``--peak-tflops``;
   989 for an H100 or H200), attention FLOPs left out.
 
@@ -213,6 +216,7 @@ def figures(rows: list[dict], *, world: int, responses: int, params: int, weight
                          "nvml_gb": {p: peak(f"memory/{p}_nvml_gb") for p in phases},
                          "overall_peak_gb": peak("memory/overall_peak_gb"),
                          "params": params, "weight_gb": params * weight_bytes / 1e9}
+    f["offload_s"] = (f["phase_s"].get("offload") or 0.0) + (f["phase_s"].get("onload") or 0.0)
     rollout, update = f["phase_s"].get("rollout"), f["phase_s"].get("update")
     f["weight_sync_s"] = sync = statistics.median(loads) if loads else None
     f["weight_sync_gb_per_s"] = f["weight_gb"] / sync if sync else None
@@ -227,6 +231,12 @@ def figures(rows: list[dict], *, world: int, responses: int, params: int, weight
         flops = 6 * params * f["tokens_per_s_per_gpu"] * step_s
         f["update_mfu"] = flops / update / (peak_tflops * 1e12)
     return f
+
+
+def planned(out: Path) -> dict[str, float]:
+    """The memory plan's predicted peak GB per phase (plan.json; GiB as the metrics), or none."""
+    path = out / "plan.json"
+    return json.loads(path.read_text())["peak_gb"] if path.exists() else {}
 
 
 def read_rows(out: Path) -> list[dict]:
@@ -292,14 +302,16 @@ def run_cell(shape: str, cell: str, a: argparse.Namespace, ctx: dict[str, Any]) 
         result["figures"] = figures(rows, world=1, responses=sh["prompts"] * sh["n"],
                                     params=ctx["params"][sh["model"]], weight_bytes=ctx["weight_bytes"],
                                     peak_tflops=ctx["peak_tflops"])
+        result["figures"]["planned_peak_gb"] = planned(out)
     return result
 
 
 def table(cells: list[dict[str, Any]]) -> str:
     """The cells as a Markdown table (what the README's measured table is made of)."""
     alone = {c["shape"]: c["vllm_alone"]["decode_tokens_per_s"] for c in cells if c.get("vllm_alone")}
-    head = ("| shape | cell | rc | tokens/s/GPU | s/step | rollout s | update s | sync s | sync GB/s "
-            "| peak GB | NVML GB | peak / larger phase | decode tok/s/GPU | vs vLLM alone | update MFU |")
+    head = ("| shape | cell | rc | tokens/s/GPU | s/step | rollout s | update s | sync s | other s "
+            "| offload s | sync GB/s | peak GB | planned GB | NVML GB | peak / larger phase "
+            "| decode tok/s/GPU | vs vLLM alone | update MFU |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
 
     def cell_text(v: Any, digits: int = 2) -> str:
@@ -312,12 +324,13 @@ def table(cells: list[dict[str, Any]]) -> str:
         phase, decode = f.get("phase_s", {}), f.get("decode_tokens_per_s_per_gpu")
         vs = decode / alone[c["shape"]] if "vllm" in c["cell"] and decode and alone.get(c["shape"]) else None
         nvml = max((v for v in f.get("nvml_gb", {}).values() if v), default=None)
+        plan = max(f.get("planned_peak_gb", {}).values(), default=None)
         row = [c["shape"], c["cell"], c["rc"], f.get("tokens_per_s_per_gpu"), f.get("step_s"),
-               phase.get("rollout"), phase.get("update"), f.get("weight_sync_s"),
-               f.get("weight_sync_gb_per_s"), f.get("overall_peak_gb"), nvml,
+               phase.get("rollout"), phase.get("update"), f.get("weight_sync_s"), phase.get("other"),
+               f.get("offload_s"), f.get("weight_sync_gb_per_s"), f.get("overall_peak_gb"), plan, nvml,
                f.get("colocated_over_larger_phase_peak"), decode, vs, f.get("update_mfu")]
-        lines.append("| " + " | ".join(cell_text(v, 3 if i in (7, 11, 13, 14) else 1 if i in (3, 12) else 2)
-                                      for i, v in enumerate(row)) + " |")
+        lines.append("| " + " | ".join(cell_text(v, 3 if i in (7, 8, 9, 14, 16, 17) else 1 if i in (3, 15)
+                                                 else 2) for i, v in enumerate(row)) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -198,6 +198,13 @@ def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = Fal
     return out
 
 
+def builtin_config(path: str) -> dict[str, Any]:
+    """The config.json values of a ``builtin:`` model without building it (the memory plan reads them
+    before any model exists)."""
+    _, size, _ = check_builtin_model(path)
+    return {"model_type": "qwen2", **_config_values(size, VOCAB_SIZE)}
+
+
 def check_builtin_model(path: str) -> tuple[str, str, bool]:
     """(name, size, is a reward model) of a ``builtin:`` model path (a warm start has its base model's size);
     ValueError listing the valid ones."""

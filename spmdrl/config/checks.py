@@ -108,8 +108,9 @@ def _check_ranges(cfg: Config) -> None:
     _check(a.kl_loss_coef >= 0, f"actor.kl_loss_coef is {a.kl_loss_coef}; it must be >= 0")
     _check(0 <= alg.gamma <= 1, f"algorithm.gamma is {alg.gamma}; it must be in [0, 1]")
     _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
-    _check(0 < r.gpu_memory_utilization <= 1,
-           f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1]")
+    _check(r.gpu_memory_utilization is None or 0 < r.gpu_memory_utilization <= 1,
+           f"rollout.gpu_memory_utilization is {r.gpu_memory_utilization}; it must be in (0, 1], or null "
+           f"(the memory plan sizes it)")
 
 
 def _check_token_budgets(cfg: Config) -> None:

@@ -50,8 +50,9 @@ class ModelConfig:
     """Tokenizer folder when it differs from model.path."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype in which the trained weights are kept (the master copy)."""
-    enable_gradient_checkpointing: bool = False
-    """Recompute activations of each decoder layer in the backward pass."""
+    enable_gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"
+    """Recompute activations of each decoder layer in the backward pass. auto: only when the memory plan
+    finds that the update does not fit without it (spmdrl/plan; spmdrl.sft makes no plan: off there)."""
     attn_implementation: Literal["auto", "eager", "sdpa", "flash_attention_2"] = "auto"
     """Attention kernel of the trained models (transformers' ``attn_implementation``). auto: eager on CPU
     for sequences up to 2048 tokens (its bf16 backward is ~3x faster there than sdpa's CPU flash kernel,
@@ -181,9 +182,11 @@ class RolloutConfig:
     cannot; off: torch ops only. Ignored by the other engines."""
     sleep_level: Literal[1, 2] = 1
     """Sleep between rollouts: 1 frees the KV cache and offloads weights, 2 frees both."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of device memory vLLM may take for weights, activations and KV cache (verl's key; on CPU the
-    vLLM KV cache is sized from max_num_seqs x max_model_len instead; native and hf ignore it)."""
+    gpu_memory_utilization: Optional[float] = None
+    """Fraction of device memory vLLM (SGLang: mem_fraction_static) may take for weights, activations and KV
+    cache (verl's key). null: the memory plan gives it what training leaves free while rollout runs, at
+    most 0.9 (spmdrl/plan). On CPU the vLLM KV cache is sized from max_num_seqs x max_model_len instead;
+    native and hf ignore it."""
     enforce_eager: bool = True
     """vLLM: run eagerly, without CUDA graphs or torch.compile (verl's key; faster start, slower decode)."""
     max_num_batched_tokens: int = 8192
@@ -483,8 +486,19 @@ class TrainerConfig:
     move only within one mini-batch slot, so group statistics and the update are unchanged
     (spmdrl/engines/balance.py); the gain is the wait of the ranks with short answers."""
     colocate: bool = True
-    """Sleep the rollout engine during training, and offload the actor's and critic's optimizer state and
-    gradients while the rollout engine is awake."""
+    """Sleep the rollout engine during training (rollout.sleep_level), so the two take turns on the device's
+    memory."""
+    offload: Literal["auto", "always", "never"] = "auto"
+    """Move the actor's and critic's optimizer state off the device while the rollout engine is awake.
+    auto: only when the memory plan finds that rollout does not fit next to it (verl's optimizer_offload
+    maps to always / never); on CPU the device is the host, so nothing ever moves."""
+    exact_memory: bool = False
+    """CPU: give freed heap memory back to the OS at each phase start (glibc malloc_trim), so each phase's
+    memory/*_peak_gb is its own (what the memory plan predicts) instead of the process's high-water mark so
+    far; costs time (each phase faults its memory in again). GPUs measure allocated bytes either way."""
+    plan_only: bool = False
+    """Print the memory plan (bytes of every phase, what is decided and why) and exit, before any process
+    group or model exists."""
     progress_bar: bool = True
     """Show a tqdm bar on rank 0."""
     val_only: bool = False

@@ -64,6 +64,22 @@ class LossScale:
 
 
 Role = Literal["actor", "ref", "critic", "reward"]
+
+
+# What an FSDP2 run adds to the process after its config is checked: torch.distributed, the transformers
+# model classes, FSDP, and inductor's compiled RMSNorm/SwiGLU (measured on CPU: 0.30-0.34 GB).
+FSDP2_RUNTIME_BYTES = 300 << 20
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a backend lays one model out on a rank, for the memory plan (spmdrl/plan)."""
+
+    shards: int  # ranks a model's weights and optimizer state are split over (FSDP x TP, or TP x PP)
+    tp: int  # tensor parallelism: heads, MLP and the LM head's vocabulary are split this many ways
+    layers_per_rank: int  # decoder layers on this rank (pipeline stages hold L / pp)
+    gathers: bool  # FSDP: the root and the next layers are unsharded in the compute dtype during a forward
+    runtime_bytes: float = 0.0  # what the backend adds to the process (imports, start-up) on CPU
 LossFn = Callable[[dict[str, torch.Tensor], Batch, LossScale], tuple[torch.Tensor, dict[str, float]]]
 
 
@@ -91,6 +107,13 @@ class TrainEngine(abc.ABC):
     def check_config(cls, cfg: "Config") -> None:
         """Raise ValueError (one sentence) when ``cfg`` asks this engine for something it cannot do;
         runs before any process group or model exists. The default accepts everything."""
+
+    @classmethod
+    def layout(cls, cfg: "Config", dims: "ParallelDims", layers: int) -> Layout:
+        """How this backend lays a model of ``layers`` decoder layers out on one rank (the default: FSDP
+        over the data-parallel shards times TP, every layer on every rank)."""
+        return Layout(shards=dims.dp_shard * dims.tp, tp=dims.tp, layers_per_rank=layers, gathers=True,
+                      runtime_bytes=FSDP2_RUNTIME_BYTES)
 
     @classmethod
     @abc.abstractmethod

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from spmdrl.config import Config
+    from spmdrl.config.shape import ModelShape
 
 
 @dataclass
@@ -162,9 +163,37 @@ def eos_ids_from_folder(model_path: str | Path, tokenizer_eos: Optional[int] = N
 
 # What ``sleep`` frees and ``wake_up`` re-materialises.
 SLEEP_TAGS = ("weights", "kv_cache")
+# float32 logits, probabilities and (top-p) the sorted copy with its int64 order, per vocabulary entry and
+# decoded row: the sampler's temporaries (rollout/sampling.py).
+SAMPLING_BYTES = 4 + 4 + 4 + 8
+
+
+def engine_rows(cfg: "Config", rollout_dp: int) -> int:
+    """Rows one engine decodes at once at most: a training or validation call's prompts (its rollout-DP
+    share) times their n, capped by rollout.max_num_seqs in whole prompts."""
+    r, d = cfg.rollout, cfg.data
+    calls = [(d.train_batch_size, r.n)] + ([(d.val_batch_size, r.val_kwargs.n)] if d.val_files else [])
+    return max(min(-(-batch // rollout_dp), max(1, r.max_num_seqs // n)) * n for batch, n in calls)
+
+
 # Engines that run one whole model per rank refuse rollout TP with this sentence.
 TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the native and hf rollout engines run one engine per "
                   "rank; rollout tensor parallelism needs an engine that shards (set parallel.rollout_tp: 1)")
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What a rollout engine holds on one rank, for the memory plan (spmdrl/plan); bytes."""
+
+    weights: float  # awake: its own copy of the policy
+    kv_cache: float  # while generating
+    temporaries: float  # the largest decode step's (logits and sampling over the vocabulary)
+    asleep: float  # what stays while training runs (colocated, rollout.free_cache_engine)
+    sync: float  # what a weight update holds beyond the weights (the largest tensor, or a bucket of them)
+    repacked: float = 0.0  # a second copy of the weights it decodes from while generating
+    kept_kv: float = 0.0  # KV cache it never frees (held while weights load too)
+    runtime: float = 0.0  # what the engine adds to the trainer's process (imports, start-up), CPU
+    elsewhere: str = ""  # memory held outside this process, said in words (SGLang's scheduler)
 
 
 class RolloutEngine(abc.ABC):
@@ -197,6 +226,24 @@ class RolloutEngine(abc.ABC):
 
         Runs before any process group or model exists; the default accepts everything.
         """
+
+    @classmethod
+    def memory(cls, cfg: "Config", shape: "ModelShape", device_type: str, rollout_dp: int,
+               rollout_tp: int) -> EngineMemory:
+        """What this engine holds on one rank (see ``EngineMemory``); runs before any model exists. The
+        default is an in-process engine with its own copy of the weights in rollout.dtype and a KV cache
+        for its largest chunk of rows (at most rollout.max_num_seqs), the full prompt and response long;
+        level 1 sleep keeps the weights (off the device, which on CPU is the same memory), level 2 frees
+        them."""
+        b = torch.finfo(resolve_dtype(cfg.rollout.dtype, device_type)).bits // 8
+        rows = engine_rows(cfg, rollout_dp)
+        seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+        weights = shape.params * b / rollout_tp
+        kv = rows * seq * shape.kv_bytes_per_token(b) / rollout_tp
+        kept = weights if cfg.rollout.sleep_level == 1 and device_type == "cpu" else 0.0
+        asleep = kept if cfg.trainer.colocate and cfg.rollout.free_cache_engine else weights + kv
+        return EngineMemory(weights=weights, kv_cache=kv, temporaries=rows * shape.vocab * SAMPLING_BYTES,
+                            asleep=asleep, sync=shape.vocab * shape.hidden * b / rollout_tp)
 
     @classmethod
     @abc.abstractmethod

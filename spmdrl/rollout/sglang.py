@@ -59,7 +59,7 @@ import json
 import multiprocessing
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
@@ -69,6 +69,7 @@ from spmdrl.parallel import rollout_coords, rollout_tp_rank
 from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
     SLEEP_TAGS,
+    EngineMemory,
     GenerationOutput,
     LibraryOptions,
     RolloutEngine,
@@ -85,7 +86,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from spmdrl.config import Config
+    from spmdrl.config.shape import ModelShape
 
+GB = 1024**3
 INSTALL_HINT = ("make its environment with `bash .ci/sglang-venv` on CPU (README, \"SGLang rollout\"), or "
                 "`pip install sglang` built for your torch on GPU")
 TOP_P_NEEDS_TOP_K = ("{key}.top_p is {top_p} with {key}.top_k -1, which the sglang rollout engine cannot "
@@ -228,6 +231,21 @@ class SGLangRollout(RolloutEngine):
             raise ValueError(f"model.path {cfg.model.path!r} is a "
                              f"{', '.join(archs) or 'model without architectures'}, which SGLang "
                              f"{_version()} cannot run; use rollout.engine native or hf")
+
+    @classmethod
+    def memory(cls, cfg: "Config", shape: "ModelShape", device_type: str, rollout_dp: int,
+               rollout_tp: int) -> EngineMemory:
+        """The engine runs in SGLang's scheduler processes (one per rollout TP rank): its weights and KV
+        cache are theirs, not this process's; here a weight update serialises one bucket. On a GPU they
+        share the device, so the plan leaves them mem_fraction_static of it."""
+        base = super().memory(cfg, shape, device_type, rollout_dp, rollout_tp)
+        bucket = min(float(cfg.rollout.update_weights_bucket_megabytes << 20), base.weights)
+        where = f"SGLang's scheduler process of each rank holds the engine ({base.weights / GB:.2f} GB of " \
+                f"weights, {base.kv_cache / GB:.2f} GB of KV cache or its mem_fraction_static on a GPU)"
+        if device_type == "cuda":
+            return replace(base, asleep=0.0, sync=bucket, elsewhere=where)
+        return EngineMemory(weights=0.0, kv_cache=0.0, temporaries=0.0, asleep=0.0, sync=bucket,
+                            elsewhere=where)
 
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],

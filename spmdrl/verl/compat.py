@@ -98,9 +98,10 @@ def _megatron_rows(prefix: str) -> list["Rule"]:
         only(f"{prefix}.expert_model_parallel_size", (1,), "dense models only"),
         only(f"{prefix}.expert_tensor_parallel_size", (None, 1), "dense models only"),
         only(f"{prefix}.param_offload", (False,), "the Megatron engine keeps its parameters on the device"),
-        ignore(f"{prefix}.optimizer_offload",
-               "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
-        ignore(f"{prefix}.grad_offload", "spmdrl frees gradients while rollout runs (trainer.colocate)"),
+        *([m(f"{prefix}.optimizer_offload", "trainer.offload", _offload, OFFLOAD_NOTE)]
+          if prefix == f"{ACT}.megatron" else
+          [ignore(f"{prefix}.optimizer_offload", "trainer.offload (the actor's key) covers every model")]),
+        ignore(f"{prefix}.grad_offload", GRADS_FREED),
         only(f"{prefix}.use_dist_checkpointing", (False,),
              "checkpoints are torch.distributed.checkpoint folders"),
         only(f"{prefix}.dist_checkpointing_path", (None,),
@@ -182,6 +183,14 @@ def _world(value: Any, ctx: Ctx) -> dict[str, Any]:
 def _multi_turn_format(value: Any) -> Any:
     return _choice("actor_rollout_ref.rollout.multi_turn.format",
                    {"hermes": "hermes", "chatml": "hermes"})(value)
+
+
+def _offload(value: Any) -> Any:
+    return "always" if value else "never"
+
+
+OFFLOAD_NOTE = "true: always, false: never (spmdrl's default, auto, offloads when the memory plan needs it)"
+GRADS_FREED = "gradients are freed after every optimizer step, so nothing holds them while rollout runs"
 
 
 def _warmup_steps(value: Any) -> Any:
@@ -280,9 +289,8 @@ TABLE: list[Rule] = [
          "k < world: shard over k ranks, replicate over world/k (HSDP)"),
     m(f"{ACT}.fsdp_config.offload_policy", "actor.cpu_offload"),
     only(f"{ACT}.fsdp_config.param_offload", (False,), "use actor.cpu_offload (FSDP2 CPU offload)"),
-    ignore(f"{ACT}.fsdp_config.optimizer_offload",
-           "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
-    ignore(f"{ACT}.fsdp_config.grad_offload", "spmdrl frees gradients while rollout runs (trainer.colocate)"),
+    m(f"{ACT}.fsdp_config.optimizer_offload", "trainer.offload", _offload, OFFLOAD_NOTE),
+    ignore(f"{ACT}.fsdp_config.grad_offload", GRADS_FREED),
     ignore(f"{ACT}.fsdp_config.reshard_after_forward", PERF),
     ignore(f"{ACT}.fsdp_config.wrap_policy.*", "FSDP2 wraps each decoder layer"),
     # rollout
@@ -360,7 +368,7 @@ TABLE: list[Rule] = [
     m("critic.cliprange_value", "critic.cliprange_value"),
     only("critic.model.fsdp_config.param_offload", (False,), "use actor.cpu_offload (it covers the critic)"),
     ignore("critic.model.fsdp_config.optimizer_offload",
-           "spmdrl offloads the optimizer while rollout runs (trainer.colocate)"),
+           "trainer.offload (the actor's key) covers every model"),
     m("critic.model.lora_rank", "critic.lora_rank"),
     m("critic.model.lora_alpha", "critic.lora_alpha"),
     m("critic.model.target_modules", "critic.target_modules"),

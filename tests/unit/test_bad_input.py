@@ -370,3 +370,14 @@ def test_a_reward_model_with_two_labels(tmp_path, capsys):
                           str(folder)], capsys)
     assert_one_sentence(code, err, f"reward_model.model.path '{folder}' has 2 labels in config.json; the "
                                    f"reward model must output one score (num_labels 1)")
+
+
+def test_a_phase_that_cannot_fit_stops_before_work_naming_the_key(capsys):
+    """The memory plan finds the update of a 0.5B model on 4096-token responses in micro-batches of 512 far
+    beyond any machine's memory (no model is built to find out)."""
+    code, err = run_main(["--config", GRPO, "--model.path", "builtin:qwen2.5-0.5b-shape",
+                          "--data.max_response_length", "4096", "--actor.ppo_micro_batch_size_per_gpu", "512",
+                          "--actor.ppo_mini_batch_size", "16",
+                          "--model.enable_gradient_checkpointing", "false"], capsys)
+    assert_one_sentence(code, err, "the memory plan finds that the update phase needs")
+    assert "lower actor.ppo_micro_batch_size_per_gpu" in err

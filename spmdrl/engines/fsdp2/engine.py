@@ -284,7 +284,7 @@ class FSDP2Engine(TrainEngine):
             return cls(
                 c.model_path or model_path,
                 cpu_offload=a.cpu_offload,
-                gradient_checkpointing=m.enable_gradient_checkpointing,
+                gradient_checkpointing=m.enable_gradient_checkpointing is True,
                 lr=c.lr,
                 weight_decay=c.weight_decay,
                 lr_warmup_steps=c.lr_warmup_steps,
@@ -297,7 +297,7 @@ class FSDP2Engine(TrainEngine):
         return cls(
             model_path,
             cpu_offload=a.cpu_offload,
-            gradient_checkpointing=m.enable_gradient_checkpointing,
+            gradient_checkpointing=m.enable_gradient_checkpointing is True,
             lr=a.lr,
             weight_decay=a.weight_decay,
             betas=tuple(a.betas),

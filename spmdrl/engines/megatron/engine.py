@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
+from spmdrl.engines.base import Layout, LossFn, LossScale, Role, TrainEngine
 from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.megatron.convert import (
     HFArch,
@@ -75,6 +75,10 @@ from spmdrl.precision import resolve_dtype
 if TYPE_CHECKING:
     from spmdrl.config import Config
     from spmdrl.parallel import ParallelDims
+
+# What a Megatron run adds to the process after its config is checked: megatron-core, torch.distributed and
+# the CPU compatibility layer, beyond the megatron-core import the config check makes (measured on CPU).
+MEGATRON_RUNTIME_BYTES = 190 << 20
 
 
 class MegatronEngine(TrainEngine):
@@ -185,6 +189,13 @@ class MegatronEngine(TrainEngine):
         self.model.to(self.device)
 
     @classmethod
+    def layout(cls, cfg: "Config", dims: "ParallelDims", layers: int) -> Layout:
+        """Weights and AdamW state cut tp x pp ways and replicated over data parallelism (no FSDP), a
+        stage's layers, and up to pp micro-batches in flight on a stage under 1F1B."""
+        return Layout(shards=dims.tp * dims.pp, tp=dims.tp, layers_per_rank=-(-layers // dims.pp),
+                      gathers=False, runtime_bytes=MEGATRON_RUNTIME_BYTES)
+
+    @classmethod
     def check_config(cls, cfg: "Config") -> None:
         from spmdrl.algos.registry import ADVANTAGES
         from spmdrl.parallel import resolve_device_type
@@ -226,7 +237,7 @@ class MegatronEngine(TrainEngine):
         if cfg.model.dtype != "float32":
             raise ValueError(f"model.dtype is {cfg.model.dtype!r} but actor.strategy 'megatron' keeps "
                              f"float32 weights; set model.dtype: float32")
-        if cfg.model.enable_gradient_checkpointing:
+        if cfg.model.enable_gradient_checkpointing is True:
             raise ValueError("model.enable_gradient_checkpointing is true but actor.strategy 'megatron' has "
                              "no activation recomputation here; set it to false")
         if cfg.actor.cpu_offload or cfg.ref.offload:

@@ -26,15 +26,17 @@ rollout TP is not supported here (it needs an engine that shards).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
 from spmdrl.parallel import rollout_coords
-from spmdrl.precision import can_prepack, native_bf16, to_dtype
+from spmdrl.precision import can_prepack, native_bf16, resolve_dtype, to_dtype
 from spmdrl.rollout.base import (
     SLEEP_TAGS,
     TP_UNSUPPORTED,
+    EngineMemory,
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
@@ -54,6 +56,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from spmdrl.config import Config
+    from spmdrl.config.shape import ModelShape
+
+# What loading the C++ decode kernels adds to the process (measured on CPU, about 40 MB).
+NATIVE_RUNTIME_BYTES = 40 << 20
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +161,16 @@ class NativeRollout(RolloutEngine):
             if not build_tools_available():
                 raise ValueError("rollout.native_kernels is 'on' but g++ or ninja is not on PATH to build "
                                  "them: install both or set native_kernels to auto or off")
+
+    @classmethod
+    def memory(cls, cfg: "Config", shape: "ModelShape", device_type: str, rollout_dp: int,
+               rollout_tp: int) -> EngineMemory:
+        """The default in-process estimate, plus the oneDNN-packed copy of every matmul weight it decodes
+        from on CPU (awake only) and its C++ kernels' share of the process."""
+        base = super().memory(cfg, shape, device_type, rollout_dp, rollout_tp)
+        dtype = resolve_dtype(cfg.rollout.dtype, device_type)
+        packed = base.weights if can_prepack(torch.device(device_type), dtype) else 0.0
+        return replace(base, repacked=packed, runtime=NATIVE_RUNTIME_BYTES)
 
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],

@@ -1,0 +1,87 @@
+"""A decoder's sizes from its config.json, read before any model exists: what the memory plan multiplies.
+
+    shape = ModelShape.of("builtin:tiny")             # or a Hugging Face folder
+    shape.params, shape.layer_params, shape.head_params, shape.kv_bytes_per_token(2)
+
+Llama / Qwen2 / Qwen3 family: attention with grouped key/value heads (Qwen2's q/k/v biases), a SwiGLU MLP,
+two RMSNorms per layer, tied or untied LM head. A ``builtin:`` name reads its built-in sizes
+(``spmdrl.builtin.models.builtin_config``), so nothing is built for a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int  # H
+    layers: int  # L
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # I, the MLP's width
+    vocab: int  # V
+    tied: bool  # the LM head is the embedding matrix
+    qkv_bias: bool
+
+    @classmethod
+    def of(cls, path: str) -> "ModelShape":
+        """The shape of the model at ``path`` (a folder with config.json, or ``builtin:<name>``)."""
+        if path.startswith("builtin:"):
+            from spmdrl.builtin.models import builtin_config
+
+            return cls.from_config(builtin_config(path))
+        from spmdrl.config.model_folder import read_config, text_config
+
+        return cls.from_config(text_config(read_config(path, "model.path")))
+
+    @classmethod
+    def from_config(cls, c: dict[str, Any]) -> "ModelShape":
+        heads = c["num_attention_heads"]
+        return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
+                   kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                   intermediate=c["intermediate_size"], vocab=c["vocab_size"],
+                   tied=bool(c.get("tie_word_embeddings", False)),
+                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: q, k, v, o, gate, up, down and two norms."""
+        H, kv = self.hidden, self.kv_heads * self.head_dim
+        q = self.heads * self.head_dim
+        attn = H * q + 2 * H * kv + q * H + ((q + 2 * kv) if self.qkv_bias else 0)
+        return attn + 3 * H * self.intermediate + 2 * H
+
+    @property
+    def head_params(self) -> int:
+        """The LM head's own parameters (0 when tied to the embeddings)."""
+        return 0 if self.tied else self.vocab * self.hidden
+
+    @property
+    def root_params(self) -> int:
+        """What is not in a decoder layer: embeddings, final norm and an untied LM head."""
+        return self.vocab * self.hidden + self.hidden + self.head_params
+
+    @property
+    def params(self) -> int:
+        """Parameters of the causal LM (a tied head counted once)."""
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def backbone_params(self) -> int:
+        """The decoder without an LM head (a critic's or reward model's trunk; their head is H + 1)."""
+        return self.layers * self.layer_params + self.vocab * self.hidden + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def lora_params(self, rank: int) -> int:
+        """Adapter parameters of rank ``rank`` on every linear layer of the decoder (peft's all-linear)."""
+        h, m = self.hidden, self.intermediate
+        kv, q = self.kv_heads * self.head_dim, self.heads * self.head_dim
+        per_layer = sum(rank * (i + o) for i, o in ((h, q), (h, kv), (h, kv), (q, h), (h, m), (h, m), (m, h)))
+        return self.layers * per_layer

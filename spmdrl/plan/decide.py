@@ -1,0 +1,77 @@
+"""The plan's three decisions, each with the one line that says why (see ``spmdrl.plan``).
+
+    offload, checkpointing, kv_fraction, lines = decide(cfg, phases, budget, "cuda", engine, total, 0.1, 0.9)
+
+``phases(offload, checkpointing)`` gives the step's phases for a choice; a decision the config makes
+(``always`` / ``never``, true / false, a number) is kept and said as such.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+from spmdrl.plan.estimate import GB
+
+if TYPE_CHECKING:
+    from spmdrl.config import Config
+    from spmdrl.rollout.base import EngineMemory
+
+Phases = Callable[[bool, bool], dict[str, dict[str, float]]]
+
+
+def _peak(phase: dict[str, float]) -> float:
+    return sum(phase.values())
+
+
+def decide(cfg: "Config", phases: Phases, budget: float, device_type: str, engine: "EngineMemory",
+           total: float, margin: float, max_fraction: float) -> tuple[bool, bool, Optional[float], list[str]]:
+    """(offload, activation checkpointing, gpu_memory_utilization or None, the lines that say why)."""
+    limit = budget * (1 - margin)
+    lines = []
+    ckpt_key = cfg.model.enable_gradient_checkpointing
+    checkpointing = ckpt_key is True
+    if ckpt_key == "auto":
+        update = _peak(phases(False, False)["update"])
+        checkpointing = update > limit and _peak(phases(False, True)["update"]) < update
+        lines.append(f"activation checkpointing {'on' if checkpointing else 'off'}: the update needs "
+                     f"{update / GB:.2f} GB without it, {limit / GB:.2f} GB fit")
+    else:
+        lines.append(f"activation checkpointing {'on' if checkpointing else 'off'}: "
+                     f"model.enable_gradient_checkpointing is {ckpt_key}")
+    offload = cfg.trainer.offload == "always"
+    if cfg.trainer.offload == "auto":
+        rollout = _peak(phases(False, checkpointing)["rollout"])
+        if device_type == "cpu":
+            lines.append("offload off: on CPU the device is the host, so moving the optimizer state moves "
+                         "nothing")
+        else:
+            offload = rollout > limit
+            lines.append(f"offload {'on' if offload else 'off'}: rollout needs {rollout / GB:.2f} GB with "
+                         f"the optimizer state resident, {limit / GB:.2f} GB fit")
+    else:
+        lines.append(f"offload {'on' if offload else 'off'}: trainer.offload is {cfg.trainer.offload}")
+    kv_fraction = _kv_fraction(cfg, phases(offload, checkpointing)["rollout"], engine, device_type, total,
+                               margin, max_fraction, lines)
+    return offload, checkpointing, kv_fraction, lines
+
+
+def _kv_fraction(cfg: "Config", rollout: dict[str, float], engine: "EngineMemory", device_type: str,
+                 total: float, margin: float, max_fraction: float, lines: list[str]) -> Optional[float]:
+    """vLLM's gpu_memory_utilization (SGLang's mem_fraction_static): the device share that training leaves
+    free while rollout runs."""
+    given = cfg.rollout.gpu_memory_utilization
+    if cfg.rollout.engine not in ("vllm", "sglang"):
+        return None
+    if given is not None:
+        lines.append(f"rollout engine memory: gpu_memory_utilization {given} as configured")
+        return given
+    if device_type != "cuda":
+        lines.append("rollout engine memory: on CPU the engine's KV cache is sized from rollout.max_num_seqs "
+                     "x the longest prompt + response")
+        return None
+    others = sum(v for k, v in rollout.items() if not k.startswith("engine "))
+    fraction = min(max_fraction, (total * (1 - margin) - others) / total)
+    need = (engine.weights + engine.temporaries) / total
+    lines.append(f"rollout engine memory: gpu_memory_utilization {fraction:.2f}, what training leaves free "
+                 f"while rollout runs ({others / GB:.1f} GB of {total / GB:.1f} GB held by it)")
+    return round(max(fraction, need), 3)
