@@ -43,9 +43,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          resolve_device_type(cfg.trainer.device))
         if os.environ.get("RANK", "0") == "0":
             print(plan.table(), flush=True)
-        plan.check()  # a phase that cannot fit stops here, plan_only or not
-        if cfg.trainer.plan_only:
+        if cfg.trainer.plan_only:  # the plan and its verdict, whether or not the run would fit here
+            print(plan.verdict(), flush=True)
             return 0
+        plan.check()  # a phase that cannot fit stops the run before any work
         # Rank 0 (the one writer of metrics and config) claims the folder before any model loads.
         lock = OutputLock.acquire(output_dir(cfg)) if os.environ.get("RANK", "0") == "0" else None
     except ConfigError as err:

@@ -1,6 +1,7 @@
 """GRPO through the loop with a library rollout engine (vLLM, SGLang) on 2 torchrun ranks: the loop's metrics,
-and the rollout log-probs equal to the actor's after every weight sync. Each engine's test module (run in its
-own venv) calls ``check_grpo_through_loop``."""
+the rollout log-probs equal to the actor's after every weight sync, and the memory plan's peak of every phase
+within 15% of the one measured (trainer.exact_memory; SGLang's scheduler processes are outside both). Each
+engine's test module (run in its own venv) calls ``check_grpo_through_loop``."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path) -> None:
             "--data.train_batch_size", "8", "--actor.ppo_mini_batch_size", "4", "--trainer.progress_bar",
             "false", "--trainer.resume", "off",
             # float32 on both sides whatever auto picks on this CPU (the tolerance below is a float32 one)
-            "--rollout.dtype", "float32", "--actor.param_dtype", "float32"]
+            "--rollout.dtype", "float32", "--actor.param_dtype", "float32",
+            # each phase's own RSS peak, to hold the plan against; the longest arith prompt
+            "--trainer.exact_memory", "true", "--data.max_prompt_length", "27"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "spmdrl.train", *args, "--parallel.rollout_tp", str(tp),
            "--trainer.output_dir", str(out_dir)]
@@ -39,3 +42,7 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path) -> None:
     # Step 1 generates from the folder's weights; later steps sync the trained ones in first.
     assert all(r["timing/weight_sync"] > 1e-3 for r in rows[1:])
     assert rows[-1]["actor/pg_loss"] == rows[-1]["actor/pg_loss"]  # finite
+    planned = json.loads((out_dir / "plan.json").read_text())["peak_gb"]
+    off = {p: (round(gb, 3), round(rows[-1][f"memory/{p}_peak_gb"], 3)) for p, gb in planned.items()
+           if abs(gb - rows[-1][f"memory/{p}_peak_gb"]) > 0.15 * rows[-1][f"memory/{p}_peak_gb"]}
+    assert not off, f"planned vs measured GB outside 15%: {off}"

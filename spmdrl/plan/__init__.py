@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from spmdrl.config.shape import ModelShape
 from spmdrl.errors import ConfigError
@@ -56,17 +56,27 @@ class Plan:
     def peak(self, phase: str) -> float:
         return sum(self.phases[phase].values())
 
-    def check(self) -> None:
-        """ConfigError with one sentence for the first phase that does not fit."""
+    def problem(self) -> Optional[str]:
+        """One sentence for the first phase that does not fit, or None."""
         limit = self.budget * (1 - MARGIN)
         for phase in self.phases:
             need = self.peak(phase)
             if need > limit:
-                raise ConfigError(
-                    f"the memory plan finds that the {phase} phase needs {need / GB:.1f} GB on each rank but "
-                    f"{self.device} has {self.budget / GB:.1f} GB for it ({limit / GB:.1f} GB less a "
-                    f"{MARGIN:.0%} margin); {_remedy(phase)} (python -m spmdrl.train ... "
-                    f"--trainer.plan_only true prints the plan)")
+                return (f"the memory plan finds that the {phase} phase needs {need / GB:.1f} GB on each rank "
+                        f"but a rank has {limit / GB:.1f} GB of this {self.device}'s memory "
+                        f"({self.budget / GB:.1f} GB less a {MARGIN:.0%} margin); {_remedy(phase)} "
+                        f"(--trainer.plan_only true prints the plan)")
+        return None
+
+    def check(self) -> None:
+        """ConfigError with one sentence for the first phase that does not fit."""
+        problem = self.problem()
+        if problem is not None:
+            raise ConfigError(problem)
+
+    def verdict(self) -> str:
+        problem = self.problem()
+        return f"  verdict: does not fit: {problem}" if problem else "  verdict: every phase fits"
 
     def apply(self, cfg: "Config") -> "Config":
         """A copy of ``cfg`` with the decisions made: booleans and numbers where it said auto."""

@@ -89,6 +89,9 @@ if TYPE_CHECKING:
     from spmdrl.config.shape import ModelShape
 
 GB = 1024**3
+# What SGLang adds to the trainer's own process on CPU: its engine front end's imports and tokenizer-free
+# client state (the model lives in the scheduler processes; measured with sglang 0.5.17).
+SGLANG_CPU_RUNTIME_BYTES = 230 << 20
 INSTALL_HINT = ("make its environment with `bash .ci/sglang-venv` on CPU (README, \"SGLang rollout\"), or "
                 "`pip install sglang` built for your torch on GPU")
 TOP_P_NEEDS_TOP_K = ("{key}.top_p is {top_p} with {key}.top_k -1, which the sglang rollout engine cannot "
@@ -245,7 +248,7 @@ class SGLangRollout(RolloutEngine):
         if device_type == "cuda":
             return replace(base, asleep=0.0, sync=bucket, elsewhere=where)
         return EngineMemory(weights=0.0, kv_cache=0.0, temporaries=0.0, asleep=0.0, sync=bucket,
-                            elsewhere=where)
+                            elsewhere=where, runtime=SGLANG_CPU_RUNTIME_BYTES)
 
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],

@@ -86,6 +86,7 @@ def test_plan_only_prints_the_plan_of_every_config_and_exits_before_any_work(tmp
         table = capsys.readouterr().out
         assert table.startswith("memory plan, GB per rank on ") and "\n  peak " in table, name
         assert "decision: activation checkpointing" in table and "decision: offload" in table, name
+        assert "\n  verdict: " in table, name
     done = subprocess.run([sys.executable, "-m", "spmdrl.train", "--config", "configs/grpo.yaml",
                            "--trainer.plan_only", "true", "--trainer.output_dir", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
