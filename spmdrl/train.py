@@ -41,10 +41,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         validate_config(cfg, world_size)
         plan = make_plan(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                          resolve_device_type(cfg.trainer.device))
-        if os.environ.get("RANK", "0") == "0":
+        rank0 = os.environ.get("RANK", "0") == "0"
+        if rank0:
             print(plan.table(), flush=True)
         if cfg.trainer.plan_only:  # the plan and its verdict, whether or not the run would fit here
-            print(plan.verdict(), flush=True)
+            if rank0:
+                print(plan.verdict(), flush=True)
             return 0
         plan.check()  # a phase that cannot fit stops the run before any work
         # Rank 0 (the one writer of metrics and config) claims the folder before any model loads.

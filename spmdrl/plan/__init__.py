@@ -97,13 +97,13 @@ class Plan:
 
     def table(self) -> str:
         """The plan as one table (GB per rank), the decisions below it."""
-        components = list(dict.fromkeys(k for p in self.phases.values() for k in p))
+        components = list(dict.fromkeys(k for p in self.phases.values() for k, v in p.items() if v))
         names = [p for p in PHASES if p in self.phases]
         width = max(len(c) for c in components + ["component"])
         lines = [f"memory plan, GB per rank on {self.device} ({self.budget / GB:.1f} GB for each rank):",
                  f"  {'component':<{width}} " + " ".join(f"{p:>11}" for p in names)]
         for c in components:
-            cells = [f"{self.phases[p][c] / GB:11.3f}" if c in self.phases[p] else f"{'':>11}" for p in names]
+            cells = [f"{self.phases[p][c] / GB:11.3f}" if self.phases[p].get(c) else " " * 11 for p in names]
             lines.append(f"  {c:<{width}} " + " ".join(cells))
         lines.append(f"  {'peak':<{width}} " + " ".join(f"{self.peak(p) / GB:11.3f}" for p in names))
         if self.engine.elsewhere:
