@@ -14,7 +14,8 @@ Each cell is one GRPO run on one rank, ``python -m spmdrl.train`` of configs/grp
 fsdp2-native, fsdp2-vllm-sleep1, fsdp2-vllm-sleep2, megatron-native, checkpoint (fsdp2-native saved at its
 last step, then resumed for one more), for each shape: ``default`` (configs/grpo.yaml's own sizes and
 model) and ``sized`` (``--model``, by default builtin:qwen2.5-0.5b-shape, ``--prompts`` x ``--n`` responses
-of exactly ``--new-tokens`` tokens: rollout.ignore_eos, so every row is equal work). A cell that fails is
+of exactly ``--new-tokens`` tokens: rollout.ignore_eos, so every row is equal work) and ``sized-1.5b`` (the
+same work on builtin:qwen2.5-1.5b-shape, asked for by name). A cell that fails is
 recorded with its error and the matrix goes on. Per cell, from the run's metrics.jsonl (the first step is
 warm-up and left out when there are more), medians of:
 
@@ -62,7 +63,9 @@ CELLS: dict[str, list[str]] = {
     "checkpoint": [],
     "vllm-alone": [],  # bench/gpu/vllm_alone.py: vLLM's own generate of one rollout's work
 }
-SHAPES = ("default", "sized")
+# sized-1.5b: the sized work on Qwen2.5-1.5B's shapes, so the table shows how cost grows with the model
+SHAPES = ("default", "sized", "sized-1.5b")
+SECOND_SIZE = "builtin:qwen2.5-1.5b-shape"
 # Dense bf16 tensor-core peak, TFLOP/s, by a word of torch.cuda.get_device_name().
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 LOG_TAIL = 200_000  # characters of one run's output kept in matrix.log
@@ -157,11 +160,12 @@ def shape_of(shape: str, a: argparse.Namespace) -> dict[str, Any]:
         cfg = yaml.safe_load((REPO / "configs" / "grpo.yaml").read_text())
         return {"args": [], "model": cfg["model"]["path"], "prompts": cfg["data"]["train_batch_size"],
                 "n": cfg["rollout"]["n"], "new_tokens": cfg["data"]["max_response_length"]}
-    args = ["--model.path", a.model, "--data.train_batch_size", str(a.prompts),
+    model = SECOND_SIZE if shape == "sized-1.5b" else a.model
+    args = ["--model.path", model, "--data.train_batch_size", str(a.prompts),
             "--actor.ppo_mini_batch_size", str(a.prompts), "--rollout.n", str(a.n),
             "--data.max_response_length", str(a.new_tokens),
             "--actor.ppo_micro_batch_size_per_gpu", str(a.micro), "--rollout.ignore_eos", "true"]
-    return {"args": args, "model": a.model, "prompts": a.prompts, "n": a.n, "new_tokens": a.new_tokens}
+    return {"args": args, "model": model, "prompts": a.prompts, "n": a.n, "new_tokens": a.new_tokens}
 
 
 def train(args: list[str], out: Path, log: Path, title: str, timeout: float, site: Path) -> tuple[int, str]:
@@ -364,7 +368,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--no-run", action="store_true", help="install only")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "bench" / "gpu" / "out")))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
+    p.add_argument("--shapes", nargs="+", default=["default", "sized"], choices=SHAPES)
     p.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
     p.add_argument("--model", default="builtin:qwen2.5-0.5b-shape", help="the sized shape's model.path")
     p.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")

@@ -4,7 +4,8 @@
 
 The same work as one rollout of the matrix's cells: ``--prompts`` chat prompts (arithmetic questions, as
 builtin:arith asks), ``--n`` samples each at temperature 1, exactly ``--new-tokens`` tokens (ignore_eos),
-eager mode and the memory fraction of spmdrl's defaults (rollout.enforce_eager, gpu_memory_utilization).
+with CUDA graphs as spmdrl runs vLLM on CUDA (rollout.enforce_eager null: false there; ``--eager`` for the
+eager figure), at ``--gpu-memory-utilization``.
 One warm-up call, then ``--repeats`` timed calls; prints one JSON line with the median seconds and the
 generated tokens per second. matrix.py runs it as the ``vllm-alone`` cell.
 """
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (vLLM's enforce_eager)")
     a = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -37,7 +39,7 @@ def main() -> None:
              for _ in range(a.prompts)]
     texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
     prompts = [{"prompt_token_ids": tok(t, add_special_tokens=False)["input_ids"]} for t in texts]
-    llm = LLM(model=a.model, dtype="bfloat16", enforce_eager=True, seed=0,
+    llm = LLM(model=a.model, dtype="bfloat16", enforce_eager=a.eager, seed=0,
               gpu_memory_utilization=a.gpu_memory_utilization,
               max_model_len=max(len(q["prompt_token_ids"]) for q in prompts) + a.new_tokens)
     sampling = SamplingParams(n=a.n, temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True,

@@ -8,8 +8,8 @@ generation_config.json and a byte-level BPE tokenizer trained with the
 same size and seed always give the same bytes. Nothing is downloaded, so
 ``AutoModelForCausalLM.from_pretrained(out)`` works with ``HF_HUB_OFFLINE=1``.
 
-``builtin:qwen2.5-0.5b-shape`` is Qwen2.5-0.5B's shapes with random weights and the same tokenizer, for the
-GPU kit (``bench/gpu/``).
+``builtin:qwen2.5-0.5b-shape`` and ``builtin:qwen2.5-1.5b-shape`` are Qwen2.5-0.5B's and -1.5B's shapes with
+random weights and the same tokenizer, for the GPU kit (``bench/gpu/``).
 
 ``resolve_builtin_model`` builds ``builtin:tiny`` under the cache on first use (rank 0 builds, the
 others wait).
@@ -54,6 +54,12 @@ SIZES: dict[str, dict] = {
     # the same matmul work per token, and a sampled padding id decodes to no text.
     "qwen2.5-0.5b-shape": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                num_attention_heads=14, num_key_value_heads=2, max_window_layers=24,
+                               vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                               torch_dtype="bfloat16"),
+    # Qwen2.5-1.5B-Instruct's config.json shapes (1,543,714,304 parameters, tied): the GPU kit's second size,
+    # so its table shows how the cost grows with the model.
+    "qwen2.5-1.5b-shape": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                               num_attention_heads=12, num_key_value_heads=2, max_window_layers=21,
                                vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
                                torch_dtype="bfloat16"),
 }

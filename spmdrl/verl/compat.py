@@ -308,6 +308,7 @@ TABLE: list[Rule] = [
     m(f"{RO}.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
     m(f"{RO}.ignore_eos", "rollout.ignore_eos"),
     m(f"{RO}.enforce_eager", "rollout.enforce_eager"),
+    m(f"{RO}.cudagraph_capture_sizes", "rollout.cudagraph_capture_sizes"),
     m(f"{RO}.free_cache_engine", "rollout.free_cache_engine"),
     m(f"{RO}.max_num_batched_tokens", "rollout.max_num_batched_tokens"),
     m(f"{RO}.max_model_len", "rollout.max_model_len"),

@@ -76,27 +76,32 @@ def test_warm_start_names_and_a_failed_build_leaves_nothing(tmp_path, monkeypatc
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if "arith" in p.name] == []
 
 
-def test_qwen2_5_half_b_shape_has_that_checkpoints_shapes(tmp_path):
-    """``builtin:qwen2.5-0.5b-shape`` is Qwen2.5-0.5B's config.json with the built-in tokenizer: the same
-    494,032,768 parameters (counted on the meta device: the suite never writes its 1 GB of weights)."""
+@pytest.mark.parametrize("size, shapes, params", [
+    ("qwen2.5-0.5b-shape", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                intermediate_size=4864, max_window_layers=24), 494_032_768),
+    ("qwen2.5-1.5b-shape", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                intermediate_size=8960, max_window_layers=21), 1_543_714_304),
+])
+def test_qwen2_5_shapes_have_those_checkpoints_shapes(tmp_path, size, shapes, params):
+    """``builtin:qwen2.5-0.5b-shape`` / ``-1.5b-shape`` are Qwen2.5-0.5B's / -1.5B-Instruct's config.json
+    with the built-in tokenizer: the same parameter counts (on the meta device: the suite never writes their
+    GBs of weights), and the memory plan's count from the same sizes agrees."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     from spmdrl.builtin.models import build_tokenizer, check_builtin_model, model_config
+    from spmdrl.config.shape import ModelShape
 
-    assert check_builtin_model("builtin:qwen2.5-0.5b-shape") == ("qwen2.5-0.5b-shape", "qwen2.5-0.5b-shape",
-                                                                 False)
+    assert check_builtin_model(f"builtin:{size}") == (size, size, False)
     tok = build_tokenizer(tmp_path, seed=0)
-    cfg = model_config("qwen2.5-0.5b-shape", tok).to_dict()
-    want = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                max_position_embeddings=32768, rms_norm_eps=1e-6, max_window_layers=24,
-                eos_token_id=tok.eos_token_id)
+    cfg = model_config(size, tok).to_dict()
+    want = dict(num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                max_position_embeddings=32768, rms_norm_eps=1e-6, eos_token_id=tok.eos_token_id, **shapes)
     assert {k: cfg[k] for k in want} == want
     assert cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta")) == 1e6
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(model_config("qwen2.5-0.5b-shape", tok))
-    assert sum(p.numel() for p in model.parameters()) == 494_032_768
+        model = Qwen2ForCausalLM(model_config(size, tok))
+    assert sum(p.numel() for p in model.parameters()) == params == ModelShape.of(f"builtin:{size}").params
 
 
 def test_a_vocabulary_wider_than_the_tokenizer_is_padding(tmp_path, monkeypatch):

@@ -323,3 +323,20 @@ def test_verl_links_do_not_override_what_a_config_file_sets(tmp_path):
     # A key the file leaves out still follows, as in verl.
     cfg = parse_config(["--config", "configs/grpo.yaml", "actor_rollout_ref.actor.ppo_epochs=2"])[0]
     assert cfg.critic.ppo_epochs == 2
+
+
+def test_vllm_runs_cuda_graphs_on_cuda_and_eager_on_cpu():
+    """rollout.enforce_eager null (the default, as verl's false): CUDA graphs on a GPU, eager on CPU; verl's
+    cudagraph_capture_sizes reaches vLLM's compilation config, and an explicit enforce_eager wins."""
+    import torch
+
+    from spmdrl.rollout.vllm import VLLMOptions, _graph_sizes
+
+    cfg = parse_config(["actor_rollout_ref.rollout.cudagraph_capture_sizes=[8,1,4]"])[0]
+    assert cfg.rollout.enforce_eager is None and cfg.rollout.cudagraph_capture_sizes == [8, 1, 4]
+    cuda, cpu = (VLLMOptions.from_config(cfg, torch.device(d)) for d in ("cuda", "cpu"))
+    assert (cuda.enforce_eager, cpu.enforce_eager) == (False, True)
+    assert _graph_sizes(cuda) == {"compilation_config": {"cudagraph_capture_sizes": [1, 4, 8]}}
+    assert _graph_sizes(cpu) == {}  # eager: nothing to capture
+    eager = parse_config(["actor_rollout_ref.rollout.enforce_eager=True"])[0]
+    assert VLLMOptions.from_config(eager, torch.device("cuda")).enforce_eager is True
