@@ -29,6 +29,7 @@ from spmdrl.agent.rollout import ToolAgent, annotate, multi_turn_metrics
 from spmdrl.algos.dapo import filter_groups
 from spmdrl.algos.registry import ADVANTAGES
 from spmdrl.batch import Batch, from_generation, place_scores
+from spmdrl.errors import ConfigError
 from spmdrl.parallel import rollout_tp_rank
 from spmdrl.rollout import rollout_engine_class
 from spmdrl.rollout.base import SamplingParams, eos_ids_from_folder
@@ -63,6 +64,7 @@ class Experience:
                  needs_baseline: bool = False) -> None:
         self.cfg, self.session, self.rewards, self.timer = cfg, session, rewards, timer
         self.group, self.agent, self.needs_baseline = group, agent, needs_baseline
+        self.failures: list[str] = []  # reward failures of the step so far (pop_failures)
 
     @classmethod
     def from_config(cls, cfg: "Config", dims: "ParallelDims", device: torch.device, tokenizer: Any,
@@ -117,7 +119,28 @@ class Experience:
         batch["token_rewards"] = place_scores(result.scores, batch["response_mask"])
         if extras is not None:
             extras.update(result.extra)
+        self._check_failures(result.errors, len(batch))
         return result.metrics
+
+    def _check_failures(self, errors: list[str], rows: int) -> None:
+        """A reward function that failed on every response (over all ranks) would train on zero reward:
+        stop with one sentence (ConfigError, exit 2). Sporadic failures are kept for the step's one warning
+        (``pop_failures``)."""
+        self.failures += errors
+        counts = torch.tensor([len(errors), rows], dtype=torch.long)
+        if self.group is not None and dist.is_initialized():
+            dist.all_reduce(counts, group=self.group)
+        failed, total = (int(x) for x in counts)
+        if total and failed == total:
+            first = errors[0] if errors else "see the rank that scored"
+            raise ConfigError(f"reward.function {self.cfg.reward.function!r} failed on every one of the "
+                              f"{total} responses of this step (first error: {first}); fix it, or make it "
+                              f"return a score for every response")
+
+    def pop_failures(self) -> list[str]:
+        """This rank's reward failures since the last call (one warning per step says them)."""
+        out, self.failures = self.failures, []
+        return out
 
     def produce(self, prompts: list["PromptItem"], more_prompts: Iterator[list["PromptItem"]]
                 ) -> tuple[Batch, dict[str, float]]:

@@ -114,8 +114,21 @@ def write_adapter_folder(checkpoint: Path, out: Path, dtype: Optional[torch.dtyp
     save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": max(ranks), "lora_alpha": alpha,
               "target_modules": modules, "lora_dropout": 0.0, "bias": "none",
-              "base_model_name_or_path": model.get("path")}
+              "base_model_name_or_path": base_model(manifest, model.get("path"))}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
+
+
+def base_model(manifest: dict, configured: Optional[str]) -> Optional[str]:
+    """The folder a LoRA run's adapters apply to, as peft loads it: the resolved folder the checkpoint
+    records, or (an older checkpoint) the run's model.path with a ``builtin:`` name resolved in the cache and
+    a relative path made absolute."""
+    if manifest.get("base_model"):
+        return manifest["base_model"]
+    if configured and configured.startswith("builtin:"):
+        from spmdrl.builtin.models import resolve_builtin_model
+
+        return resolve_builtin_model(configured)
+    return str(Path(configured).resolve()) if configured else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

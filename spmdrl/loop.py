@@ -323,6 +323,10 @@ def _step(r: Run, ckpt: CheckpointManager, sink: MetricsSink, preemption: Preemp
     cfg, t = r.cfg, r.timer
     metrics, tokens = train_step(r)
     r.step += 1
+    failures = r.experience.pop_failures()
+    if failures:  # sporadic: the step trains on, with one line saying so (reward/num_errors counts them)
+        log.warning("step %d: %d rewards failed on rank %d and scored 0 (first: %s)", r.step, len(failures),
+                    r.rank, failures[0])
     # The data's total_epochs can run out first when DAPO's extra rounds drew more batches.
     last = r.step == r.total_steps or r.train_loader.exhausted
     if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or last):
@@ -374,7 +378,8 @@ def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
         (r.out_dir / "plan.json").write_text(json.dumps(r.plan.summary(), indent=1) + "\n")
     sink = MetricsSink(r.out_dir, cfg.trainer.logger, r.total_steps, rank=r.rank,
                        progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
-                       experiment=cfg.trainer.experiment_name, config=asdict(cfg), initial_step=r.step)
+                       experiment=cfg.trainer.experiment_name, config=asdict(cfg), initial_step=r.step,
+                       name=cfg.algorithm.adv_estimator)
     try:
         # trainer.val_only (verl's): the initial or resumed weights' validation metrics, and no training.
         if cfg.trainer.val_only or (cfg.trainer.val_before_train and r.step == 0):

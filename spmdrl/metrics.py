@@ -250,7 +250,9 @@ class MetricsSink:
         experiment: str = "run",
         config: Optional[dict] = None,
         initial_step: int = 0,
+        name: str = "train",
     ) -> None:
+        """``name``: what the progress bar says it runs (the algorithm, or sft)."""
         self.rank = rank
         self.loggers = loggers
         self._jsonl = None
@@ -267,7 +269,7 @@ class MetricsSink:
         if progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=initial_step, desc="grpo", dynamic_ncols=True,
+            self._bar = tqdm(total=total_steps, initial=initial_step, desc=name, dynamic_ncols=True,
                              file=sys.stderr)
         if "wandb" in loggers:
             import wandb

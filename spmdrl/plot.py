@@ -263,7 +263,9 @@ def plot_runs(run_dirs: Sequence[Path], out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    sft = all("train/loss" in run.keys() and "reward/mean" not in run.keys() for run in runs)
+    # An SFT run: training loss, or only validation loss (trainer.val_only, or stopped before step 1).
+    sft = all(({"train/loss", "val/loss"} & set(run.keys())) and "reward/mean" not in run.keys()
+              for run in runs)
     for name, draw in (SFT_FIGURES if sft else FIGURES).items():
         png = draw(runs, out_dir / f"{name}.png")
         if png is not None:

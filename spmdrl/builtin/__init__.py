@@ -10,18 +10,22 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional, Union
 
-from spmdrl.builtin.models import check_builtin_model, resolve_builtin_model
-from spmdrl.builtin.tasks import check_builtin_task, resolve_builtin_data
+# The submodules are imported where they are used, not here: ``python -m spmdrl.builtin.models`` (and
+# ``.tasks``) would otherwise find its own module imported by this package first (runpy's RuntimeWarning).
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
 
 
 def _model(path: Optional[str]) -> Optional[str]:
+    from spmdrl.builtin.models import resolve_builtin_model
+
     return None if path is None else resolve_builtin_model(path)
 
 
 def _files(files: Union[str, list[str], None], split: str) -> Union[list[str], None]:
+    from spmdrl.builtin.tasks import resolve_builtin_data
+
     if files is None:
         return None
     return [resolve_builtin_data(f, split) for f in ([files] if isinstance(files, str) else files)]
@@ -30,6 +34,9 @@ def _files(files: Union[str, list[str], None], split: str) -> Union[list[str], N
 def check_builtin_names(cfg: "Config") -> None:
     """Every ``builtin:`` model and data name of ``cfg`` is a known one (ValueError listing them); nothing is
     built, so this runs before start-up."""
+    from spmdrl.builtin.models import check_builtin_model
+    from spmdrl.builtin.tasks import check_builtin_task
+
     rm = cfg.reward_model
     for key, path in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path),
                       ("critic.model_path", cfg.critic.model_path),

@@ -241,6 +241,9 @@ class CheckpointManager:
             "model_files": files_dir.name, "parts": {name: layout_of(p) for name, p in self.parts.items()},
             # The engine format of each sharded part: spmdrl.export picks its reader by it.
             "strategies": {name: getattr(p, "strategy", None) for name, p in self._named("sharded").items()},
+            # The folder the run's weights started from (builtin: and relative paths resolved): a LoRA
+            # export names it as the adapters' base (spmdrl.export).
+            "base_model": str(self.model_src.resolve()),
             "spmdrl_version": __version__, "torch_version": torch.__version__, "created_unix": time.time(),
         }
         write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))

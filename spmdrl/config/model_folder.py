@@ -18,7 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# What every engine builds a decoder from (the MLP's width too: a config.json without it failed deep inside
+# an engine with a bare KeyError).
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 # Sizes that must be integers >= 1 where config.json gives them.
 _SIZES = (*_REQUIRED, "num_key_value_heads", "intermediate_size", "head_dim", "max_position_embeddings")
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
@@ -54,7 +56,8 @@ def read_config(path: str | Path, key: str) -> dict:
                          f"transformers knows; give a folder saved by save_pretrained")
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing and not any(isinstance(v, dict) and all(k in v for k in missing) for v in cfg.values()):
-        raise ValueError(f"{key}: {str(f)!r} lacks {', '.join(missing)}; it is not a decoder-only LM config")
+        raise ValueError(f"{key}: {str(f)!r} lacks {', '.join(missing)}, which every engine needs; it is not "
+                         f"a decoder-only LM config")
     _check_sizes(text_config(cfg), f, key)
     return cfg
 

@@ -236,9 +236,7 @@ class RewardManager:
             num_timeouts=sum(r.timed_out for r in results),
             errors=errors,
         )
-        if errors:
-            log.warning("%d of %d rewards failed and scored 0 (first: %s)", len(errors), n, errors[0])
-        return out
+        return out  # failures are counted and said once per step by the experience (spmdrl/experience.py)
 
     def _score_here(self, item: tuple) -> _Result:
         try:

@@ -48,6 +48,7 @@ class SourceScores:
     metrics: dict[str, float] = field(default_factory=dict)  # local values; the loop reduces them over ranks
     # per-response values (acc, pred, ...) for validation
     extra: dict[str, list] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # one message per response the source failed to score
 
 
 class RewardSource(Protocol):
@@ -63,6 +64,7 @@ class RewardResult:
     scores: torch.Tensor  # [N] float32, the weighted sum
     metrics: dict[str, float]
     extra: dict[str, list]
+    errors: list[str] = field(default_factory=list)  # the rule function's failures (reward.function)
 
 
 def combine(terms: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
@@ -94,17 +96,18 @@ class Rewards:
         R = batch["response_mask"].shape[1]
         # The whole response, tool output included (as verl decodes it); the generated tokens single-turn.
         texts = decode_responses(self.tokenizer, batch["input_ids"][:, -R:], batch["attention_mask"][:, -R:])
-        terms, metrics, extra = [], {}, {}
+        terms, metrics, extra, errors = [], {}, {}, []
         for source in self.sources:
             out = source(batch, texts)
             terms.append((source.weight, out.scores))
             metrics.update(out.metrics)
             extra.update(out.extra)
+            errors += out.errors
         for key, values in extra.items():  # e.g. a scorer's "acc", next to its "score"
             numbers = [float(v) for v in values if isinstance(v, (int, float, bool))]
             if numbers:
                 metrics[f"reward/{key}"] = sum(numbers) / len(numbers)
-        return RewardResult(combine(terms), metrics, extra)
+        return RewardResult(combine(terms), metrics, extra, errors)
 
     def join_collectives(self) -> None:
         """Take part, with no rows, in the collectives of the sources that need every rank (a rank whose
@@ -135,7 +138,7 @@ class RuleReward:
         metrics = out.metrics()
         if self.report_mean and len(out.scores):
             metrics["reward/rule_score/mean"] = float(out.scores.float().mean())
-        return SourceScores(out.scores, metrics, out.extra)
+        return SourceScores(out.scores, metrics, out.extra, out.errors)
 
     def close(self) -> None:
         self.manager.close()

@@ -178,7 +178,7 @@ def run(cfg: SFTConfig, dims: ParallelDims) -> None:
     t = cfg.trainer
     sink = MetricsSink(r.out_dir, t.logger, r.total_steps, rank=r.rank, progress_bar=t.progress_bar,
                        project=t.project_name, experiment=t.experiment_name, config=asdict(cfg),
-                       initial_step=r.step)
+                       initial_step=r.step, name="sft")
     stop = False
     try:
         if t.val_only or (t.val_before_train and r.step == 0):

@@ -65,3 +65,10 @@ def test_checkpoint_holds_adapters_resumes_and_exports_a_peft_folder(run, tmp_pa
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().state_dict()
     hf = load_file(str(step / "hf" / "model.safetensors"))
     assert max(float((merged[k] - v).abs().max()) for k, v in hf.items()) < 1e-6
+    # The adapter names a base peft can load by itself: the run's builtin:tiny as the folder it resolved to.
+    assert config["base_model_name_or_path"] == resolve_builtin_model("builtin:tiny")
+    from peft import AutoPeftModelForCausalLM
+
+    alone = AutoPeftModelForCausalLM.from_pretrained(str(adapter), dtype=torch.float32)
+    again = alone.merge_and_unload().state_dict()
+    assert max(float((again[k] - v).abs().max()) for k, v in hf.items()) < 1e-6

@@ -282,8 +282,18 @@ def test_vocab_smaller_than_the_tokenizer(folder):
     tok = AutoTokenizer.from_pretrained(folder)
     with pytest.raises(ValueError,
                        match=r"vocab_size \(100\) in .* is smaller than the tokenizer's 2048 tokens"):
-        check_vocab({"vocab_size": 100, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1},
-                    tok, "model.tokenizer_path", folder)
+        check_vocab({"vocab_size": 100, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
+                     "intermediate_size": 8}, tok, "model.tokenizer_path", folder)
+
+
+def test_a_config_without_a_key_the_engines_need(folder, capsys):
+    """config.json without intermediate_size ended in KeyError: 'intermediate_size' inside an engine."""
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["intermediate_size"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code, err = run_main(["--config", GRPO, "--model.path", str(folder)], capsys)
+    assert_one_sentence(code, err, f"model.path: '{folder / 'config.json'}' lacks intermediate_size, which "
+                                   f"every engine needs")
 
 
 def test_model_checks_run_from_the_cli(folder, tmp_path, capsys):

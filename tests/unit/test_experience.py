@@ -298,3 +298,32 @@ def test_validation_metrics_from_the_same_experience(tok, tmp_path) -> None:
     assert metrics["val-core/spmdrl/arith/acc/pass@2"] == 1.0
     assert all(c.greedy and c.n == 2 for c in engine.calls) and len(engine.calls) == 2
     assert sampling_params(cfg, validation=True).n == 2
+
+
+def test_a_reward_function_failing_on_every_response_stops_the_step(tok, tmp_path) -> None:
+    """sys.exit(0) on every item would train on zero reward, with only a counter to show it: one sentence
+    naming the function and the first error instead. Failures on some items score 0 and are kept for the
+    step's one warning."""
+    from spmdrl.errors import ConfigError
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("import sys\n"
+                      "def always(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    sys.exit(0)\n"
+                      "def sometimes(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    if extra_info['a'] % 2:\n        raise ValueError('odd a')\n    return 1.0\n")
+    ds = _prompts(tok, generate_arith("train", 4, seed=0), tmp_path)
+    prompts = [ds[i] for i in range(4)]
+    cfg = _cfg()
+    cfg.reward.function = f"{reward}:always"
+    exp = _experience(cfg, ArithAnswers(tok), tok, [RuleReward(RewardManager(cfg.reward.function))])
+    with pytest.raises(ConfigError, match=r"reward.function '.*:always' failed on every one of the 16 "
+                                          r"responses of this step \(first error: SystemExit: 0\)"):
+        exp.produce(prompts, more_prompts=iter(()))
+    cfg.reward.function = f"{reward}:sometimes"
+    exp = _experience(cfg, ArithAnswers(tok), tok, [RuleReward(RewardManager(cfg.reward.function))])
+    batch, metrics = exp.produce(prompts, more_prompts=iter(()))
+    odd = sum(p.extra_info["a"] % 2 for p in prompts) * N
+    assert 0 < odd < len(batch) and metrics["reward/num_errors"] == odd
+    failures = exp.pop_failures()
+    assert len(failures) == odd and failures[0] == "ValueError: odd a" and exp.pop_failures() == []

@@ -65,3 +65,12 @@ def test_a_logger_whose_package_is_missing_stops_before_any_work(logger, monkeyp
     assert exc.value.code == 2
     assert (f"trainer.logger has '{logger}' but the {logger} package is not installed; pip install {logger}"
             in err)
+
+
+def test_the_progress_bar_names_what_runs(tmp_path: Path):
+    """The bar said "grpo" for every algorithm and for SFT; the loops pass the estimator's name (or sft)."""
+    sink = MetricsSink(tmp_path, ["jsonl"], 3, rank=0, progress_bar=True, name="remax")
+    try:
+        assert sink._bar.desc == "remax"
+    finally:
+        sink.close()

@@ -83,3 +83,13 @@ def test_cli_writes_into_the_run_folder_and_exits_2_on_a_missing_run(tmp_path, c
 def test_training_hook_warns_instead_of_raising(tmp_path, caplog) -> None:
     assert plot_run(tmp_path / "no_such_run") == []
     assert "plotting" in caplog.text and "training goes on" in caplog.text
+
+
+def test_an_sft_run_with_only_validation_rows_draws_its_validation_loss(tmp_path) -> None:
+    """trainer.val_only (or a run stopped before step 1) logs val/loss and nothing else: the loss figure."""
+    run = tmp_path / "val_only"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "val/loss": 2.5}\n{"step": 3, "val/loss": 2.25}\n')
+    main([str(run)])
+    pngs = sorted(p.name for p in (run / "plots").iterdir())
+    assert pngs == ["loss.png"] and _colored_pixels(_image(run / "plots" / "loss.png")) > 0

@@ -191,3 +191,15 @@ def test_calc_task_and_scorer() -> None:
     assert score("spmdrl/calc", "391", "391")["score"] == 0.0
     failed = {"tool_calls": [{"name": "calculator", "error": "ValueError: division by zero"}]}
     assert score("spmdrl/calc", "no answer", "391", failed)["score"] == 0.0
+
+
+@pytest.mark.parametrize("module", ["spmdrl.builtin.models", "spmdrl.builtin.tasks"])
+def test_the_builders_run_as_modules_without_runpys_warning(module):
+    """The package no longer imports its builders at import time, so ``python -m`` finds them unimported."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module, "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "RuntimeWarning" not in done.stderr, done.stderr
+    assert done.stdout.startswith("usage:")
