@@ -11,7 +11,10 @@ loop trains on), ``vllm-raw`` is vLLM's ``LLM.generate`` alone without log-probs
 same asking for the sampled token's log-prob (``logprobs=0``), the job spmdrl's engine does; ``vllm-nolp``
 is spmdrl's engine told to skip them (``rollout.calculate_log_probs: false``). "x raw" is a row's rate over
 ``vllm-raw``'s, "x lp" over ``vllm-raw-lp``'s: the first is what log-probs and the wrapper cost together,
-the second the wrapper alone. Every vllm row runs with ``--vllm-eager`` (default off:
+the second the wrapper alone. ``vllm-keyed`` (and ``native-keyed`` / ``hf-keyed`` in ``--engines``) draws
+as a training step does with ``rollout.seed_mode: per_response``: every response from its own key
+(``SamplingParams.keys``; vLLM: one seeded request per response), against the rows' one stream per
+call. Every vllm row runs with ``--vllm-eager`` (default off:
 vLLM's own default, compiled with torch.compile, as production runs set ``rollout.enforce_eager: false``).
 ``--sglang-python .venv-sglang/bin/python`` adds ``sglang`` (``rollout.engine: sglang``: each prompt
 submitted n times, log-probs, the output tensors), ``sglang-nolp``, ``sglang-raw`` (``sglang.Engine.generate``
@@ -93,7 +96,8 @@ class _SpmdrlRunner:
         from spmdrl.rollout.base import SamplingParams
 
         self.SamplingParams, self.logprobs = SamplingParams, not engine.endswith("-nolp")
-        engine = engine.removesuffix("-nolp")
+        self.keyed = engine.endswith("-keyed")  # keyed sampling, as a training step runs it
+        engine = engine.removesuffix("-nolp").removesuffix("-keyed")
         extra = {}
         if engine == "vllm":  # the external launcher needs a process group: a world of one
             from spmdrl.parallel import init_distributed
@@ -110,8 +114,11 @@ class _SpmdrlRunner:
         return self.engine.engine.get_all_child_pids() if hasattr(self.engine, "engine") else []
 
     def run(self, prompts: list[list[int]], n: int, max_tokens: int) -> int:
+        from spmdrl.rollout.sampling import response_key
+
+        keys = tuple(response_key(0, 0, 1, i) for i in range(len(prompts))) if self.keyed else None
         out = self.engine.generate(prompts, self.SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0,
-                                                                logprobs=self.logprobs))
+                                                                logprobs=self.logprobs, keys=keys))
         return int(out.response_mask.sum())
 
 
@@ -270,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n", nargs="+", type=int, default=[1, 8], help="samples per prompt")
     p.add_argument("--new-tokens", nargs="+", type=int, default=[64, 256])
     p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
-    p.add_argument("--engines", nargs="+", default=["native", "hf"], choices=["native", "hf"])
+    p.add_argument("--engines", nargs="+", default=["native", "hf"],
+                   choices=["native", "hf", "native-keyed", "hf-keyed"])
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per figure (the median is printed)")
     p.add_argument("--warmup", type=int, default=1)
@@ -286,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="enforce_eager of every vllm row (off: compiled, vLLM's default)")
     p.add_argument("--sglang-python", default=None,
                    help="python of .venv-sglang (.ci/sglang-venv): adds the sglang and sglang-raw rows")
+    p.add_argument("--only", nargs="+", default=None, help="run only these rows (engine names as printed)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -295,9 +304,12 @@ def main(argv: list[str] | None = None) -> None:
     cells = [dict(batch=b, n=n, new_tokens=t) for b in args.batch for n in args.n for t in args.new_tokens]
     engines = [(e, sys.executable) for e in args.engines]
     if args.vllm_python:
-        engines += [(e, args.vllm_python) for e in ("vllm", "vllm-nolp", "vllm-raw", "vllm-raw-lp")]
+        engines += [(e, args.vllm_python)
+                    for e in ("vllm", "vllm-keyed", "vllm-nolp", "vllm-raw", "vllm-raw-lp")]
     if args.sglang_python:
         engines += [(e, args.sglang_python) for e in ("sglang", "sglang-nolp", "sglang-raw", "sglang-raw-lp")]
+    if args.only:  # e.g. --only native native-keyed vllm vllm-keyed: the seed_mode comparison alone
+        engines = [(e, py) for e, py in engines if e in args.only]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     if args.threads:  # vLLM reads its thread count from the environment
         env["OMP_NUM_THREADS"] = str(args.threads)

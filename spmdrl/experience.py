@@ -20,6 +20,7 @@ agreement on how many groups every rank keeps and a reward model's forward.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -33,6 +34,7 @@ from spmdrl.errors import ConfigError
 from spmdrl.parallel import rollout_tp_rank
 from spmdrl.rollout import rollout_engine_class
 from spmdrl.rollout.base import SamplingParams, eos_ids_from_folder
+from spmdrl.rollout.sampling import response_key
 from spmdrl.rollout.session import RolloutSession
 
 if TYPE_CHECKING:
@@ -41,6 +43,10 @@ if TYPE_CHECKING:
     from spmdrl.metrics import PhaseTimer
     from spmdrl.parallel import ParallelDims
     from spmdrl.reward.sources import Rewards
+
+
+# Streams of sampling keys: a training step's rollouts and a validation's draw different noise.
+TRAIN_STREAM, VALIDATION_STREAM = 0, 1
 
 
 def sampling_params(cfg: "Config", *, validation: bool = False) -> SamplingParams:
@@ -65,6 +71,7 @@ class Experience:
         self.cfg, self.session, self.rewards, self.timer = cfg, session, rewards, timer
         self.group, self.agent, self.needs_baseline = group, agent, needs_baseline
         self.failures: list[str] = []  # reward failures of the step so far (pop_failures)
+        self.step = 0  # the step whose experience is produced (part of every sampling key; set by the loop)
 
     @classmethod
     def from_config(cls, cfg: "Config", dims: "ParallelDims", device: torch.device, tokenizer: Any,
@@ -88,10 +95,18 @@ class Experience:
         return cls(cfg, session, rewards, timer=timer, group=dims.batch_group, agent=agent,
                    needs_baseline=needs_baseline)
 
-    def generate(self, prompts: list["PromptItem"], sampling: SamplingParams) -> Batch:
+    def generate(self, prompts: list["PromptItem"], sampling: SamplingParams, stream: int = TRAIN_STREAM,
+                 draw: int = 0) -> Batch:
         """Rollout of this rank's rollout-DP prompts; call inside ``session.awake()``. Under rollout TP the
-        rank keeps its share of the TP group's responses (``RolloutSession.generate``)."""
+        rank keeps its share of the TP group's responses (``RolloutSession.generate``). Each prompt's
+        sampling noise is keyed by (trainer.seed, ``stream``, the step, ``draw`` (DAPO's generation round,
+        the same on every rank), its stable id), so a response is the same whichever rank draws it, on any
+        world size (SamplingParams.keys)."""
         ids = [p.prompt_ids for p in prompts]
+        if not sampling.greedy:
+            seed = self.cfg.trainer.seed
+            sampling = replace(sampling, keys=tuple(response_key(seed, stream, self.step, draw, p.index)
+                                                    for p in prompts))
         if self.agent is not None:  # turns of the same engine calls, with tool output between them
             gen, trajectories = self.agent.generate(self.session.generate, ids, sampling,
                                                     [p.extra_info for p in prompts],
@@ -149,12 +164,12 @@ class Experience:
         with self.session.awake(lambda: self.timer.phase("weight_sync")):
             return self._collect(prompts, more_prompts)
 
-    def _round(self, prompts: list["PromptItem"], sampling: SamplingParams, metrics: dict[str, float]
-               ) -> Batch:
-        """One generation round: rollout, reward and, for ReMax, each prompt's greedy baseline ([N]), so
-        that every row carries its own baseline whichever round it came from."""
+    def _round(self, prompts: list["PromptItem"], sampling: SamplingParams, metrics: dict[str, float],
+               draw: int) -> Batch:
+        """One generation round (``draw`` counts them from 0): rollout, reward and, for ReMax, each prompt's
+        greedy baseline ([N]), so that every row carries its own baseline whichever round it came from."""
         with self.timer.phase("rollout"):
-            batch = self.generate(prompts, sampling)
+            batch = self.generate(prompts, sampling, draw=draw)
         with self.timer.phase("reward"):
             metrics.update(self.score(batch))
         if self.needs_baseline:
@@ -172,8 +187,8 @@ class Experience:
         metrics: dict[str, float] = {}
         rounds = 0
         while True:
+            batch = self._round(prompts, sampling, metrics, draw=rounds)
             rounds += 1
-            batch = self._round(prompts, sampling, metrics)
             if not fg.enable:
                 return batch, metrics
             keep, counts = filter_groups(batch["scores"], batch["index"])

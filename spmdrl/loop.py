@@ -40,6 +40,7 @@ from spmdrl.engines import build_engine
 from spmdrl.engines.balance import balance_rows, balance_slot
 from spmdrl.engines.base import LogProbSource, LossFn, TrainEngine
 from spmdrl.experience import Experience, batch_metrics, rollout_actor_gap, sampling_params
+from spmdrl.generations import dump_generations
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords
@@ -173,6 +174,7 @@ def train_step(r: Run) -> tuple[dict[str, float], float]:
     a, ref = cfg.actor, cfg.ref
     with t.phase("data"):
         prompts = next(r.train_loader)
+    r.experience.step = r.step + 1  # the step this experience trains, part of its sampling keys
     if r.offload:  # the memory plan's decision: optimizer state and gradients leave while rollout runs
         with t.phase("offload"):
             for engine in r.trained:
@@ -182,6 +184,10 @@ def train_step(r: Run) -> tuple[dict[str, float], float]:
         with t.phase("onload"):
             for engine in r.trained:
                 engine.onload()
+    if cfg.trainer.rollout_data_dir:  # verl's generation dump, in (prompt id, sample) order on rank 0
+        with t.phase("dump"):
+            folder = r.out_dir / cfg.trainer.rollout_data_dir
+            dump_generations(batch, r.tokenizer, r.step + 1, folder, r.group)
 
     metrics.update(batch_metrics(batch))
     kept_mask, rc = None, cfg.algorithm.rollout_correction
@@ -373,7 +379,8 @@ def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
     if r.rank == 0:
         r.out_dir.mkdir(parents=True, exist_ok=True)
         if resumed is None:  # a fresh start keeps an earlier run's files (under previous/), never overwrites
-            set_aside_earlier_run(r.out_dir)
+            dump = cfg.trainer.rollout_data_dir
+            set_aside_earlier_run(r.out_dir, also=(Path(dump).parts[0],) if dump else ())
         (r.out_dir / "config.yaml").write_text(r.config_text)
         (r.out_dir / "plan.json").write_text(json.dumps(r.plan.summary(), indent=1) + "\n")
     sink = MetricsSink(r.out_dir, cfg.trainer.logger, r.total_steps, rank=r.rank,

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import numpy as np
 import torch.distributed as dist
 
-from spmdrl.experience import sampling_params
+from spmdrl.experience import VALIDATION_STREAM, sampling_params
 
 if TYPE_CHECKING:
     from spmdrl.data import ValidationLoader
@@ -215,7 +215,7 @@ def validation_metrics(exp: "Experience", loader: Optional["ValidationLoader"]) 
                 if exp.rewards.collective:
                     exp.rewards.join_collectives()  # e.g. a reward model's forward: take part with 0 rows
                 continue
-            batch = exp.generate(prompts, sampling)
+            batch = exp.generate(prompts, sampling, VALIDATION_STREAM)
             if not len(batch) and not exp.rewards.collective:  # a TP share of a last, short batch can be
                 continue  # empty; a collective source (a reward model) must still score it on every rank
             extras: dict[str, list] = {}

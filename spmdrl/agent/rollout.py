@@ -35,6 +35,7 @@ from spmdrl.agent.chat import PARSERS, ChatTokens, ParsedCall
 from spmdrl.agent.runner import ToolCall, ToolRunner
 from spmdrl.agent.tools import Tool, ToolSpec, load_tool_config
 from spmdrl.rollout.base import GenerationOutput, SamplingParams, left_pad
+from spmdrl.rollout.sampling import response_key
 from spmdrl.sandbox.confine import LEVELS, probe_level
 
 if TYPE_CHECKING:
@@ -143,7 +144,8 @@ class ToolAgent:
             else:  # one row per running trajectory: its prompt and its response so far
                 seed = None if sampling.seed is None else sampling.seed + turn
                 out = generate([trajs[i].prompt + trajs[i].ids for i in active],
-                               replace(sampling, n=1, max_tokens=budget, seed=seed, keep_prefix=True))
+                               replace(sampling, n=1, max_tokens=budget, seed=seed, keep_prefix=True,
+                                       keys=_turn_keys(sampling, active, turn)))
             self._append_turns(trajs, active, out, R)
             paused = [i for i in active if trajs[i].finish is None]
             if paused:
@@ -244,6 +246,14 @@ class ToolAgent:
                                 [t.finish or "stop" for t in trajs],
                                 torch.tensor([t.source for t in trajs], dtype=torch.long),
                                 response_attention=attn)
+
+
+def _turn_keys(sampling: SamplingParams, active: Sequence[int], turn: int) -> Optional[tuple[int, ...]]:
+    """Keyed sampling (SamplingParams.keys) of a later turn: trajectory i*n + j, which turn 0 drew as
+    sample j of prompt i, continues with its own key for this turn, whoever else is still running."""
+    if sampling.keys is None:
+        return None
+    return tuple(response_key(sampling.keys[i // sampling.n], i % sampling.n, turn) for i in active)
 
 
 def trajectory_info(t: Trajectory) -> dict:

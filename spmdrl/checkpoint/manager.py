@@ -42,9 +42,11 @@ weights-only and the rest is JSON.
 
 Exactness: a run resumed on the same world size continues bit for bit (CPU,
 fixed seed). On another world size the parameters and optimizer are resharded
-exactly, but rollout sampling streams are per rank, so each rank's generator
-is reseeded from (seed, step, rank) and the samples drawn from then on differ
-from the uninterrupted run's.
+exactly and the rollouts draw the samples the uninterrupted run would have drawn:
+their noise is keyed by (seed, step, prompt id, sample, position), not by rank
+(``rollout/sampling.py``; vLLM with rollout.seed_mode per_response). The per-rank
+streams left (torch's, Python's, a per_engine library engine's) are reseeded from
+(seed, step, rank).
 """
 
 from __future__ import annotations
@@ -335,12 +337,17 @@ class CheckpointManager:
         except Exception as err:  # a bad file must stop every rank with the same sentence
             error = f"checkpoint {str(path)!r} could not be loaded ({type(err).__name__}: {err})"
         self._all_ok(error, ConfigError)
-        if manifest["world_size"] != self.world_size:
+        if manifest["world_size"] != self.world_size and not self._keyed_sampling():
             log.warning("resumed a %d-rank checkpoint on %d ranks: parameters are exact, rollout samples are "
-                        "not those of an uninterrupted run (per-rank sampling streams)",
+                        "not those of an uninterrupted run (rollout.seed_mode per_engine: per-rank streams)",
                         manifest["world_size"], self.world_size)
         self._say(f"resumed from {path} at step {self.resumed_step} in {time.perf_counter() - start:.2f} s")
         return path
+
+    def _keyed_sampling(self) -> bool:
+        from spmdrl.rollout import rollout_engine_class
+
+        return rollout_engine_class(self.cfg.rollout.engine).keyed_sampling(self.cfg)
 
     def _load_local(self, path: Path, saved_world_size: int) -> None:
         """The shared parts and this rank's per-rank parts (reseeded when the world size changed)."""

@@ -157,10 +157,11 @@ def _take_over(path: Path, fd: int, holder: dict) -> None:
                 path, host or "?", holder.get("pid", "?"), holder.get("since", "?"))
 
 
-def set_aside_earlier_run(out_dir: Path) -> Optional[Path]:
-    """Move an earlier run's files (``RUN_FILES``) into ``{out_dir}/previous/<time>/`` and say so in one line;
-    returns that folder, or None when there was nothing to keep. Renames only: nothing is copied or lost."""
-    found = [out_dir / name for name in RUN_FILES if (out_dir / name).exists()]
+def set_aside_earlier_run(out_dir: Path, also: tuple[str, ...] = ()) -> Optional[Path]:
+    """Move an earlier run's files (``RUN_FILES`` and the names in ``also``: trainer.rollout_data_dir) into
+    ``{out_dir}/previous/<time>/`` and say so in one line; returns that folder, or None when there was
+    nothing to keep. Renames only: nothing is copied or lost."""
+    found = [out_dir / name for name in (*RUN_FILES, *also) if (out_dir / name).exists()]
     if not found:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from spmdrl.checkpoint.run_folder import RUN_FILES
 from spmdrl.config.sections import Config, output_dir
 from spmdrl.errors import ConfigError
 
@@ -205,6 +206,12 @@ def _check_output_dir(cfg: Config) -> None:
         _check(bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0"),
                f"trainer.{key} is {name!r}; it must be one folder name (no '/' or '\\', not '.' or '..'), "
                f"because trainer.output_dir puts it in a path")
+    d = t.rollout_data_dir
+    inside = d is None or (bool(d) and not Path(d).is_absolute() and ".." not in Path(d).parts
+                           and Path(d).parts[0] not in RUN_FILES)
+    _check(inside, f"trainer.rollout_data_dir is {d!r}; it must be a folder inside trainer.output_dir (a "
+                   f"relative path without '..', not one of the run's own {', '.join(RUN_FILES)}), so a "
+                   f"fresh start sets an earlier run's generations aside instead of mixing them")
     try:
         output_dir(cfg)
     except (KeyError, IndexError, ValueError) as err:

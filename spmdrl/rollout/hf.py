@@ -33,7 +33,10 @@ from spmdrl.rollout.base import (
     left_pad,
 )
 from spmdrl.rollout.sampling import (
+    keyed_uniform,
     response_mask_and_reasons,
+    row_keys,
+    sample,
     stop_id_tensor,
     truncate_logits,
     validate_sampling,
@@ -44,6 +47,23 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from spmdrl.config import Config
+
+
+class KeyedDraw:
+    """A transformers logits processor that samples each row with its keyed noise
+    (spmdrl.rollout.sampling: temperature, top-k, top-p, then ``keyed_uniform`` of the row's key and
+    position) and leaves only the drawn token, so greedy decoding emits exactly it."""
+
+    def __init__(self, keys: torch.Tensor, sampling: SamplingParams, prompt_len: int) -> None:
+        self.keys, self.sampling, self.prompt_len = keys, sampling, prompt_len  # keys [P*n]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        position = input_ids.shape[1] - self.prompt_len  # transformers keeps every row, in order
+        u = keyed_uniform(self.keys, position)
+        tokens, _ = sample(scores.float(), self.sampling, u=u)  # [P*n]
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(len(tokens)), tokens] = 0.0
+        return out
 
 
 class HFRollout(RolloutEngine):
@@ -146,7 +166,8 @@ class HFRollout(RolloutEngine):
             self.generator.manual_seed(sampling.seed + self.dp_rank)
         stop_ids = stop_id_tensor(self.eos_token_ids, sampling, torch.device("cpu"))
         per_chunk = max(1, self.max_num_seqs // sampling.n)
-        parts = [self._generate_chunk(prompts[s:s + per_chunk], sampling, stop_ids)
+        parts = [self._generate_chunk(prompts[s:s + per_chunk], sampling, stop_ids,
+                                      None if sampling.keys is None else sampling.keys[s:s + per_chunk])
                  for s in range(0, len(prompts), per_chunk)]
         response_ids = torch.cat([p[0] for p in parts])  # [N, R]
         logprobs = torch.cat([p[1] for p in parts])  # [N, R]
@@ -158,20 +179,32 @@ class HFRollout(RolloutEngine):
         return GenerationOutput(prompt_ids[idx], prompt_mask[idx], response_ids, mask, logprobs, reasons, idx)
 
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-                        stop_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> response ids [P*n, R] (pad after the end) and log-probs [P*n, R] for one chunk."""
+                        stop_ids: torch.Tensor, keys: Optional[Sequence[int]]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> response ids [P*n, R] (pad after the end) and log-probs [P*n, R] for one chunk. With ``keys``
+        each row draws its own keyed noise (``KeyedDraw``) and transformers decodes greedily what it
+        drew."""
         ids, valid = left_pad(prompts, self.pad_token_id, self.device)  # [P, T]
         R = sampling.max_tokens
         kw = dict(do_sample=False) if sampling.greedy else dict(
             do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else 0)
+        copies = sampling.n
+        if keys is not None and not sampling.greedy:
+            from transformers import LogitsProcessorList
+
+            # Greedy decoding returns one sequence per input: the n copies of each prompt go in as rows.
+            ids, valid = ids.repeat_interleave(sampling.n, 0), valid.repeat_interleave(sampling.n, 0)
+            copies = 1
+            draw = KeyedDraw(row_keys(keys, sampling.n, self.device), sampling, ids.shape[1])
+            kw = dict(do_sample=False, logits_processor=LogitsProcessorList([draw]))
         seed = int(torch.randint(0, 2**62, (1,), generator=self.generator))
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids, attention_mask=valid.long(), max_new_tokens=R, min_new_tokens=0,
-                num_return_sequences=sampling.n, eos_token_id=stop_ids.tolist(),
+                num_return_sequences=copies, eos_token_id=stop_ids.tolist(),
                 pad_token_id=self.pad_token_id,
                 output_logits=True, return_dict_in_generate=True, **kw)
         resp = out.sequences[:, ids.shape[1]:].cpu()  # [P*n, R'] with R' <= R when all rows stopped early

@@ -11,6 +11,12 @@ truncation on it is the behaviour policy's log-prob, which is larger than the
 actor's full-vocabulary one (their gap is the truncation, not a bug).
 
 Order of the filters is transformers' and vLLM's: temperature, then top-k, then top-p.
+
+Noise that belongs to the response, not to the rank: with ``SamplingParams.keys`` every draw takes its
+uniform from ``keyed_uniform`` (a counter-based hash, SplitMix64, of the prompt's key, the sample's index
+and the token's position) instead of a generator's stream, so a response is the same on 1 or 64 ranks, in
+any batch, and after a resume on another world size. ``response_key`` makes a prompt's key from the run's
+seed, the step (or validation's), and the prompt's stable id.
 """
 
 from __future__ import annotations
@@ -21,6 +27,51 @@ import torch
 import torch.nn.functional as F
 
 from spmdrl.rollout.base import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    """A 64-bit unsigned constant as the int64 torch computes with (two's complement)."""
+    return c - (1 << 64) if c >= (1 << 63) else c
+
+
+_SM = tuple(_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 [...] (wrapping arithmetic): a bijective mix of 64 bits."""
+    z = x + _SM[0]
+    z = (z ^ _srl(z, 30)) * _SM[1]
+    z = (z ^ _srl(z, 27)) * _SM[2]
+    return z ^ _srl(z, 31)
+
+
+def response_key(*parts: int) -> int:
+    """One key from integers (seed, stream, step, prompt id, ...): SplitMix64 chained over them."""
+    z = torch.zeros((), dtype=torch.int64)
+    for p in parts:
+        z = splitmix64(z ^ _signed(int(p) & _MASK64))
+    return int(z)
+
+
+def row_keys(keys: Sequence[int], n: int, device: torch.device) -> torch.Tensor:
+    """The key of every output row [len(keys) * n] (row i*n + j is sample j of prompt i)."""
+    k = torch.tensor(list(keys), dtype=torch.int64, device=device).repeat_interleave(n)  # [N]
+    j = torch.arange(n, dtype=torch.int64, device=device).repeat(len(keys))  # [N]
+    return splitmix64(k ^ splitmix64(j))
+
+
+def keyed_uniform(keys: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+    """A uniform in [0, 1) per row from its key [B] int64 and the token position: float32 [B]."""
+    pos = torch.as_tensor(position, dtype=torch.int64, device=keys.device)
+    h = splitmix64(keys ^ splitmix64(pos + 1))
+    return (_srl(h, 40).to(torch.float32) * 2.0**-24)  # 24 random bits: every float32 in [0, 1) step
 
 
 def validate_sampling(sampling: SamplingParams) -> None:
@@ -56,8 +107,10 @@ def sample(
     logits: torch.Tensor,
     sampling: SamplingParams,
     generator: Optional[torch.Generator] = None,
+    u: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32).
+    """Draw one token per row. logits [B, V] float32 -> (tokens [B] int64, logprobs [B] float32); ``u``
+    [B]: each row's uniform (``keyed_uniform``) instead of ``generator``'s.
 
     See the module docstring for which distribution the log-probs are under.
     """
@@ -69,13 +122,14 @@ def sample(
     if sampling.top_k > 0 or sampling.top_p < 1.0:
         scaled = truncate_logits(scaled, sampling.top_k, sampling.top_p)  # [B, V], -inf outside the kept set
     probs = torch.softmax(scaled, -1)  # one fused pass; exp(log_softmax) measured ~1.5x slower
-    tokens = draw(probs, generator)
+    tokens = draw(probs, generator, u=u)
     # log_softmax of the (truncated) logits, taken at the drawn tokens only: [B]
     picked = scaled.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, picked - torch.logsumexp(scaled, -1)
 
 
-def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None, block: int = 128) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None, block: int = 128,
+         u: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One index per row of probs [B, V] (rows need not sum to 1) by inverting the CDF in two levels.
 
     One uniform per row instead of torch.multinomial's one exponential per vocabulary
@@ -93,7 +147,9 @@ def draw(probs: torch.Tensor, generator: Optional[torch.Generator] = None, block
     bsum = blocks.sum(-1)  # [B, nb]
     bcdf = bsum.cumsum(-1)  # [B, nb]
     # (1 - 1e-6) keeps u < total even when the product rounds up.
-    u = torch.rand(B, 1, generator=generator, device=probs.device) * (bcdf[:, -1:] * (1 - 1e-6))  # [B, 1]
+    if u is None:
+        u = torch.rand(B, generator=generator, device=probs.device)
+    u = u.view(B, 1) * (bcdf[:, -1:] * (1 - 1e-6))  # [B, 1]
     bi = torch.searchsorted(bcdf, u, right=True).clamp_(max=nb - 1)  # [B, 1] chosen block
     inner = blocks[torch.arange(B, device=probs.device), bi[:, 0]].cumsum(-1)  # [B, block]
     rest = u - (bcdf.gather(-1, bi) - bsum.gather(-1, bi))  # mass left inside the block

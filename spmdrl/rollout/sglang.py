@@ -17,7 +17,9 @@ actor's weight export (a collective) while only the leader pushes it.
 Prompts go in as token ids (``skip_tokenizer_init``), on CPU with SGLang's ``torch_native`` attention and
 ``pytorch`` sampling. Different rollout-DP ranks draw from different seeds (``random_seed = seed +
 rollout-DP rank``); SGLang ignores per-request seeds unless its deterministic inference is on, so
-``SamplingParams.seed`` does not reseed a call here.
+``SamplingParams.seed`` does not reseed a call here. ``rollout.seed_mode: per_response`` turns that
+inference on (CUDA only: SGLang allows it with GPU attention backends, here triton) and seeds every
+response from its key (``SamplingParams.keys``), one request per response.
 
 Start-up traps handled by ``_engine_start_env``: under torchrun the children would inherit
 ``TORCHELASTIC_USE_AGENT_STORE`` (and the rest of torchrun's rendezvous variables) and hang for ever in
@@ -80,7 +82,7 @@ from spmdrl.rollout.base import (
     eos_ids_from_folder,
     library_missing,
 )
-from spmdrl.rollout.sampling import stop_id_tensor, validate_sampling
+from spmdrl.rollout.sampling import row_keys, stop_id_tensor, validate_sampling
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -106,6 +108,12 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 class SGLangOptions(LibraryOptions):
     """The constructor's keyword arguments: the library engines' (gpu_memory_utilization is SGLang's
     mem_fraction_static; the engine's sampling seed is seed + rollout-DP rank)."""
+
+    per_response: bool = False  # rollout.seed_mode per_response: deterministic inference, seeded requests
+
+    @classmethod
+    def from_config(cls, cfg: "Config", device: torch.device, **own):
+        return super().from_config(cfg, device, per_response=cfg.rollout.seed_mode == "per_response", **own)
 
 
 def sglang_available() -> Optional[str]:
@@ -190,19 +198,26 @@ class SGLangRollout(RolloutEngine):
         o = self.options
         memory = (dict(mem_fraction_static=o.gpu_memory_utilization, enable_memory_saver=True)
                   if self.sleep_mode else {})
+        # Per-request seeds need SGLang's deterministic inference, which refuses torch_native attention.
+        attention = (dict(enable_deterministic_inference=True, attention_backend="triton") if o.per_response
+                     else dict(attention_backend="torch_native"))
         with _engine_start_env(self.tp, self.device):
             engine = sglang.Engine(
                 model_path=model_path, dtype=str(o.dtype).removeprefix("torch."),
                 device=self.device.type, random_seed=o.seed + self.dp_rank, tp_size=self.tp,
-                skip_tokenizer_init=True, attention_backend="torch_native", sampling_backend="pytorch",
-                disable_cuda_graph=True, context_length=o.max_model_len, max_running_requests=o.max_num_seqs,
+                skip_tokenizer_init=True, sampling_backend="pytorch", disable_cuda_graph=True,
+                context_length=o.max_model_len, max_running_requests=o.max_num_seqs,
                 max_total_tokens=o.max_num_seqs * o.max_model_len, log_level="error",
                 # Without it the idle scheduler polls its sockets in a busy loop, a whole core per engine
                 # for the whole run, while the trainer computes next to it.
-                sleep_on_idle=True, **memory,
+                sleep_on_idle=True, **attention, **memory,
             )
         atexit.unregister(engine.shutdown)  # it would kill every child of this process (``close``)
         return engine
+
+    @classmethod
+    def keyed_sampling(cls, cfg: "Config") -> bool:
+        return cfg.rollout.seed_mode == "per_response"
 
     @classmethod
     def check_config(cls, cfg: "Config") -> None:
@@ -215,7 +230,13 @@ class SGLangRollout(RolloutEngine):
                 raise ValueError(TOP_P_NEEDS_TOP_K.format(key=key, top_p=sampling.top_p))
         from spmdrl.parallel import resolve_device_type
 
-        _select_platform(torch.device(resolve_device_type(cfg.trainer.device)))
+        device_type = resolve_device_type(cfg.trainer.device)
+        if r.seed_mode == "per_response" and device_type != "cuda":
+            raise ValueError(f"rollout.seed_mode is 'per_response' with rollout.engine sglang on "
+                             f"{device_type}, where SGLang has no seeded sampling (its deterministic "
+                             f"inference runs on GPU attention backends only); use rollout.seed_mode "
+                             f"per_engine or null, or rollout.engine vllm or native")
+        _select_platform(torch.device(device_type))
         if cfg.model.path.startswith("builtin:"):
             return  # the built-in models are Qwen2, which SGLang runs
         config = json.loads((Path(cfg.model.path) / "config.json").read_text())
@@ -353,6 +374,10 @@ class SGLangRollout(RolloutEngine):
         params = dict(max_new_tokens=R, temperature=sampling.temperature, top_p=sampling.top_p,
                       top_k=sampling.top_k if sampling.top_k > 0 else -1, stop_token_ids=stops,
                       ignore_eos=not stops, no_stop_trim=True)
+        if self.options.per_response and sampling.keys is not None and not sampling.greedy:
+            # Each response its own seed from its key (SGLang hashes it with the token position).
+            seeds = row_keys(sampling.keys, n, torch.device("cpu")) & 0x7FFFFFFFFFFFFFFF  # [N]
+            params = [params | {"sampling_seed": int(s)} for s in seeds.tolist()]
         outs = self._generate([list(map(int, p)) for p in prompts for _ in range(n)], params, truncated,
                               sampling.logprobs)
         samples = []
@@ -366,7 +391,7 @@ class SGLangRollout(RolloutEngine):
             samples.append((o["output_ids"], lp, reason))
         return GenerationOutput.from_samples(prompts, n, R, samples, self.pad_token_id)
 
-    def _generate(self, input_ids: list[list[int]], params: dict, truncated: bool, logprobs: bool
+    def _generate(self, input_ids: list[list[int]], params: dict | list[dict], truncated: bool, logprobs: bool
                   ) -> list[dict]:
         """One batched request, with the sampled tokens' log-probs when ``logprobs``; with ``truncated``,
         SGLang's sampling mask too, whose log-probs are renormalised over the kept tokens

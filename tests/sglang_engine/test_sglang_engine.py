@@ -171,6 +171,10 @@ def test_architecture_and_tp_checks(tiny_model_dir, tmp_path):
     cfg.parallel.rollout_tp = 3
     with pytest.raises(ValueError, match="rollout_tp is 3 but .* num_attention_heads 4, which SGLang cannot"):
         SGLangRollout.check_config(cfg)
+    cfg.parallel.rollout_tp = 1
+    cfg.rollout.seed_mode = "per_response"  # SGLang's seeded sampling needs GPU attention backends
+    with pytest.raises(ValueError, match="seed_mode is 'per_response' with rollout.engine sglang on cpu"):
+        SGLangRollout.check_config(cfg)
 
 
 def test_multi_turn_tool_calls_continue_the_conversation(engine, tiny_model_dir):

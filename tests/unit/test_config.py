@@ -63,6 +63,8 @@ BAD = [
     (["--actor.lr", "fast"], 'config key "actor.lr": Expected a float. Got value: fast'),
     (["--actor.bogus", "1"], "unrecognized arguments: --actor.bogus"),
     (["--rollout.sleep_level", "3"], "rollout.sleep_level"),
+    (["--trainer.rollout_data_dir", "/tmp/gen"], "rollout_data_dir is '/tmp/gen'; it must be a folder"),
+    (["--trainer.rollout_data_dir", "checkpoints/x"], "not one of the run's own"),
     (["--trainer.logger", "[console,mlflow]"], "trainer.logger has 'mlflow'"),
     (["--parallel.tp", "3"], "not divisible by parallel.dp_replicate x tp x pp = 3"),
     (["--parallel.rollout_tp", "2", "--parallel.tp", "1"], "does not divide the world size 1"),

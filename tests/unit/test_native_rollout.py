@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -400,3 +401,46 @@ def test_session_keeps_the_tp_share_in_whole_groups(engine):
     assert [list(tp_share(2, r, 4)) for r in range(4)] == [[0], [1], [], []]
     with pytest.raises(RuntimeError, match="outside"):
         RolloutSession(engine, lambda: iter(()), sleep_level=1, colocate=False).generate(prompts, sp)
+
+
+@pytest.mark.parametrize("kind", ["native", "hf"])
+def test_keyed_sampling_is_the_same_in_any_batch(engine, tiny_model_dir, kind):
+    """SamplingParams.keys: a prompt's samples depend on its key alone, not on the batch around it, the
+    engine's seed or its DP rank, and the native and hf engines draw the same tokens from the same key."""
+    from spmdrl.rollout.sampling import response_key
+
+    eng = engine if kind == "native" else build_rollout("hf", str(tiny_model_dir), eos_token_ids=[EOS],
+                                                        pad_token_id=PAD, seed=7)
+    prompts = _prompts([4, 9, 6, 3], seed=12)
+    keys = tuple(response_key(1, 0, 5, i) for i in range(4))
+    sp = SamplingParams(n=3, max_tokens=12, temperature=1.0, top_k=50, top_p=0.95)
+    whole = eng.generate(prompts, replace(sp, keys=keys))
+    # prompt 2 alone, then prompts 3 and 0 in another order, on an engine seeded differently
+    other = _engine(tiny_model_dir, seed=123) if kind == "native" else eng
+    alone = other.generate([prompts[2]], replace(sp, keys=keys[2:3]))
+    pair = other.generate([prompts[3], prompts[0]], replace(sp, keys=(keys[3], keys[0])))
+    assert torch.equal(alone.response_ids, whole.response_ids[6:9])
+    assert torch.equal(pair.response_ids, torch.cat([whole.response_ids[9:12], whole.response_ids[0:3]]))
+    torch.testing.assert_close(alone.logprobs, whole.logprobs[6:9], atol=1e-5, rtol=0)
+    # the n samples of one key differ, and other keys draw other samples
+    assert not torch.equal(whole.response_ids[0], whole.response_ids[1])
+    moved = eng.generate(prompts, replace(sp, keys=tuple(response_key(1, 0, 6, i) for i in range(4))))
+    assert not torch.equal(moved.response_ids, whole.response_ids)
+    if kind == "hf":  # the same tokens as the native engine from the same keys
+        native = engine.generate(prompts, replace(sp, keys=keys))
+        assert (native.response_ids == whole.response_ids).float().mean() >= 0.99
+
+
+def test_keyed_uniform_is_uniform_and_keys_mix():
+    from spmdrl.rollout.sampling import keyed_uniform, response_key, row_keys
+
+    rows = row_keys([response_key(0, 0, 1, i) for i in range(512)], 8, torch.device("cpu"))  # [4096]
+    assert rows.unique().numel() == rows.numel()
+    u = torch.stack([keyed_uniform(rows, t) for t in range(16)])  # [16, 4096]
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
+    assert float((hist - 1 / 16).abs().max()) < 0.005
+    # neighbouring positions and rows are uncorrelated
+    assert abs(float(torch.corrcoef(torch.stack([u[0], u[1]]))[0, 1])) < 0.05
+    assert abs(float(torch.corrcoef(torch.stack([u[0, :-1], u[0, 1:]]))[0, 1])) < 0.05

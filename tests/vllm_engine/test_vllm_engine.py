@@ -58,6 +58,24 @@ def test_seeds_reproduce_and_ignore_eos(engine):
     assert out.finish_reasons == ["length", "length"] or EOS in out.response_ids
 
 
+def test_per_response_seeds_draw_the_same_samples_in_any_batch(engine):
+    """rollout.seed_mode per_response (the default): a response's seed comes from its key, so a prompt
+    draws the same samples alone or among others, and in another order."""
+    from dataclasses import replace
+
+    from spmdrl.rollout.sampling import response_key
+
+    prompts = _prompts([4, 9, 6], seed=12)
+    keys = tuple(response_key(1, 0, 5, i) for i in range(3))
+    sp = SamplingParams(n=3, max_tokens=10, temperature=1.0, top_k=20, top_p=0.9)
+    whole = engine.generate(prompts, replace(sp, keys=keys))
+    alone = engine.generate([prompts[2]], replace(sp, keys=keys[2:]))
+    pair = engine.generate([prompts[1], prompts[0]], replace(sp, keys=(keys[1], keys[0])))
+    assert torch.equal(alone.response_ids, whole.response_ids[6:9])
+    assert torch.equal(pair.response_ids, torch.cat([whole.response_ids[3:6], whole.response_ids[0:3]]))
+    assert not torch.equal(whole.response_ids[0], whole.response_ids[1])  # the n samples differ
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, 20, 0.9)])
 def test_logprobs_follow_the_sampling_distribution(engine, tiny_model_dir, temperature, top_k, top_p):
     """vLLM's processed_logprobs equal transformers' log-softmax of the truncated, tempered logits: the

@@ -50,7 +50,7 @@ from spmdrl.rollout.native.cache import KVCache, KVView
 from spmdrl.rollout.native.kernels import KernelMode, resolve_kernels
 from spmdrl.rollout.native.kernels import ops as kernel_ops
 from spmdrl.rollout.native.model import Decoder, DecoderConfig
-from spmdrl.rollout.sampling import sample, stop_id_tensor, validate_sampling
+from spmdrl.rollout.sampling import keyed_uniform, row_keys, sample, stop_id_tensor, validate_sampling
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -131,6 +131,7 @@ class NativeRollout(RolloutEngine):
                              f"bf16 support; got {self.device} {self.dtype} ({native_bf16('cpu')[1]})")
         self.model.kernels = resolve_kernels(kernels, self.device, self.dtype, self.config.head_dim)
         self.generator = torch.Generator(self.device).manual_seed(seed + self.dp_rank)
+        self._row_keys: Optional[torch.Tensor] = None  # the keyed rows of the call in progress
         self.cache: Optional[KVCache] = None
         self._cache_shape: Optional[tuple[int, int]] = None  # (rows, seq) to restore at wake-up
         self._kv_awake = True
@@ -263,6 +264,8 @@ class NativeRollout(RolloutEngine):
         stop_ids = stop_id_tensor(self.eos_token_ids, sampling, self.device)
 
         N = len(prompts) * n
+        # Each row's own noise (SamplingParams.keys): row i*n + j draws from (keys[i], j, position).
+        self._row_keys = row_keys(sampling.keys, n, self.device) if sampling.keys is not None else None
         out_ids = torch.full((N, R), self.pad_token_id, dtype=torch.long, device=self.device)
         out_lp = torch.zeros(N, R, dtype=torch.float32, device=self.device)
         stopped = torch.zeros(N, dtype=torch.bool, device=self.device)
@@ -314,15 +317,21 @@ class NativeRollout(RolloutEngine):
             if int(cols.sum()) == len(seq):
                 self._prefixes[seq] = (kv.k[:, slot][:, :, cols], kv.v[:, slot][:, :, cols])  # [L, K, len, D]
 
-    def _sample(self, logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """sampling.sample, or the C++ kernel for its untruncated and greedy cases (same convention)."""
+    def _sample(self, logits: torch.Tensor, sampling: SamplingParams, rows: torch.Tensor, position: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """sampling.sample, or the C++ kernel for its untruncated and greedy cases (same convention);
+        ``rows``: the output row of each batch slot, ``position``: the response position being drawn."""
         V = logits.shape[-1]
+        u = None
+        if self._row_keys is not None and not sampling.greedy:
+            u = keyed_uniform(self._row_keys[rows], position)  # [B]
         if self.model.kernels and sampling.top_p >= 1.0 and (sampling.top_k < 0 or sampling.top_k >= V):
             if sampling.greedy:
                 return kernel_ops.sample(logits, logits.new_empty(0), 0.0)
-            u = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
+            if u is None:
+                u = torch.rand(logits.shape[0], generator=self.generator, device=logits.device)
             return kernel_ops.sample(logits, u, sampling.temperature)
-        return sample(logits, sampling, self.generator)
+        return sample(logits, sampling, self.generator, u=u)
 
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], row0: int, sampling: SamplingParams,
                         cache: KVCache, stop_ids: torch.Tensor, out_ids: torch.Tensor, out_lp: torch.Tensor,
@@ -353,7 +362,7 @@ class NativeRollout(RolloutEngine):
         kv.bias[:, :T] = torch.where(valid, 0.0, float("-inf"))
         rows = torch.arange(row0, row0 + B, device=dev)  # output row of each live batch slot
         next_pos = valid.sum(-1)  # [B] position of the next token = prompt length
-        tokens, lp = self._sample(logits, sampling)
+        tokens, lp = self._sample(logits, sampling, rows, 0)
         for step in range(R):
             out_ids[rows, step] = tokens
             out_lp[rows, step] = lp
@@ -384,4 +393,4 @@ class NativeRollout(RolloutEngine):
                 kv = cache.widen(kv, width)
             kv.bias[:B, col] = 0.0
             logits = self.model.decode(tokens, next_pos + step, kv, col, B)
-            tokens, lp = self._sample(logits, sampling)
+            tokens, lp = self._sample(logits, sampling, rows, step + 1)
