@@ -13,6 +13,7 @@ import torch
 from spmdrl.algos.losses import agg_loss, value_loss
 from spmdrl.algos.registry import get_kl, get_policy_loss
 from spmdrl.algos.rollout_correction import rollout_correction
+from spmdrl.algos.utils import Share
 from spmdrl.batch import Batch
 from spmdrl.config import Config
 from spmdrl.engines.base import LossFn, LossScale
@@ -44,15 +45,16 @@ def actor_loss_fn(cfg: Config) -> LossFn:
             clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
             **counts,
         )
+        # Entropy and KL as the loss aggregates them, shares of the mini-batch's value (algos.utils.Share).
         if "entropy" in outputs:
-            metrics["actor/entropy"] = float(
-                agg_loss(outputs["entropy"].detach(), mask, a.loss_agg_mode).item())
+            entropy = agg_loss(outputs["entropy"], mask, a.loss_agg_mode, **counts)
+            metrics["actor/entropy"] = Share(entropy.item())
             if a.entropy_coeff:
-                loss = loss - a.entropy_coeff * agg_loss(outputs["entropy"], mask, a.loss_agg_mode, **counts)
+                loss = loss - a.entropy_coeff * entropy
         if kl_fn is not None:
-            kl = kl_fn(logp, mb["ref_logp"])  # [b, R]
-            loss = loss + a.kl_loss_coef * agg_loss(kl, mask, a.loss_agg_mode, **counts)
-            metrics["actor/kl_loss"] = float(agg_loss(kl.detach(), mask, a.loss_agg_mode).item())
+            kl = agg_loss(kl_fn(logp, mb["ref_logp"]), mask, a.loss_agg_mode, **counts)  # [b, R] -> share
+            loss = loss + a.kl_loss_coef * kl
+            metrics["actor/kl_loss"] = Share(kl.item())
             metrics["actor/kl_coef"] = a.kl_loss_coef
         if "old_logp" not in mb and "rollout_logp" in mb and gap_comparable:
             metrics.update(rollout_gap_metrics(logp.detach(), mb["rollout_logp"], mask))
@@ -89,14 +91,14 @@ def sft_loss_fn() -> LossFn:
     """Token-mean negative log-likelihood of the target tokens (``response_mask``: SFT's response or assistant
     tokens), over the global token count of the batch, so micro-batching and DP do not change it.
 
-    Its metrics are the sums ``sft/nll_sum`` and ``sft/tokens`` of each micro-batch: averaged over
-    micro-batches and ranks by the engine, their ratio is the exact token-mean loss of the whole batch.
+    Its metric ``sft/loss`` is that loss as a share (``algos.utils.Share``): the engine's sum over
+    micro-batches and ranks is the exact token-mean loss of the whole batch.
     """
 
     def loss_fn(outputs: dict, mb: Batch, scale: LossScale):
         mask = mb["response_mask"]  # [b, L-1]
         nll = -outputs["logp"]  # [b, L-1]
         loss = agg_loss(nll, mask, "token-mean", global_tokens=scale.global_tokens)
-        return loss, {"sft/nll_sum": float((nll.detach() * mask).sum()), "sft/tokens": float(mask.sum())}
+        return loss, {"sft/loss": Share(loss.item())}
 
     return loss_fn

@@ -7,7 +7,9 @@ contributions of every micro-batch and every DP rank gives the mini-batch
 loss, whatever the micro-batch size or DP degree. The engine multiplies by
 ``dp_size`` itself to undo FSDP's gradient averaging; nothing here does.
 Without the global arguments the local counts are used, so a single batch
-gives plain means. Metrics are local means as Python floats.
+gives plain means. Metrics are shares (``utils.Share``) under the same global
+denominators: the loss as aggregated, and the clip fractions and ppo_kl as
+token means, so the engine's sum of them is the mini-batch's value.
 
 Policy losses share one signature so the loop picks one by name:
 
@@ -23,7 +25,7 @@ from typing import Optional
 import torch
 
 from spmdrl.algos.registry import get_loss_agg, register_loss_agg, register_policy_loss
-from spmdrl.algos.utils import masked_mean
+from spmdrl.algos.utils import Share
 
 LossOut = tuple[torch.Tensor, dict[str, float]]
 
@@ -139,18 +141,26 @@ def agg_loss(
     return fn(loss_mat, mask, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
 
 
+def token_share(x: torch.Tensor, mask: torch.Tensor, global_tokens: Optional[float]) -> Share:
+    """The token mean of ``x`` [B, T] as this micro-batch's share of the mini-batch's (``utils.Share``)."""
+    with torch.no_grad():
+        mean = agg_loss(x.detach().to(mask.dtype), mask, "token-mean", global_tokens=global_tokens)
+    return Share(mean.item())
+
+
 def _pg_metrics(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
     mode: str,
-    norm_len: Optional[float],
-    **fractions: torch.Tensor,
+    counts: dict,
+    **token_means: torch.Tensor,
 ) -> dict[str, float]:
-    """Local metrics: the loss under local denominators, and masked means of the given indicators."""
+    """Shares of the mini-batch's metrics (``utils.Share``): the loss aggregated as the gradient's loss is
+    (``counts``: global_tokens, global_seqs, norm_len), and token means of the given indicators."""
     with torch.no_grad():
-        metrics = {"actor/pg_loss": float(agg_loss(loss_mat, mask, mode, norm_len=norm_len).item())}
-        for name, value in fractions.items():
-            metrics[f"actor/{name}"] = float(masked_mean(value.to(mask.dtype), mask).item())
+        metrics: dict[str, float] = {"actor/pg_loss": Share(agg_loss(loss_mat, mask, mode, **counts).item())}
+    for name, value in token_means.items():
+        metrics[f"actor/{name}"] = token_share(value, mask, counts["global_tokens"])
     return metrics
 
 
@@ -186,19 +196,11 @@ def vanilla_policy_loss(
     loss3 = -advantages * clip_ratio_c
     negative = advantages < 0
     loss_mat = torch.where(negative, torch.minimum(clipped, loss3), clipped)  # [B, T]
-    loss = agg_loss(
-        loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
-    )
-    metrics = _pg_metrics(
-        loss_mat,
-        mask,
-        loss_agg_mode,
-        norm_len,
-        pg_clipfrac=loss2 > loss1,
-        pg_clipfrac_lower=(clipped > loss3) & negative,
-    )
-    # From the clamped log-ratio, as verl reports it: a token past the clamp counts as +-20.
-    metrics["actor/ppo_kl"] = float(masked_mean(-log_ratio.detach(), mask).item())
+    counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
+    loss = agg_loss(loss_mat, mask, loss_agg_mode, **counts)
+    # ppo_kl from the clamped log-ratio, as verl reports it: a token past the clamp counts as +-20.
+    metrics = _pg_metrics(loss_mat, mask, loss_agg_mode, counts, pg_clipfrac=loss2 > loss1,
+                          pg_clipfrac_lower=(clipped > loss3) & negative, ppo_kl=-log_ratio)
     return loss, metrics
 
 
@@ -234,15 +236,11 @@ def gspo_policy_loss(
     loss1 = -advantages * ratio
     loss2 = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     loss_mat = torch.maximum(loss1, loss2)  # [B, T]
-    loss = agg_loss(
-        loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
-    )
-    metrics = _pg_metrics(
-        loss_mat, mask, loss_agg_mode, norm_len, pg_clipfrac=loss2 > loss1,
-        pg_clipfrac_lower=torch.zeros_like(mask),
-    )
+    counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
+    loss = agg_loss(loss_mat, mask, loss_agg_mode, **counts)
     # verl reports GSPO's ppo_kl from the unclamped token log-ratios, not the clamped sequence one.
-    metrics["actor/ppo_kl"] = float(masked_mean(-log_ratio.detach(), mask).item())
+    metrics = _pg_metrics(loss_mat, mask, loss_agg_mode, counts, pg_clipfrac=loss2 > loss1,
+                          pg_clipfrac_lower=torch.zeros_like(mask), ppo_kl=-log_ratio)
     return loss, metrics
 
 
@@ -264,14 +262,13 @@ def gpg_policy_loss(
     """GPG: plain policy gradient -logp * A, no ratio and no clip (the clip arguments are ignored)."""
     mask = mask.to(logp.dtype)
     loss_mat = -logp * advantages  # [B, T]
-    loss = agg_loss(
-        loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
-    )
+    counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
+    loss = agg_loss(loss_mat, mask, loss_agg_mode, **counts)
     # verl's GPG reports no metrics at all; ours keeps the keys every policy loss logs
     # (nothing is clipped, and ppo_kl is the unclamped log-ratio, as GSPO's).
     zeros = torch.zeros_like(mask)
-    metrics = _pg_metrics(loss_mat, mask, loss_agg_mode, norm_len, pg_clipfrac=zeros, pg_clipfrac_lower=zeros)
-    metrics["actor/ppo_kl"] = float(masked_mean((old_logp - logp).detach(), mask).item())
+    metrics = _pg_metrics(loss_mat, mask, loss_agg_mode, counts, pg_clipfrac=zeros, pg_clipfrac_lower=zeros,
+                          ppo_kl=old_logp - logp)
     return loss, metrics
 
 
@@ -298,13 +295,13 @@ def value_loss(
     loss1 = (values - returns) ** 2
     loss2 = (clipped - returns) ** 2
     loss_mat = 0.5 * torch.maximum(loss1, loss2)  # [B, T]
-    loss = agg_loss(
-        loss_mat, mask, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len
-    )
+    counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
+    loss = agg_loss(loss_mat, mask, loss_agg_mode, **counts)
     with torch.no_grad():
-        metrics = {
-            "critic/vf_loss": float(agg_loss(loss_mat, mask, loss_agg_mode, norm_len=norm_len).item()),
-            "critic/vf_clipfrac": float(masked_mean((loss2 > loss1).to(mask.dtype), mask).item()),
-            "critic/vpred_mean": float(masked_mean(values, mask).item()),
-        }
+        vf_loss = Share(agg_loss(loss_mat, mask, loss_agg_mode, **counts).item())
+    # Past the clip and the clipped loss won: old + (v - old) can round off v, so not loss2 > loss1 alone.
+    clipped_won = (loss2 > loss1) & ((values - old_values).abs() > cliprange_value)
+    metrics = {"critic/vf_loss": vf_loss,
+               "critic/vf_clipfrac": token_share(clipped_won, mask, global_tokens),
+               "critic/vpred_mean": token_share(values, mask, global_tokens)}
     return loss, metrics

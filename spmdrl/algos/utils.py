@@ -22,6 +22,14 @@ import torch.distributed as dist
 WHITEN_EPS = 1e-8
 
 
+class Share(float):
+    """A loss metric that is one micro-batch's share of a global quantity: a sum over its rows divided by
+    the mini-batch's global count (``LossScale``), as the loss itself is. The training engine sums shares
+    over micro-batches and data-parallel ranks (then averages over mini-batches), so the logged value is
+    the mini-batch's own, whatever the micro-batching, packing or world size; a plain float metric is
+    averaged over micro-batches instead."""
+
+
 def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
     return group is not None and dist.is_available() and dist.is_initialized()
 

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from spmdrl.algos.utils import Share
 from spmdrl.batch import Batch
 from spmdrl.engines.optim import move_optimizer_state, restore_settings
 from spmdrl.errors import ConfigError
@@ -88,6 +89,14 @@ class LogProbSource(Protocol):
 
     def forward_no_grad(self, batch: Batch, micro_batch_size: int, with_entropy: bool = False,
                         max_token_len: Optional[int] = None) -> dict[str, torch.Tensor]: ...
+
+
+def loss_metric_means(keys: list[str], totals: torch.Tensor, shares: set[str], n_mini: int
+                      ) -> dict[str, float]:
+    """From the sums over ranks ``totals`` [len(keys) + 1] (the last: micro-batches counted): a share's sum
+    over the ``n_mini`` mini-batches (the same on every rank) divided by them, any other metric's by the
+    micro-batches."""
+    return {k: float(totals[i] / (n_mini if k in shares else totals[-1])) for i, k in enumerate(keys)}
 
 
 class TrainEngine(abc.ABC):
@@ -185,9 +194,11 @@ class TrainEngine(abc.ABC):
         or, with ``max_token_len``, of at most that many valid tokens (``micro_batches``).
         ``with_entropy=False`` skips the entropy; ``entropy_grad=False`` computes it as a metric
         without a gradient (in the log-prob pass, far cheaper) when the loss has no entropy bonus.
-        Returns the loss metrics averaged over micro-batches and DP ranks, plus ``{role}/lr`` (of
-        the last step) and ``{role}/grad_norm`` (mean over steps, before clipping). ``loss_fn`` must
-        return the same metric keys on every rank.
+        Returns the loss metrics, plus ``{role}/lr`` (of the last step) and ``{role}/grad_norm`` (mean over
+        steps, before clipping): a share (``algos.utils.Share``: the loss and what it aggregates) summed
+        over micro-batches and DP ranks, which is its mini-batch's value, then averaged over mini-batches;
+        any other metric averaged over micro-batches and DP ranks. ``loss_fn`` must return the same metric
+        keys on every rank.
         """
         optimizer, scheduler = self.optimizer, self.scheduler
         if optimizer is None or scheduler is None:
@@ -196,7 +207,8 @@ class TrainEngine(abc.ABC):
         self._check_rows(len(batch))
         self.model.train()
         sums: dict[str, float] = {}
-        n_micro = 0
+        shares: set[str] = set()  # keys whose values are shares of a mini-batch's total (algos.utils.Share)
+        n_micro = n_mini = 0
         norms: list[float] = []
         lr = optimizer.param_groups[0]["lr"]
         for _ in range(epochs):
@@ -208,7 +220,10 @@ class TrainEngine(abc.ABC):
                 for metrics in self._forward_backward(micros, loss_fn, scale, with_entropy, entropy_grad):
                     for k, v in metrics.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
+                        if isinstance(v, Share):
+                            shares.add(k)
                     n_micro += 1
+                n_mini += 1
                 if n_pad:
                     pad = [micros[0].select(slice(0, 1))] * n_pad
                     self._forward_backward(pad, _zero_loss, scale, with_entropy, entropy_grad)
@@ -220,7 +235,7 @@ class TrainEngine(abc.ABC):
                 optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
         scheduler.step()
-        out = self._reduce_loss_metrics(sums, n_micro)
+        out = self._reduce_loss_metrics(sums, n_micro, shares, n_mini)
         prefix = "critic" if self.role == "critic" else "actor"
         out[f"{prefix}/lr"] = float(lr)
         out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
@@ -288,14 +303,16 @@ class TrainEngine(abc.ABC):
         """The global gradient norm before clipping, each parameter counted once; clips the gradients
         to ``max_grad_norm`` when that is > 0 and the norm is finite and above it."""
 
-    def _reduce_loss_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
-        """Loss metrics (summed over this rank's micro-batches) averaged over micro-batches and DP ranks."""
+    def _reduce_loss_metrics(self, sums: dict[str, float], n_micro: int, shares: set[str], n_mini: int
+                             ) -> dict[str, float]:
+        """Loss metrics summed over this rank's micro-batches, over DP ranks: shares per mini-batch, the
+        rest per micro-batch (``train_step``)."""
         keys = sorted(sums)
         t = torch.tensor(
             [sums[k] for k in keys] + [float(n_micro)], dtype=torch.float64, device=self._comm_device()
         )
         self._dp_all_reduce(t)
-        return {k: float(t[i] / t[-1]) for i, k in enumerate(keys)}
+        return loss_metric_means(keys, t, shares, n_mini)
 
     # ------------------------------------------------------------------ collectives, rows
 

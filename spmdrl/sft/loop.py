@@ -107,7 +107,7 @@ def train_step(r: SFTRun) -> dict[str, float]:
     local = {"timing/step": time.perf_counter() - start, "train/tokens": float(batch["attention_mask"].sum())}
     world = reduce_metrics(local, r.dims.batch_group)  # timing: the slowest rank; tokens: the mean
     tokens = world["train/tokens"] * r.dims.world_size
-    return {"train/loss": m["sft/nll_sum"] / m["sft/tokens"], "train/lr": m["actor/lr"],
+    return {"train/loss": m["sft/loss"], "train/lr": m["actor/lr"],
             "train/grad_norm": m["actor/grad_norm"], "train/tokens": tokens,
             "perf/tokens_per_s": tokens / world["timing/step"], "timing/step": world["timing/step"]}
 

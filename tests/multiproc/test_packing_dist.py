@@ -1,7 +1,9 @@
 """Packed sequences and token-budget micro-batches on 2 FSDP2 ranks (gloo) equal 1 padded rank with fixed
-micro-batches: log-probs, entropies, values and one actor and critic update. Rank 0 holds the long rows and
-rank 1 the short ones, so under the token budget rank 0 runs 4 micro-batches and rank 1 one: the FSDP
-all-gathers and reduce-scatters of each forward and backward must still line up (or the run hangs)."""
+micro-batches: log-probs, entropies, values, one actor and critic update with the run's own losses (policy
+loss, KL loss, entropy bonus; clipped value loss), and the loss metrics they log. Rank 0 holds the long rows
+and rank 1 the short ones, so under the token budget rank 0 runs 4 micro-batches and rank 1 one: the FSDP
+all-gathers and reduce-scatters of each forward and backward must still line up (or the run hangs), and a
+per-micro-batch mean would weigh rank 1's single micro-batch as much as rank 0's four."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import spawn
-from rows import pg_loss, rows_with_lengths, vf_loss
+from rows import rows_with_lengths
 
 pytestmark = pytest.mark.dist
 
@@ -21,7 +23,22 @@ LR = 1e-4
 
 
 def _batch(vocab: int):
-    return rows_with_lengths(PROMPT, RESP, vocab, seed=2)
+    batch = rows_with_lengths(PROMPT, RESP, vocab, seed=2)
+    g = torch.Generator().manual_seed(3)
+    batch["ref_logp"] = -5.0 - torch.rand(batch["advantages"].shape, generator=g)  # [n, R]
+    batch["values"] = batch["returns"] + 0.3 * torch.randn(batch["returns"].shape, generator=g)  # [n, R]
+    return batch
+
+
+def _losses(mode: str):
+    """The run's actor and critic losses with a KL loss and an entropy bonus, aggregated by ``mode``."""
+    from spmdrl.config import Config
+    from spmdrl.objectives import actor_loss_fn, critic_loss_fn
+
+    cfg = Config()
+    cfg.actor.use_kl_loss, cfg.actor.kl_loss_type, cfg.actor.entropy_coeff = True, "low_var_kl", 0.01
+    cfg.actor.loss_agg_mode = mode
+    return actor_loss_fn(cfg), critic_loss_fn(cfg)
 
 
 def _run(rank: int, world: int, model_dir: str, result: str) -> None:
@@ -36,19 +53,25 @@ def _run(rank: int, world: int, model_dir: str, result: str) -> None:
     packed = world > 1
     kw = dict(max_token_len=BUDGET) if packed else {}
     out: dict = {"micros": len(micro_batches(mine, BUDGET))}
-    for role, loss in (("actor", pg_loss), ("critic", vf_loss)):
+    for role, loss in zip(("actor", "critic"), _losses("token-mean")):
         eng = FSDP2Engine(model_dir, role=role, dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0,
                           remove_padding=packed)
         out[role] = eng.forward_no_grad(mine, 4, with_entropy=True, **kw)
-        eng.train_step(mine, loss, mini_batch_size=n, micro_batch_size=4, **kw)
+        out[f"{role}_metrics"] = eng.train_step(mine, loss, mini_batch_size=n, micro_batch_size=4, **kw)
         out[f"{role}_weights"] = {k: v.clone() for k, v in eng.export_weights()}
+        del eng
+    # Loss metrics of the other aggregations (one padded rank: micro-batches of 1 row this time).
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        eng = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0,
+                          remove_padding=packed)
+        out[mode] = eng.train_step(mine, _losses(mode)[0], mini_batch_size=n, micro_batch_size=1, **kw)
         del eng
     if packed:  # TP=2: both ranks of the replica gather its rows and run the same packed forward
         tp_dims = ParallelDims(world, tp=2).build()
         eng = FSDP2Engine(model_dir, role="actor", dp_mesh=tp_dims.fsdp_mesh, tp_mesh=tp_dims.tp_mesh,
                           device="cpu", lr=LR, seed=0, remove_padding=True)
         out["tp"] = eng.forward_no_grad(mine, 4, **kw)
-        eng.train_step(mine, pg_loss, mini_batch_size=n, micro_batch_size=4, **kw)
+        eng.train_step(mine, _losses("token-mean")[0], mini_batch_size=n, micro_batch_size=4, **kw)
         out["tp_weights"] = {k: v.clone() for k, v in eng.export_weights()}
     torch.save(out, f"{result}.{rank}")
 
@@ -87,3 +110,22 @@ def test_packed_under_tensor_parallelism_equals_one_padded_rank(runs):
     assert float(((got - one["actor"]["logp"]) * _batch(2048)["response_mask"]).abs().max()) < 1e-5
     a, b = one["actor_weights"], two[0]["tp_weights"]
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-4  # as test_fsdp2's TP bound
+
+
+def test_loss_metrics_are_the_batch_s_whatever_the_micro_batching_and_world(runs):
+    """Each logged loss is the mini-batch's loss whose gradient is taken (shares of it summed over
+    micro-batches and ranks), so 1 padded rank with fixed micro-batches and 2 packed ranks with a token
+    budget (4 micro-batches against 1) log the same numbers."""
+    one, two = runs["one"], runs["two"]
+    keys = {"actor_metrics": ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac",
+                              "actor/ppo_kl"),
+            "critic_metrics": ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"),
+            "seq-mean-token-mean": ("actor/pg_loss", "actor/kl_loss", "actor/entropy"),
+            "seq-mean-token-sum-norm": ("actor/pg_loss", "actor/kl_loss", "actor/entropy")}
+    for part, names in keys.items():
+        for name in names:
+            a, b = one[part][name], two[0][part][name]
+            assert b == two[1][part][name]  # every rank logs the same
+            assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (part, name, a, b)
+    assert one["actor_metrics"]["actor/kl_loss"] > 0.1 and one["critic_metrics"]["critic/vf_clipfrac"] > 0
+

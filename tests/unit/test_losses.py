@@ -122,11 +122,15 @@ def test_vanilla_clip_higher():
     assert metrics["actor/pg_clipfrac"] == pytest.approx(0.25)
 
 
-def test_vanilla_global_tokens_scales_the_loss_not_the_metric():
+def test_vanilla_global_tokens_scale_the_loss_and_its_metric_share():
+    from spmdrl.algos.utils import Share
+
     logp, old = _logps(RATIOS)
     loss, metrics = get_policy_loss("vanilla")(logp, old, ADV, PG_MASK, global_tokens=8)
     close(loss, 2.1 / 8)
-    assert metrics["actor/pg_loss"] == pytest.approx(2.1 / 4, abs=1e-6)
+    # The metric is this micro-batch's share of the mini-batch's loss: the engine sums the shares.
+    assert isinstance(metrics["actor/pg_loss"], Share)
+    assert metrics["actor/pg_loss"] == pytest.approx(2.1 / 8, abs=1e-6)
 
 
 def test_vanilla_seq_mean_token_mean():
@@ -259,4 +263,4 @@ def test_value_loss_global_tokens():
     values = T([[1.0, 3.0]])
     loss, metrics = value_loss(values, values, torch.zeros(1, 2), torch.ones(1, 2), global_tokens=4)
     close(loss, 0.5 * (1 + 9) / 4)
-    assert metrics["critic/vf_loss"] == pytest.approx(2.5)
+    assert metrics["critic/vf_loss"] == pytest.approx(1.25)  # the share: 2 of the 4 global tokens

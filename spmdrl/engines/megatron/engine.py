@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import Layout, LossFn, LossScale, Role, TrainEngine
+from spmdrl.engines.base import Layout, LossFn, LossScale, Role, TrainEngine, loss_metric_means
 from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.megatron.convert import (
     HFArch,
@@ -439,10 +439,11 @@ class MegatronEngine(TrainEngine):
             torch._foreach_mul_(grads, self.max_grad_norm / (total + 1e-6))
         return total
 
-    def _reduce_loss_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
-        """Loss metrics averaged over micro-batches and replicas: only the last stage has them, and its
-        TP ranks hold copies, so TP rank 0 of each last stage contributes."""
-        keys = [sorted(sums)]
+    def _reduce_loss_metrics(self, sums: dict[str, float], n_micro: int, shares: set[str], n_mini: int
+                             ) -> dict[str, float]:
+        """Loss metrics over micro-batches and replicas (``TrainEngine.train_step``): only the last stage
+        has them, and its TP ranks hold copies, so TP rank 0 of each last stage contributes."""
+        keys = [sorted(sums), sorted(shares)]
         if self.pp > 1:
             dist.broadcast_object_list(keys, src=self.pp_ranks[-1], group=self.pp_group)
         contributes = self._is_last_stage() and self.tp_rank == 0
@@ -450,7 +451,7 @@ class MegatronEngine(TrainEngine):
         t = torch.tensor(values if contributes else [0.0] * len(values), dtype=torch.float64,
                          device=self._comm_device())
         dist.all_reduce(t)
-        return {k: float(t[i] / t[-1]) for i, k in enumerate(keys[0])}
+        return loss_metric_means(keys[0], t, set(keys[1]), n_mini)
 
     # ------------------------------------------------------------------ weights, memory, checkpoints
 
