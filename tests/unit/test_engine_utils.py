@@ -96,7 +96,7 @@ def test_resume_applies_the_configured_hyperparameters_and_schedule():
                                    kind="constant", total=20)
     assert sorted(changes) == [
         "actor.betas: (0.9, 0.999) in the checkpoint -> (0.8, 0.95) configured",
-        "actor.lr schedule length (optimizer steps): 10 in the checkpoint -> 20 configured",
+        "actor.lr schedule length (training steps): 10 in the checkpoint -> 20 configured",
         "actor.lr: 0.001 in the checkpoint -> 0.0005 configured",
         "actor.lr_scheduler: cosine in the checkpoint -> constant configured",
         "actor.lr_warmup_steps: 2 in the checkpoint -> 0 configured",
@@ -114,7 +114,7 @@ def test_resume_applies_the_configured_hyperparameters_and_schedule():
 
 def test_resume_with_the_cosine_schedule_stretched_takes_its_lr_at_the_resumed_step():
     opt, sched, changes = _resumed(_trained(), total=30)
-    assert changes == ["actor.lr schedule length (optimizer steps): 10 in the checkpoint -> 30 configured"]
+    assert changes == ["actor.lr schedule length (training steps): 10 in the checkpoint -> 30 configured"]
     assert opt.param_groups[0]["lr"] == 1e-3 * WarmupSchedule(2, "cosine", 0.1, 30)(3)
 
 
