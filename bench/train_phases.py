@@ -3,6 +3,8 @@ micro-batches, balanced ranks, LoRA. Run on 2 ranks:
 
     torchrun --standalone --nproc-per-node 2 bench/train_phases.py               # tiny model
     torchrun --standalone --nproc-per-node 2 bench/train_phases.py --size small --rounds 3
+    torchrun --standalone --nproc-per-node 2 bench/train_phases.py --workload long-prompts --prompt 256 \
+        --response 32 --dtype bfloat16 --only "padded, fixed micro|packed, token budget"
 
 Each rank holds the responses to its own prompts, as after a rollout: groups of ``--n`` responses whose
 lengths follow the prompt (a hard prompt gets long answers), prompt and response lengths long-tailed
@@ -50,12 +52,18 @@ CONFIGS = {
 PHASES = ("balance", "old_logp", "ref", "update")
 
 
-def rollout_rows(rank: int, groups: int, n: int, prompt: int, resp: int, vocab: int, full: bool) -> Batch:
-    """This rank's rows: ``groups`` prompts x ``n`` responses, long-tailed lengths (or all full)."""
+def rollout_rows(rank: int, groups: int, n: int, prompt: int, resp: int, vocab: int, full: bool,
+                 workload: str = "long-tail") -> Batch:
+    """This rank's rows: ``groups`` prompts x ``n`` responses, long-tailed lengths (or all full); the
+    ``long-prompts`` workload has long-tailed prompts (mean a quarter of the longest) and responses of
+    ``resp`` tokens, as a math set of 8-240-word questions with short answers."""
     g = torch.Generator().manual_seed(1000 + rank)
     rows = groups * n
     if full:
         p_len, r_len = torch.full((rows,), prompt), torch.full((rows,), resp)
+    elif workload == "long-prompts":
+        p_len = torch.empty(groups).exponential_(4.0 / prompt, generator=g).long().clamp(8, prompt)
+        p_len, r_len = p_len.repeat_interleave(n), torch.full((rows,), resp)
     else:
         p_len = torch.empty(groups).exponential_(4.0 / prompt, generator=g).long().clamp(8, prompt)
         hard = torch.empty(groups).exponential_(4.0 / resp, generator=g)  # a prompt's typical answer
@@ -160,6 +168,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--only", default="", help="row names to run, separated by | (default: all)")
+    ap.add_argument("--workload", choices=["long-tail", "long-prompts"], default="long-tail",
+                    help="long-tail: prompts and responses long-tailed; long-prompts: long-tailed prompts, "
+                         "responses of --response tokens (e.g. --prompt 256 --response 32)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -181,7 +192,7 @@ def main() -> None:
               f"{torch.get_num_threads()} threads per rank; medians of {args.rounds} rounds; seconds are the "
               f"slowest rank's")
     for full in (False, True):
-        batch = rollout_rows(rank, args.groups, args.n, args.prompt, args.response, 2048, full)
+        batch = rollout_rows(rank, args.groups, args.n, args.prompt, args.response, 2048, full, args.workload)
         tokens = torch.tensor([float(batch["attention_mask"].sum())])
         dist.all_reduce(tokens)
         budget = args.micro * int(tokens) // (len(batch) * dist.get_world_size())  # micro x the mean row
