@@ -55,6 +55,7 @@ from spmdrl.engines.fsdp2.lm_head import install_fused_head
 from spmdrl.engines.fsdp2.lora import (
     AdaptersOff,
     LoraSpec,
+    adapts_lm_head,
     add_adapters,
     lora_spec,
     merge_adapters,
@@ -240,8 +241,15 @@ class FSDP2Engine(TrainEngine):
         if p.tp > 1 and (lora_spec(cfg.model) or cfg.critic.lora_rank > 0):
             raise ValueError(f"LoRA (model.lora_rank / critic.lora_rank) with parallel.tp={p.tp}: adapters "
                              f"are not tensor-parallel yet; set parallel.tp: 1 (FSDP still shards the base)")
-        if cfg.model.lora_adapter_path:
-            read_adapter_config(cfg.model.lora_adapter_path)
+        spec = lora_spec(cfg.model)
+        if spec is not None:
+            key, targets = "model.target_modules", spec.target_modules
+            if spec.adapter_path:
+                key, targets = "model.lora_adapter_path's target_modules", \
+                    read_adapter_config(spec.adapter_path)["target_modules"]
+            if adapts_lm_head(targets, spec.exclude_modules):
+                raise ValueError(f"{key} {targets!r} puts a LoRA adapter on lm_head, but the fused log-prob "
+                                 f"kernel reads the LM head as one plain weight; leave lm_head out of it")
         if cfg.model.fused_kernels == "on" and p.tp > 1:
             raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
                              f"support tensor parallelism: set model.fused_kernels to auto or off")
