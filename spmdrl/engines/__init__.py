@@ -10,8 +10,9 @@ actor, reference, critic and reward model on a Hugging Face model) or ``megatron
 engine class checks its own config keys (``check_config``) before any process group exists.
 
 Both are ``TrainEngine``s (``base.py``): the interface the loop calls and the optimizer step,
-written once there, with small hooks each backend fills. ``logprobs.py`` holds the log-prob /
-entropy kernel that ends every actor forward; ``optim.py`` the AdamW and LR schedule both build.
+written once there, with small hooks each backend fills. ``logprobs.py`` holds the fused LM-head
+log-prob / entropy kernel that ends every actor and reference forward (from the final hidden states, so
+no [tokens x vocabulary] logits exist); ``optim.py`` the AdamW and LR schedule both build.
 
 Each engine also owns reading its checkpoint folder back as Hugging Face tensors in one plain process
 (``fsdp2/checkpoint.py``, ``megatron/checkpoint.py``); ``spmdrl.export`` looks the reader up by the

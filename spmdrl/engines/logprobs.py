@@ -1,138 +1,228 @@
-"""Per-token log-probs and entropy from logits: the kernel every engine's forward ends with.
+"""Per-token log-probs and entropy straight from the final hidden states and the LM head's weight: the fused
+linear log-softmax (Liger's fused linear cross-entropy, Apple's cut-cross-entropy) every engine's forward
+ends with, so no [tokens x vocabulary] tensor ever exists.
 
-    out = token_outputs(logits, labels, temperature, with_entropy=True)  # {"logp", "entropy"}: [n, R] each
+    out = token_outputs(hidden, weight, labels, temperature, with_entropy=True)  # {"logp", "entropy"}: [n, R]
 
-``token_logprobs`` is a row-chunked autograd function (``_TokenLogProbs``) with a hand-written
-backward, so neither the float32 log-softmax of the whole [N, V] block nor autograd's dense
-gradients of it ever exist; ``entropy_from_logits`` is the differentiable entropy an entropy
-bonus needs.
+``_FusedLogProbs`` walks the vocabulary in blocks of at most ``_CHUNK_ELEMENTS`` logits (every token x some
+rows of the head) and makes a block's logits ``hidden @ weight[rows].T`` (compute dtype, then float32 / T)
+into buffers reused by every block. Forward folds each block into per-token running sums (an online
+log-sum-exp: max, sum of exps, the entropy's sum, the label's logit). The hand-written backward recomputes
+each block from the saved hidden states and log-sum-exp, turns it into ``(onehot(label) - softmax) * g / T``
+(plus the entropy's term for an entropy bonus), writes the block's rows of the head's gradient with one
+matmul over all tokens and adds its share to the hidden-state gradient (float32, [N, H]). Blocks of the
+vocabulary rather than chunks of tokens: every matmul spans all tokens, the [V, H] gradient is written once
+(token chunks read and write all of it once per chunk, summing it in bf16), and TP needs no collective per
+block. The entropy is a metric without gradient unless ``entropy_grad``.
+
+Vocab-parallel heads (tensor parallelism): rank r of ``tp_group`` holds rows [r V_l, (r+1) V_l) of the
+[V, H] weight. Forward all-reduces the per-token max, then the sums and the label's logit: two collectives
+a call; backward all-reduces the hidden-state gradient. Rows from ``vocab`` on (Megatron pads its
+vocabulary to a multiple of TP) stay out of the softmax and get no gradient.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
-# Rows of the [rows, V] logits processed at once by the log-prob / entropy
-# helpers: bounds the float32 temporaries to about 256 MiB whatever the vocabulary.
-_CHUNK_ELEMENTS = 1 << 26
-
-
-def _row_chunks(flat: torch.Tensor) -> int:
-    return max(1, _CHUNK_ELEMENTS // max(1, flat.shape[-1]))
+# Logits per block (tokens x vocabulary rows): each float32 buffer of the kernel is 16 MiB (4,096 tokens x
+# 1,024 rows). On 2 CPU cores Qwen2.5-0.5B's bf16 head over 4,096 tokens took ~12 s forward and backward
+# at 2^22, no more at 2^24 (and ~13.5 s on the whole-logits path this replaced); 2^20 was slower.
+_CHUNK_ELEMENTS = 1 << 22
 
 
-class _TokenLogProbs(torch.autograd.Function):
-    """log_softmax(logits / T)[label] (and, without gradient, the entropy) over [N, V], row-chunked.
+@dataclass(frozen=True)
+class _Head:
+    """How to read the weight: temperature, the TP group (None: the whole vocabulary is here), and this
+    rank's real rows: global ids [start, start + valid)."""
 
-    One fused ``log_softmax`` per chunk instead of logsumexp's several passes, and
-    a hand-written backward, ``(onehot(label) - softmax) * g / T`` computed chunk
-    by chunk from the saved logits and per-row logsumexp: autograd's version
-    materialises a dense [N, V] gradient of the gather plus the logsumexp's
-    softmax and adds them (about 1.7x the time on a 4k x 2k bf16 block).
-    """
+    temperature: float
+    group: Optional[dist.ProcessGroup]
+    start: int
+    valid: int
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The matmul dtype: autocast's when on (Megatron's bf16 over float32 weights), else the weight's."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+class _Blocks:
+    """Flat buffers for the [n, v] logit blocks of one pass, allocated once and reused by every block: a
+    fresh tensor per block pays its page faults each time (measured on a 2-core CPU with 256 MiB blocks:
+    the matmul 2x and exp 4x slower than into a reused buffer)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, n_float: int, device: torch.device):
+        # The matmul's output in a low-precision compute dtype; float32 matmuls write the float32 buffer.
+        self.low = torch.empty(numel, dtype=dtype, device=device) if dtype != torch.float32 else None
+        self.f32 = [torch.empty(numel, dtype=torch.float32, device=device) for _ in range(n_float)]
+
+    def logits(self, h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+        """float32 logits / T into buffer 0: h [n, H], w [v, H] in the compute dtype -> [n, v]."""
+        x = self.buffer(0, h.shape[0], w.shape[0])
+        if self.low is None:
+            torch.mm(h, w.t(), out=x)
+        else:
+            x.copy_(torch.mm(h, w.t(), out=self.low[: x.numel()].view(x.shape)))
+        return x.div_(temperature) if temperature != 1.0 else x
+
+    def buffer(self, i: int, n: int, v: int) -> torch.Tensor:
+        return self.f32[i][: n * v].view(n, v)
+
+    def low_precision(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, v] float32 in the compute dtype (the matmul's buffer, free again by then)."""
+        return x if self.low is None else self.low[: x.numel()].view(x.shape).copy_(x)
+
+
+def _block_columns(n: int) -> int:
+    """Vocabulary rows per block for n tokens: at most ``_CHUNK_ELEMENTS`` logits a block."""
+    return max(1, _CHUNK_ELEMENTS // max(1, n))
+
+
+def _spans(total: int, step: int) -> Iterator[tuple[int, int]]:
+    return ((s, min(s + step, total)) for s in range(0, total, step))
+
+
+def _rebase_(sums: torch.Tensor, m: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """sums [2, N] = (sum exp(z - m), sum exp(z - m) (z - m)) re-expressed relative to top >= m, in place,
+    and m set to top: exp(z - top) = exp(z - m) exp(m - top), z - top = (z - m) + (m - top)."""
+    shift = m - top
+    sums[1].add_(sums[0] * shift)
+    sums.mul_(shift.exp())
+    m.copy_(top)
+    return sums
+
+
+class _FusedLogProbs(torch.autograd.Function):
+    """(log softmax(h W^T / T)[label], entropy) shaped like labels [...] (N of them), from hidden [N, H] and
+    this rank's weight rows."""
 
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
-        n = flat.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=flat.device)
-        lse = torch.empty_like(logp)
-        entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=flat.device)
-        rows = _row_chunks(flat)
-        for s in range(0, n, rows):
-            x = flat[s : s + rows]  # [n, V]
-            if temperature != 1.0:
-                x = x.float() / temperature
-            idx = labels[s : s + rows, None]  # [n, 1]
-            ls = torch.log_softmax(x, dim=-1, dtype=torch.float32)  # [n, V], upcast inside the kernel
-            picked = ls.gather(-1, idx).squeeze(-1)
-            logp[s : s + rows] = picked
-            lse[s : s + rows] = x.gather(-1, idx).squeeze(-1).float() - picked
-            if with_entropy:
-                # -sum(p log p); an underflowed p is 0 and its log-softmax finite, so 0, not NaN.
-                entropy[s : s + rows] = -ls.exp().mul_(ls).sum(-1)
-        ctx.save_for_backward(flat, labels, lse)
-        ctx.temperature = temperature
-        ctx.mark_non_differentiable(entropy)
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, head: _Head,
+                with_entropy: bool, entropy_grad: bool):
+        dtype = _compute_dtype(weight)
+        n = hidden.shape[0]
+        local, owned = _local_labels(labels.reshape(-1), head)
+        # Per token, over the vocabulary blocks seen so far: the max logit m, sum exp(z - m),
+        # sum exp(z - m) (z - m), and the label's logit (0 where another TP rank holds the label). m starts
+        # at a finite floor, not -inf: the first block's rescaling of the empty sums is then 0, not NaN.
+        stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)
+        m, sums, picked = stats[0].fill_(torch.finfo(torch.float32).min), stats[1:3], stats[3]
+        cols = _block_columns(n)
+        blocks = _Blocks(n * min(cols, head.valid), dtype, 2, hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here
+            h = hidden.to(dtype)  # [N, H]
+            for v0, v1 in _spans(head.valid, cols):
+                x = blocks.logits(h, weight[v0:v1].to(dtype), head.temperature)  # [N, v]
+                here = (owned & (local >= v0) & (local < v1)).nonzero()[:, 0]  # tokens labelled in the block
+                picked[here] = x[here, local[here] - v0]
+                top = torch.maximum(m, x.amax(-1))
+                x.sub_(top[:, None])
+                e = torch.exp(x, out=blocks.buffer(1, *x.shape))
+                _rebase_(sums, m, top)
+                sums[0].add_(e.sum(-1))
+                if with_entropy:
+                    sums[1].add_(e.mul_(x).sum(-1))
+        if head.group is not None:  # the same over the whole vocabulary: every rank's rows
+            top = m.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=head.group)
+            _rebase_(sums, m, top)
+            dist.all_reduce(stats[1:], group=head.group)
+        log_sum = sums[0].log()
+        lse = m + log_sum  # [N]
+        # Outputs made in the labels' shape, not viewed into it: FSDP2 warns of (and an in-place op would
+        # break) a module output that is a view.
+        logp = picked.view(labels.shape) - lse.view(labels.shape)
+        # log-sum-exp - sum(p z): finite even where p underflows.
+        entropy = log_sum.view(labels.shape) - (sums[1] / sums[0]).view(labels.shape) if with_entropy \
+            else lse.new_empty(0)
+        mean_z = lse - entropy.view(-1) if entropy_grad else lse[:0]  # sum(p z), for the entropy's gradient
+        ctx.save_for_backward(hidden, weight, labels, lse, mean_z)
+        ctx.head, ctx.dtype, ctx.entropy_grad = head, dtype, entropy_grad
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor):
-        flat, labels, lse = ctx.saved_tensors
-        t = ctx.temperature
-        grad = torch.empty_like(flat)
-        rows = _row_chunks(flat)
-        for s in range(0, flat.shape[0], rows):
-            g = grad_logp[s : s + rows, None]  # [n, 1]
-            x = flat[s : s + rows].to(torch.float32, copy=True)  # [n, V], never a view of the input
-            if t != 1.0:
-                x.div_(t)
-            # exp(x - lse) in place measured ~1.4x faster than a fresh float32 softmax of the chunk.
-            x.sub_(lse[s : s + rows, None]).exp_().mul_(-g)  # -softmax * g
-            x.scatter_add_(-1, labels[s : s + rows, None], g)  # + onehot * g
-            if t != 1.0:
-                x.div_(t)
-            grad[s : s + rows] = x
-        return grad, None, None, None
+    def backward(ctx, grad_logp: torch.Tensor, grad_entropy: torch.Tensor):
+        hidden, weight, labels, lse, mean_z = ctx.saved_tensors
+        head, dtype = ctx.head, ctx.dtype
+        want_h, want_w = ctx.needs_input_grad[:2]
+        local, owned = _local_labels(labels.reshape(-1), head)
+        g, g_ent = grad_logp.reshape(-1, 1), grad_entropy.reshape(-1, 1)  # [N, 1]
+        n, cols = hidden.shape[0], _block_columns(hidden.shape[0])
+        blocks = _Blocks(n * min(cols, head.valid), dtype, 2 if ctx.entropy_grad else 1, hidden.device)
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
+        grad_w = torch.empty_like(weight) if want_w else None
+        if want_w:
+            grad_w[head.valid :].zero_()  # padding rows
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = hidden.to(dtype)  # [N, H]
+            for v0, v1 in _spans(head.valid, cols):
+                w = weight[v0:v1].to(dtype)  # [v, H]
+                x = blocks.logits(h, w, head.temperature)  # [N, v]
+                if ctx.entropy_grad:  # -p (g + g_ent (z - sum(p z))): dH/dz_j = -p_j (z_j - sum(p z))
+                    p = torch.sub(x, lse[:, None], out=blocks.buffer(1, *x.shape)).exp_()
+                    x.sub_(mean_z[:, None]).mul_(g_ent).add_(g).mul_(p).neg_()
+                else:
+                    x.sub_(lse[:, None]).exp_().mul_(-g)  # -softmax * g, in place
+                here = (owned & (local >= v0) & (local < v1)).nonzero()[:, 0]  # tokens labelled in the block
+                x[here, local[here] - v0] += g[here, 0]  # + onehot * g
+                if head.temperature != 1.0:
+                    x.div_(head.temperature)
+                d = blocks.low_precision(x)  # [N, v]: the gradient of the block's logits
+                if want_h:
+                    grad_h.add_(torch.mm(d, w))
+                if want_w:  # the block's rows of the head's gradient: one matmul over all tokens
+                    if grad_w.dtype == dtype:
+                        torch.mm(d.t(), h, out=grad_w[v0:v1])
+                    else:  # a float32 weight under bf16 autocast (Megatron)
+                        grad_w[v0:v1].copy_(torch.mm(d.t(), h))
+        if want_h:
+            if head.group is not None:  # each rank's vocabulary rows contribute
+                dist.all_reduce(grad_h, group=head.group)
+            grad_h = grad_h.to(hidden.dtype)
+        return grad_h, grad_w, None, None, None, None
 
 
-def token_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(log softmax(logits / T)[label], entropy of softmax(logits / T) or None) -> float32 [...] each.
-
-    logits [..., V] in any float dtype (upcast to float32 one row chunk at a
-    time, so the full [..., V] float32 log-softmax never exists), labels [...].
-    The log-probs carry a gradient; the entropy does not (it is for metrics:
-    an entropy bonus needs ``entropy_from_logits``).
-    """
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)  # [N, V]
-    logp, entropy = _TokenLogProbs.apply(flat, labels.reshape(-1), float(temperature), with_entropy)
-    shape = labels.shape
-    return logp.reshape(shape), (entropy.reshape(shape) if with_entropy else None)
-
-
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[label] for logits [..., V] and labels [...] -> float32 [...]."""
-    return token_logprobs(logits, labels)[0]
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) for logits [..., V] -> float32 [...].
-
-    ``logsumexp(l) - sum(softmax(l) * l)`` equals ``-sum(p log p)`` but never
-    takes the log of an underflowed probability, so it stays finite for very
-    peaked distributions. Row-chunked like ``logprobs_from_logits``.
-    """
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)  # [N, V]
-    rows = _row_chunks(flat)
-    out = []
-    for start in range(0, flat.shape[0], rows):
-        chunk = flat[start : start + rows].float()  # [n, V]
-        probs = torch.softmax(chunk, dim=-1)
-        out.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(-1))
-    if not out:
-        return flat.new_zeros(logits.shape[:-1], dtype=torch.float32)
-    return torch.cat(out).reshape(logits.shape[:-1])
+def _local_labels(labels: torch.Tensor, head: _Head) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of each label in this rank's weight, clamped in range; whether this rank holds it) [N] each."""
+    local = labels - head.start
+    owned = (local >= 0) & (local < head.valid)
+    return local.clamp(0, max(head.valid - 1, 0)), owned
 
 
 def token_outputs(
-    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
     labels: torch.Tensor,
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool = False,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab: Optional[int] = None,
 ) -> dict[str, torch.Tensor]:
-    """{"logp", optional "entropy"} [n, R] float32 from the logits [n, R, V] that predict ``labels`` [n, R].
+    """{"logp", optional "entropy"} float32 shaped like ``labels`` from the hidden states that predict them.
 
-    The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus); otherwise it is a
-    metric computed in the same chunked pass as the log-probs.
+    hidden [..., H] (``labels.numel()`` rows) and weight [V_l, H], the LM head's rows on this rank of
+    ``tp_group`` (all of them without TP), in the same dtype or under autocast; labels [...] global token
+    ids. Rows at global index ``vocab`` and beyond are padding. The entropy carries a gradient only with
+    ``entropy_grad`` (an entropy bonus); otherwise it is a metric computed in the same pass.
     """
-    if with_entropy and entropy_grad:
-        logits = logits.float() / temperature
-        return {"logp": logprobs_from_logits(logits, labels), "entropy": entropy_from_logits(logits)}
-    logp, entropy = token_logprobs(logits, labels, temperature, with_entropy)
-    return {"logp": logp} if entropy is None else {"logp": logp, "entropy": entropy}
+    rows = weight.shape[0]
+    start = rows * (dist.get_rank(tp_group) if tp_group is not None else 0)
+    valid = rows if vocab is None else min(rows, max(0, vocab - start))
+    if valid < 1:
+        raise ValueError(f"the LM head's rows {start}..{start + rows - 1} on this TP rank are all padding "
+                         f"(vocabulary {vocab}); use fewer TP ranks")
+    head = _Head(float(temperature), tp_group, start, valid)
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    logp, entropy = _FusedLogProbs.apply(flat, weight, labels, head, with_entropy,
+                                         with_entropy and entropy_grad)
+    return {"logp": logp, "entropy": entropy} if with_entropy else {"logp": logp}

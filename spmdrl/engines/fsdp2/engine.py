@@ -15,7 +15,9 @@ file fills: a forward and backward per micro-batch, and ``weights.clip_grad_norm
 Positions: for ``input_ids`` [N, P+R] and ``response_mask`` [N, R], the model's
 outputs at positions P-1 .. P+R-2 predict the response tokens P .. P+R-1, so
 ``logp[:, j]`` scores response token j and ``values[:, j]`` is the value of the
-state before it (the same positions as the actor's log-probs).
+state before it (the same positions as the actor's log-probs). The actor's and
+reference's ``lm_head`` is the fused log-prob head (``lm_head.py``): the HF
+forward at those positions ends in log-probs and entropy, never in logits.
 
 Gradient scaling: a loss function divides its local sum by the global count of
 the mini-batch (``LossScale``), so the true gradient is the SUM over DP ranks
@@ -49,9 +51,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
+from spmdrl.engines.fsdp2.lm_head import install_fused_head
 from spmdrl.engines.fsdp2.lora import (
     AdaptersOff,
     LoraSpec,
+    adapts_lm_head,
     add_adapters,
     lora_spec,
     merge_adapters,
@@ -66,7 +70,6 @@ from spmdrl.engines.fsdp2.parallelize import (
     apply_tp,
 )
 from spmdrl.engines.fsdp2.weights import clip_grad_norm_, hf_name, iter_full_state, iter_unsharded_state
-from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.optim import build_optimizer, build_scheduler, optimizer_settings
 from spmdrl.precision import resolve_dtype, to_dtype
 
@@ -190,6 +193,8 @@ class FSDP2Engine(TrainEngine):
         self.lora_scaling: dict[str, float] = {}
         if lora is not None:
             self.lora_scaling = add_adapters(self.model, lora, seed, ("score.",) if role == "critic" else ())
+        if role in ("actor", "ref"):  # the forward ends in log-probs, never in [tokens x vocab] logits
+            install_fused_head(self.model)
         if self.tp_mesh is not None:
             apply_tp(self.model, self.tp_mesh)
         if gradient_checkpointing and role not in FROZEN:
@@ -236,8 +241,15 @@ class FSDP2Engine(TrainEngine):
         if p.tp > 1 and (lora_spec(cfg.model) or cfg.critic.lora_rank > 0):
             raise ValueError(f"LoRA (model.lora_rank / critic.lora_rank) with parallel.tp={p.tp}: adapters "
                              f"are not tensor-parallel yet; set parallel.tp: 1 (FSDP still shards the base)")
-        if cfg.model.lora_adapter_path:
-            read_adapter_config(cfg.model.lora_adapter_path)
+        spec = lora_spec(cfg.model)
+        if spec is not None:
+            key, targets = "model.target_modules", spec.target_modules
+            if spec.adapter_path:
+                key, targets = "model.lora_adapter_path's target_modules", \
+                    read_adapter_config(spec.adapter_path)["target_modules"]
+            if adapts_lm_head(targets, spec.exclude_modules):
+                raise ValueError(f"{key} {targets!r} puts a LoRA adapter on lm_head, but the fused log-prob "
+                                 f"kernel reads the LM head as one plain weight; leave lm_head out of it")
         if cfg.model.fused_kernels == "on" and p.tp > 1:
             raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
                              f"support tensor parallelism: set model.fused_kernels to auto or off")
@@ -358,10 +370,10 @@ class FSDP2Engine(TrainEngine):
             values = self.model(**kwargs, values_to_keep=resp + 1)  # [n, R+1]
             return {"values": values[:, :-1].float()}
         # The LM head runs only on the R positions that predict response tokens (not on the
-        # prompt, not past the end), and its [n, R, V] output comes out contiguous.
+        # prompt, not past the end).
         keep = torch.arange(ids.shape[1] - resp - 1, ids.shape[1] - 1, device=ids.device)
-        logits = self.model(**kwargs, use_cache=False, logits_to_keep=keep).logits  # [n, R, V]
-        return token_outputs(logits, ids[:, -resp:], self.temperature, with_entropy, entropy_grad)
+        with self.model.lm_head.scoring(ids[:, -resp:], self.temperature, with_entropy, entropy_grad):
+            return self.model(**kwargs, use_cache=False, logits_to_keep=keep).logits  # [n, R] each
 
     def _forward_packed(self, micro: Batch, with_entropy: bool, entropy_grad: bool
                         ) -> dict[str, torch.Tensor]:
@@ -374,9 +386,9 @@ class FSDP2Engine(TrainEngine):
         n, resp = micro["response_mask"].shape
         if self.role == "critic":
             return {"values": self.model(**kwargs, values_to_keep=packed.keep).view(n, resp).float()}
-        logits = self.model(**kwargs, use_cache=False, logits_to_keep=packed.keep).logits  # [1, n*R, V]
-        labels = micro["input_ids"][:, -resp:]  # [n, R]
-        return token_outputs(logits.view(n, resp, -1), labels, self.temperature, with_entropy, entropy_grad)
+        labels = micro["input_ids"][:, -resp:]  # [n, R], scored from the hidden states [1, n*R, H]
+        with self.model.lm_head.scoring(labels, self.temperature, with_entropy, entropy_grad):
+            return self.model(**kwargs, use_cache=False, logits_to_keep=packed.keep).logits  # [n, R] each
 
     def forward_no_grad(
         self, batch: Batch, micro_batch_size: int, with_entropy: bool = False,

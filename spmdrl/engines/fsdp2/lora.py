@@ -18,6 +18,7 @@ target_modules) and ``adapter_model.safetensors``; nothing pickled is ever loade
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -57,6 +58,16 @@ def lora_spec(model_cfg: Any) -> Optional[LoraSpec]:
 
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+def adapts_lm_head(target_modules: Modules, exclude_modules: Modules = None) -> bool:
+    """Whether peft would put an adapter on the module named ``lm_head`` (by its own matching rules)."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    config = LoraConfig(target_modules=target_modules, exclude_modules=exclude_modules)
+    hit = check_target_module_exists(config, "lm_head")  # True, a regex match, or a falsy / excluded marker
+    return hit is True or isinstance(hit, re.Match)
 
 
 def read_adapter_config(path: str) -> dict:

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 # Prefix torch's checkpoint wrapper puts into parameter names; export strips it to keep HF names.
@@ -43,8 +43,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     keeps ``heads / tp`` heads (the HF attention views with ``-1`` heads, so
     local head counts just work). Activations between blocks stay replicated,
     which keeps RMSNorm, rotary embeddings and the residual stream untouched.
-    Embeddings are split over the vocabulary and the LM head returns replicated
-    full logits, so log-probs and entropy are computed exactly as without TP.
+    Embeddings are split over the vocabulary, and so are the LM head's rows: the
+    fused head (``lm_head.FusedLMHead``) computes log-probs and entropy from its
+    local rows with all-reduces over the TP group (vocab-parallel), so no rank
+    ever holds full [tokens x vocabulary] logits.
     """
     tp = tp_mesh.size()
     cfg = model.config
@@ -70,10 +72,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(decoder, tp_mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate())})
     lm_head = getattr(model, "lm_head", None)
     if lm_head is not None:
-        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
         if getattr(cfg, "tie_word_embeddings", False):
-            # Both plans shard the [V, H] weight on dim 0, but each made its own DTensor: re-tie them.
-            model.lm_head.weight = decoder.embed_tokens.weight
+            # The embedding plan made a new [V, H] DTensor sharded on dim 0: the head's rows, re-tied.
+            lm_head.weight = decoder.embed_tokens.weight
+        else:  # rows over the TP ranks, and no input / output hooks: the fused head reads its local rows
+            lm_head.weight = nn.Parameter(distribute_tensor(lm_head.weight, tp_mesh, [Shard(0)]),
+                                          requires_grad=lm_head.weight.requires_grad)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

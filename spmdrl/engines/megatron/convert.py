@@ -171,7 +171,9 @@ def transformer_config(arch: HFArch, tp: int, pp: int, compute_dtype: torch.dtyp
 
 def build_gpt_model(arch: HFArch, config: "TransformerConfig", *, pre_process: bool, post_process: bool
                     ) -> nn.Module:
-    """GPTModel with Megatron's own layers (no Transformer Engine); logits gathered over TP (full vocab)."""
+    """GPTModel with Megatron's own layers (no Transformer Engine). Its last stage ends in the final hidden
+    states: the vocab head's forward is ``HeadWeight``'s (the engine applies the weight with the fused
+    log-prob kernel), the critic's is ``ValueHead``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -182,7 +184,6 @@ def build_gpt_model(arch: HFArch, config: "TransformerConfig", *, pre_process: b
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        parallel_output=False,
         share_embeddings_and_output_weights=arch.tie_word_embeddings and not arch.value_head,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
@@ -191,7 +192,30 @@ def build_gpt_model(arch: HFArch, config: "TransformerConfig", *, pre_process: b
         # GPTModel always builds its vocab head on the last stage; the critic swaps it for the value head
         # (the [V, H] shard is freed here), so Megatron's own forward and schedule run unchanged.
         model.output_layer = ValueHead(arch.hidden_size)
+    elif post_process:
+        model.output_layer = HeadWeight(model.output_layer.weight)
     return model
+
+
+class HeadWeight(nn.Module):
+    """``GPTModel.output_layer`` reduced to its weight: hidden [s, b, H] passes through, and the engine
+    applies this rank's [V_pad / tp, H] vocabulary rows with the fused log-prob kernel (vocab-parallel
+    under TP), so no [tokens x vocabulary] logits exist.
+
+    The parameter object is the ColumnParallelLinear's (None where the weight is the embedding's, tied on
+    one stage), under the same name ``output_layer.weight``: loading, export, the tied copy's gradient sum
+    and the TP attributes the gradient norm reads are unchanged.
+    """
+
+    def __init__(self, weight: nn.Parameter | None):
+        super().__init__()
+        self.register_parameter("weight", weight)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None,
+                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
+        # GPTModel._postprocess calls output_layer(hidden, weight=..., runtime_gather_output=...), takes
+        # (output, bias) and returns the output batch-first: [b, s, H].
+        return hidden, None
 
 
 class ValueHead(nn.Module):

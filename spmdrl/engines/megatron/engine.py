@@ -326,27 +326,35 @@ class MegatronEngine(TrainEngine):
         """Megatron's forward_step_func: one micro-batch through this stage, and its loss function."""
         micro = next(data)
         x = self._prepare(micro)
-        out = model(x["ids"], x["positions"], x["causal"])  # last stage: [n, L, V_pad]; others: hidden
+        out = model(x["ids"], x["positions"], x["causal"])  # [n, L, H] (critic's last stage: [n, L, 1])
         return out, partial(self._loss, micro, x, loss_fn, scale, with_entropy, entropy_grad)
 
     def _loss(self, micro: Batch, x: dict, loss_fn: LossFn | None, scale: LossScale | None,
-              with_entropy: bool, entropy_grad: bool, logits: torch.Tensor):
+              with_entropy: bool, entropy_grad: bool, out: torch.Tensor):
         """Last stage: per-token outputs, then the loss; Megatron's (loss, tokens, data) triple. With
         ``calculate_per_token_loss`` Megatron back-propagates the loss as is: ours already divides by
-        the mini-batch's global token count. A critic's "logits" are its values [n, L, 1]: value j is
-        read where the actor's logit j is (as FSDP2's critic), so values[:, j] scores response token j."""
+        the mini-batch's global token count. The actor's final hidden states [n, L, H] at the positions
+        that predict response tokens go through the fused log-prob kernel with this rank's vocabulary
+        rows (padded rows left out); a critic's values [n, L, 1] are read at the same positions (as
+        FSDP2's critic), so values[:, j] scores response token j."""
         if self.role == "critic":
-            outputs = {"values": logits[..., 0].gather(1, x["keep"]).float()}  # [n, R]
+            outputs = {"values": out[..., 0].gather(1, x["keep"]).float()}  # [n, R]
         else:
-            vocab = self.arch.vocab_size
-            keep = x["keep"][..., None].expand(-1, -1, logits.shape[-1])  # [n, R, V_pad]
-            picked = logits.gather(1, keep)[..., :vocab]  # [n, R, V]
-            outputs = token_outputs(picked, x["labels"], self.temperature, with_entropy, entropy_grad)
+            hidden = out.gather(1, x["keep"][..., None].expand(-1, -1, out.shape[-1]))  # [n, R, H]
+            outputs = token_outputs(hidden, self._head_weight(), x["labels"], self.temperature, with_entropy,
+                                    entropy_grad, tp_group=self.tp_group if self.tp > 1 else None,
+                                    vocab=self.arch.vocab_size)
         tokens = torch.zeros((), dtype=torch.int)
         if loss_fn is None:
-            return torch.zeros((), device=logits.device), tokens, outputs
+            return torch.zeros((), device=out.device), tokens, outputs
         loss, metrics = loss_fn(outputs, micro, scale)
         return loss, tokens, metrics
+
+    def _head_weight(self) -> torch.Tensor:
+        """This rank's [V_pad / tp, H] rows of the LM head: the embedding's where tied on one stage."""
+        m = self.model
+        return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights \
+            else m.output_layer.weight
 
     def _run_schedule(self, micros: list[Batch], forward_only: bool, **step_kw) -> list:
         """Micro-batches through Megatron's schedule; the last stage returns what ``_loss`` returned."""
