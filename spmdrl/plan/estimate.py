@@ -40,8 +40,9 @@ NO_GRAD_H, NO_GRAD_I = 6, 3
 # Eager attention (CPU's default up to 2048 tokens) keeps each row's [heads, S, S] scores in float32 and
 # bf16 (saved for backward in training); sdpa keeps none.
 EAGER_SCORE_BYTES = 6
-# The chunked log-prob kernel's float32 temporaries: a few [chunk, V] blocks (spmdrl/engines/logprobs.py).
-LOGPROB_CHUNK_ELEMENTS = 1 << 26
+# The fused log-prob kernel's temporaries (spmdrl/engines/logprobs.py): blocks of at most 2^22 logits,
+# two float32 buffers and one in the compute dtype, reused by every block; no [tokens x vocab] tensor.
+LOGPROB_CHUNK_ELEMENTS = 1 << 22
 LOGPROB_BLOCKS = 3
 # AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype; its foreach step makes one more such buffer
 # for the whole group at once (the denominator sqrt(v) + eps) when the backward's memory is free again.
@@ -100,7 +101,7 @@ def activations(shape: ModelShape, tokens: int, rows: int, s: Sizes, *, train: b
 
 
 def logprob_temporaries(shape: ModelShape, tokens: int, tp: int = 1) -> float:
-    """The LM head's log-prob kernel: float32 blocks of at most ``LOGPROB_CHUNK_ELEMENTS`` elements."""
+    """The LM head's fused log-prob kernel: blocks of at most ``LOGPROB_CHUNK_ELEMENTS`` logits."""
     vocab = shape.vocab / tp
     rows = max(1, min(tokens, LOGPROB_CHUNK_ELEMENTS // max(1, int(vocab))))
     return LOGPROB_BLOCKS * rows * vocab * 4
