@@ -15,8 +15,8 @@ parameters, its state and its result cross the process boundary as JSON
 (``spmdrl.sandbox.frames``): a tool's state must be plain data (dicts, lists,
 strings, numbers, booleans, None) and at most 16 MiB as JSON (``pool.MAX_REPLY_BYTES``).
 
-What each ``sandbox`` level isolates is in ``spmdrl.sandbox.confine`` and the
-README ("What the sandbox isolates"); the processes, clocks and replacement are
+What each ``sandbox`` level isolates is in ``spmdrl.sandbox.confine`` and
+docs/tools-and-sandbox.md ("What the sandbox isolates"); the processes, clocks and replacement are
 ``spmdrl.sandbox.pool.WorkerPool``, shared with reward scoring.
 """
 

@@ -144,16 +144,16 @@ class MultiTurnConfig:
     processes, CPU, file size), allowlisted environment, output captured, fresh temp directory. isolated:
     also new user/mount/network/PID namespaces (no network, read-only file system outside the work
     directory, the trainer's processes out of reach); refused where the kernel does not allow unprivileged
-    namespaces. README: "What the sandbox isolates"."""
+    namespaces. docs/tools-and-sandbox.md, "What the sandbox isolates"."""
 
 
 @dataclass
 class RolloutConfig:
     engine: str = "native"
     """Rollout engine: native (pure torch, KV cache, C++ decode kernels on CPU), vllm (in-process vLLM on
-    every rank, tensor parallel over parallel.rollout_tp ranks; install it as the README says), sglang
-    (one SGLang engine per rank or per rollout TP group, its scheduler in child processes; README, "SGLang
-    rollout") or hf (transformers generate, a baseline for debugging)."""
+    every rank, tensor parallel over parallel.rollout_tp ranks; install it as docs/engines.md says), sglang
+    (one SGLang engine per rank or per rollout TP group, its scheduler in child processes; docs/engines.md,
+    "SGLang rollout") or hf (transformers generate, a baseline for debugging)."""
     n: int = 8
     """Responses sampled per prompt."""
     temperature: float = 1.0
@@ -169,8 +169,8 @@ class RolloutConfig:
     calculate_log_probs: bool = True
     """Keep the rollout engine's log-probs of the sampled tokens (verl's key, whose default is false):
     rollout correction, its bypass mode and the training/rollout_*_diff metrics need them. false lets
-    the vLLM and SGLang engines skip them, which on a small model is a good part of decode time (README,
-    "vLLM rollout")."""
+    the vLLM and SGLang engines skip them, which on a small model is a good part of decode time
+    (docs/engines.md, "vLLM rollout")."""
     ignore_eos: bool = False
     """Keep sampling past EOS up to max_response_length (verl's rollout.ignore_eos): fixed-length work for
     benchmarks; the response mask then covers every generated token."""
@@ -195,7 +195,7 @@ class RolloutConfig:
     its sample index), so the same config draws the same samples on any world size, as the native and hf
     engines always do; per_engine seeds each engine once per call. null: per_response for vLLM, per_engine
     for SGLang, whose seeded sampling needs its deterministic inference (GPU attention backends only, and
-    batch-invariant kernels that cost speed); README, "The same run at any world size"."""
+    batch-invariant kernels that cost speed); docs/engines.md, "The same run at any world size"."""
     cudagraph_capture_sizes: Optional[list[int]] = None
     """vLLM on CUDA with graphs: the decode batch sizes to capture (verl's key; null: vLLM's own list)."""
     max_num_batched_tokens: int = 8192

