@@ -7,12 +7,15 @@
 Every projection, MLP, norm and the LM head then run on the valid tokens only (verl's
 ``use_remove_padding``). Attention is the one place that needs sequence boundaries: the model is
 loaded with ``attn_implementation=packed_attention(inner)``, a transformers attention function
-registered here that scatters the packed q/k/v into [sequences, heads, longest, dim] (right-padded,
-so a causal mask is exactly the per-sequence mask), runs the model's own ``inner`` kernel (eager or
-sdpa) and gathers the valid rows back. Its cost is sequences x longest^2, never the packed length
-squared that one block-diagonal [T, T] mask would cost. The boundaries come from transformers'
-flash-attention kwargs (``cu_seq_lens_q``, ``max_length_q``), which the model passes to every
-attention call.
+registered here that scatters the packed q/k/v into [sequences, heads, longest, dim] blocks
+(right-padded, so a causal mask is exactly the per-sequence mask), runs the model's own ``inner`` kernel
+(eager or sdpa) on each and gathers the valid rows back. Sequences go into length buckets (``_layout``:
+sorted by length, a new bucket where a sequence is under half its bucket's longest), each padded to its
+own longest, so the cost is about the sum of the squared lengths, never sequences x the longest^2 (on
+long-tailed prompts that was most of a forward, and the padded path's cost too) nor the packed length
+squared of one block-diagonal [T, T] mask. The boundaries come from transformers' flash-attention kwargs
+(``cu_seq_lens_q``), which the model passes to every attention call; the buckets are worked out once per
+forward, not per layer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from spmdrl.batch import Batch
+from spmdrl.engines.fsdp2.attention import eager
 
 _PREFIX = "spmdrl_packed_"
 
@@ -75,47 +79,69 @@ def pack(micro: Batch) -> Packed:
     )
 
 
-def _pad_index(cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, column) of every packed token; [T] each."""
+@dataclass
+class _Bucket:
+    """Sequences of similar length, right-padded to the longest of them: [n, longest]."""
+
+    tokens: torch.Tensor  # [t] packed indices of the bucket's tokens
+    slots: torch.Tensor  # [t] where each lands in the flattened [n * longest] block
+    n: int
+    longest: int
+
+
+_LAYOUT: list = [None, None]  # (cu_seqlens of the forward in progress, its buckets): reused by every layer
+
+
+def _layout(cu: torch.Tensor) -> list[_Bucket]:
+    """The length buckets of the sequences that ``cu`` [n+1] bounds (module docstring)."""
+    if _LAYOUT[0] is cu:
+        return _LAYOUT[1]
     lengths = (cu[1:] - cu[:-1]).long()
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), lengths)
-    col = torch.arange(int(cu[-1]), device=cu.device) - cu[:-1].long()[seq]
-    return seq, col
-
-
-def _eager(module, query, key, value, mask, scaling, dropout, **kwargs):
-    """transformers' eager attention (matmul, float32 softmax) with an additive mask; [n, longest, H, D]."""
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling + mask
-    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2), None
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    sizes = lengths.tolist()
+    groups: list[list[int]] = []
+    for i in order:
+        if not groups or 2 * sizes[i] < sizes[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(i)
+    buckets = []
+    for g in groups:
+        seqs = torch.tensor(g, device=cu.device)
+        lens = lengths[seqs]  # [n_b]
+        row = torch.repeat_interleave(torch.arange(len(g), device=cu.device), lens)  # [t]
+        col = torch.arange(int(lens.sum()), device=cu.device) - F.pad(lens.cumsum(0), (1, 0))[:-1][row]
+        tokens = cu[:-1].long()[seqs][row] + col
+        longest = int(lens[0])
+        buckets.append(_Bucket(tokens, row * longest + col, len(g), longest))
+    _LAYOUT[:] = [cu, buckets]
+    return buckets
 
 
 def _packed_attention_fn(inner: str):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    kernel = _eager if inner == "eager" else sdpa_attention_forward
+    kernel = eager if inner == "eager" else sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
-                  cu_seq_lens_q, max_length_q, **kwargs):
-        # query [1, H, T, D], key / value [1, Hkv, T, D] -> [n, H(kv), longest, D], right-padded
-        seq, col = _pad_index(cu_seq_lens_q)
-        n = len(cu_seq_lens_q) - 1
+                  cu_seq_lens_q, **kwargs):
+        # query [1, H, T, D], key / value [1, Hkv, T, D]; each bucket as [n, H(kv), longest, D], right-padded
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H(kv), D]
+        out = q.new_empty(q.shape)  # [T, H, D]
+        for b in _layout(cu_seq_lens_q):
 
-        def unpack(x: torch.Tensor) -> torch.Tensor:
-            out = x.new_zeros(n, x.shape[1], max_length_q, x.shape[3])
-            out[seq, :, col] = x[0].transpose(0, 1)  # [T, H, D] into [n, H, longest, D]
-            return out
+            def unpack(x: torch.Tensor) -> torch.Tensor:
+                block = x.new_zeros(b.n * b.longest, x.shape[1], x.shape[2])
+                block.index_copy_(0, b.slots, x[b.tokens])
+                return block.view(b.n, b.longest, x.shape[1], x.shape[2]).transpose(1, 2)
 
-        mask = None
-        if inner == "eager":  # an additive causal mask; sdpa is causal without one
-            mask = torch.full((max_length_q, max_length_q), torch.finfo(query.dtype).min,
-                              dtype=query.dtype, device=query.device).triu_(1)[None, None]
-        out, _ = kernel(module, unpack(query), unpack(key), unpack(value), mask, scaling=scaling,
-                        dropout=dropout, is_causal=True)  # [n, longest, H, D]
-        return out[seq, col][None], None  # [1, T, H, D]
+            mask = None
+            if inner == "eager":  # an additive causal mask; sdpa is causal without one
+                mask = torch.full((b.longest, b.longest), torch.finfo(query.dtype).min,
+                                  dtype=query.dtype, device=query.device).triu_(1)[None, None]
+            o, _ = kernel(module, unpack(q), unpack(k), unpack(v), mask, scaling=scaling, dropout=dropout,
+                          is_causal=True)  # [n, longest, H, D]
+            out = out.index_copy(0, b.tokens, o.reshape(b.n * b.longest, *o.shape[2:])[b.slots])
+        return out[None], None  # [1, T, H, D]
 
     return attention
 
