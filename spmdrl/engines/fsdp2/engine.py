@@ -50,7 +50,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
-from spmdrl.engines.fsdp2.attention import lean_eager
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.fsdp2.lm_head import install_fused_head
 from spmdrl.engines.fsdp2.lora import (
@@ -182,8 +181,6 @@ class FSDP2Engine(TrainEngine):
         self.remove_padding = remove_padding
         if remove_padding:
             attn_implementation = packed_attention(attn_implementation)
-        elif attn_implementation == "eager":  # the same kernel, one saved copy of the scores (attention.py)
-            attn_implementation = lean_eager()
         self.max_grad_norm = max_grad_norm
         self.global_step = 0
         dtype, mp_param, mp_reduce = _mixed_precision(role, to_dtype(dtype), param_dtype, reduce_dtype)

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from spmdrl.batch import Batch
-from spmdrl.engines.fsdp2.attention import eager
 
 _PREFIX = "spmdrl_packed_"
 
@@ -117,10 +116,20 @@ def _layout(cu: torch.Tensor) -> list[_Bucket]:
     return buckets
 
 
+def _eager(module, query, key, value, mask, scaling, dropout, **kwargs):
+    """transformers' eager attention (matmul, float32 softmax) with an additive mask; [n, longest, H, D]."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling + mask
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2), None
+
+
 def _packed_attention_fn(inner: str):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    kernel = eager if inner == "eager" else sdpa_attention_forward
+    kernel = _eager if inner == "eager" else sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
                   cu_seq_lens_q, **kwargs):
