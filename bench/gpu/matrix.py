@@ -311,7 +311,7 @@ def run_cell(shape: str, cell: str, a: argparse.Namespace, ctx: dict[str, Any]) 
 
 
 def table(cells: list[dict[str, Any]]) -> str:
-    """The cells as a Markdown table (what the README's measured table is made of)."""
+    """The cells as a Markdown table (what docs/gpu.md's measured table is made of)."""
     alone = {c["shape"]: c["vllm_alone"]["decode_tokens_per_s"] for c in cells if c.get("vllm_alone")}
     head = ("| shape | cell | rc | tokens/s/GPU | s/step | rollout s | update s | sync s | other s "
             "| offload s | sync GB/s | peak GB | planned GB | NVML GB | peak / larger phase "
