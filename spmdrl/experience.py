@@ -33,7 +33,7 @@ from spmdrl.batch import Batch, from_generation, place_scores
 from spmdrl.errors import ConfigError
 from spmdrl.parallel import rollout_tp_rank
 from spmdrl.rollout import rollout_engine_class
-from spmdrl.rollout.base import SamplingParams, eos_ids_from_folder
+from spmdrl.rollout.base import SamplingParams, eos_ids_from_folder, sleep_level
 from spmdrl.rollout.sampling import response_key
 from spmdrl.rollout.session import RolloutSession
 
@@ -88,7 +88,7 @@ class Experience:
         agent = ToolAgent.from_config(cfg, tokenizer, eos_ids) if cfg.rollout.multi_turn.enable else None
         # Colocated, the engine sleeps after each awake window unless rollout.free_cache_engine keeps it
         # awake.
-        session = RolloutSession(engine, export_weights, sleep_level=cfg.rollout.sleep_level,
+        session = RolloutSession(engine, export_weights, sleep_level=sleep_level(cfg, device.type),
                                  colocate=cfg.trainer.colocate and cfg.rollout.free_cache_engine,
                                  tp_rank=rollout_tp_rank(dims.rollout_mesh), tp=dims.rollout_tp)
         needs_baseline = bool(ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_baseline"))
@@ -136,6 +136,13 @@ class Experience:
             extras.update(result.extra)
         self._check_failures(result.errors, len(batch))
         return result.metrics
+
+    def join_score(self) -> None:
+        """Take part in ``score``'s collectives with no rows: a rank whose share of a validation batch is
+        empty (a reward model's forward, the all-failed check), so that the others are not left waiting."""
+        if self.rewards.collective:
+            self.rewards.join_collectives()
+        self._check_failures([], 0)
 
     def _check_failures(self, errors: list[str], rows: int) -> None:
         """A reward function that failed on every response (over all ranks) would train on zero reward:

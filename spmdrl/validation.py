@@ -211,13 +211,12 @@ def validation_metrics(exp: "Experience", loader: Optional["ValidationLoader"]) 
     infos: dict[str, list[Any]] = defaultdict(list)
     with exp.session.awake():  # one wake for every validation batch
         for prompts in loader:
-            if not prompts:
-                if exp.rewards.collective:
-                    exp.rewards.join_collectives()  # e.g. a reward model's forward: take part with 0 rows
+            # A rank with no prompts, or an empty TP share of a last, short batch, still takes part in the
+            # scoring's collectives (a reward model's forward, the all-failed check).
+            batch = exp.generate(prompts, sampling, VALIDATION_STREAM) if prompts else None
+            if batch is None or not len(batch):
+                exp.join_score()
                 continue
-            batch = exp.generate(prompts, sampling, VALIDATION_STREAM)
-            if not len(batch) and not exp.rewards.collective:  # a TP share of a last, short batch can be
-                continue  # empty; a collective source (a reward model) must still score it on every rank
             extras: dict[str, list] = {}
             exp.score(batch, extras)
             before = len(sources)
