@@ -20,8 +20,6 @@ temporaries), the figure the memory plan predicts, at some cost in time.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import math
 import os
@@ -34,6 +32,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from spmdrl import heap
 from spmdrl.checkpoint.layout import replace_atomically
 
 GB = 1024**3
@@ -45,22 +44,6 @@ def _rss_peak_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> Optional[ctypes.CDLL]:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to trim
-        return None
-
-
-def trim_heap() -> None:
-    """Give the heap's free pages back to the OS (glibc ``malloc_trim``), so the resident set is what is
-    live: glibc keeps freed chunks below its (self-raising, up to 32 MB) mmap threshold in the heap."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 def _reset_rss_peak() -> bool:
@@ -95,7 +78,7 @@ class PhaseTimer:
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             if self.exact_memory:
-                trim_heap()
+                heap.trim()
             _reset_rss_peak()
 
     def _peak_gb(self) -> float:

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from spmdrl import heap
 from spmdrl.checkpoint.run_folder import OutputLock
 from spmdrl.checkpoint.watchdog import collective_timeout_s
 from spmdrl.config import output_dir
@@ -60,6 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finished, code, world_size = False, 0, 1
     try:
         device_type = resolve_device_type(cfg.trainer.device)
+        if device_type == "cpu":  # freed activations go back to the OS instead of a fragmented heap
+            heap.return_large_frees()
         _, world_size = init_distributed(device_type, collective_timeout_s(cfg.trainer.hang_timeout_s))
         dims = ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build()
         run(cfg, dims, plan)
