@@ -180,8 +180,11 @@ class RolloutConfig:
     """The native engine's C++ decode kernels (RMSNorm and attention; built with g++ and ninja on first
     use, ~20 s, then cached). auto: used on CPU for float32/bfloat16 when they build; on: error if they
     cannot; off: torch ops only. Ignored by the other engines."""
-    sleep_level: Literal[1, 2] = 1
-    """Sleep between rollouts: 1 frees the KV cache and offloads weights, 2 frees both."""
+    sleep_level: Optional[Literal[1, 2]] = None
+    """Sleep between rollouts: 1 frees the KV cache and offloads weights, 2 frees both. null: 2 on CPU, where
+    level 1 keeps the engine's weights in the same host memory all through training while the next wake
+    loads the trained weights anyway (about one model copy in rollout.dtype less at the update's peak); 1
+    on a GPU."""
     gpu_memory_utilization: Optional[float] = None
     """Fraction of device memory vLLM (SGLang: mem_fraction_static) may take for weights, activations and KV
     cache (verl's key). null: the memory plan gives it what training leaves free while rollout runs, at

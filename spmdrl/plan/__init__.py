@@ -10,11 +10,13 @@ micro-batch sizes and token budgets, prompt and response lengths, n, LoRA, the r
 settings (each backend says how it lays out a model, ``TrainEngine.layout``, and what its rollout engine
 holds, ``RolloutEngine.memory``), the offload keys, and the memory one rank may use
 (``budget.py``). Output: per phase (rollout, weight sync, old log-probs, reference, values, update) the
-bytes of each component (``phases.py``), and three decisions, each printed with its reason:
+bytes of each component (``phases.py``), and its decisions, each printed with its reason:
 
 - ``trainer.offload: auto``: the actor's and critic's optimizer state leave the device while rollout runs
   only when rollout does not fit next to it (never on CPU, where the device is the host);
 - ``model.enable_gradient_checkpointing: auto``: on only when the update does not fit without it;
+- ``rollout.sleep_level: null``: 2 on CPU, where level 1 would keep the engine's weights in the same
+  memory through training, 1 on a GPU (``rollout.base.sleep_level``);
 - ``rollout.gpu_memory_utilization: null``: vLLM / SGLang on a GPU get what training leaves free while
   rollout runs (at most 0.9 of the device).
 

@@ -1,4 +1,4 @@
-"""The plan's three decisions, each with the one line that says why (see ``spmdrl.plan``).
+"""The plan's decisions, each with the one line that says why (see ``spmdrl.plan``).
 
     offload, checkpointing, kv_fraction, lines = decide(cfg, phases, budget, "cuda", engine, total, 0.1, 0.9)
 
@@ -50,9 +50,23 @@ def decide(cfg: "Config", phases: Phases, budget: float, device_type: str, engin
                          f"the optimizer state resident, {limit / GB:.2f} GB fit")
     else:
         lines.append(f"offload {'on' if offload else 'off'}: trainer.offload is {cfg.trainer.offload}")
+    if cfg.trainer.colocate and cfg.rollout.free_cache_engine:
+        lines.append(_sleep_line(cfg, device_type))
     kv_fraction = _kv_fraction(cfg, phases(offload, checkpointing)["rollout"], engine, device_type, total,
                                margin, max_fraction, lines)
     return offload, checkpointing, kv_fraction, lines
+
+
+def _sleep_line(cfg: "Config", device_type: str) -> str:
+    from spmdrl.rollout.base import sleep_level
+
+    level = sleep_level(cfg, device_type)
+    if cfg.rollout.sleep_level is not None:
+        return f"rollout sleep level {level}: rollout.sleep_level is {level}"
+    if device_type == "cpu":
+        return (f"rollout sleep level {level}: on CPU level 1 would keep the engine's weights in the same "
+                "memory while training runs, and the next rollout loads the trained weights anyway")
+    return f"rollout sleep level {level}: the engine's weights wait in host memory while training runs"
 
 
 def _kv_fraction(cfg: "Config", rollout: dict[str, float], engine: "EngineMemory", device_type: str,

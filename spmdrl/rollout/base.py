@@ -180,6 +180,14 @@ def engine_rows(cfg: "Config", rollout_dp: int) -> int:
     return max(min(-(-batch // rollout_dp), max(1, r.max_num_seqs // n)) * n for batch, n in calls)
 
 
+def sleep_level(cfg: "Config", device_type: str) -> int:
+    """rollout.sleep_level, with null resolved for the device: 2 on CPU (level 1 would keep the weights in
+    the same memory while training runs, and each wake after an update loads new ones anyway), else 1."""
+    if cfg.rollout.sleep_level is not None:
+        return cfg.rollout.sleep_level
+    return 2 if device_type == "cpu" else 1
+
+
 # Engines that run one whole model per rank refuse rollout TP with this sentence.
 TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the native and hf rollout engines run one engine per "
                   "rank; rollout tensor parallelism needs an engine that shards (set parallel.rollout_tp: 1)")
@@ -250,7 +258,7 @@ class RolloutEngine(abc.ABC):
         seq = cfg.data.max_prompt_length + cfg.data.max_response_length
         weights = shape.params * b / rollout_tp
         kv = rows * seq * shape.kv_bytes_per_token(b) / rollout_tp
-        kept = weights if cfg.rollout.sleep_level == 1 and device_type == "cpu" else 0.0
+        kept = weights if sleep_level(cfg, device_type) == 1 and device_type == "cpu" else 0.0
         asleep = kept if cfg.trainer.colocate and cfg.rollout.free_cache_engine else weights + kv
         return EngineMemory(weights=weights, kv_cache=kv, temporaries=rows * shape.vocab * SAMPLING_BYTES,
                             asleep=asleep, sync=shape.vocab * shape.hidden * b / rollout_tp)
