@@ -32,8 +32,8 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from spmdrl import heap
 from spmdrl.checkpoint.layout import replace_atomically
+from spmdrl.plan import heap
 
 GB = 1024**3
 

@@ -23,7 +23,6 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from spmdrl import heap
 from spmdrl.checkpoint.run_folder import OutputLock
 from spmdrl.checkpoint.watchdog import collective_timeout_s
 from spmdrl.config import output_dir
@@ -31,7 +30,7 @@ from spmdrl.config.checks import validate_config
 from spmdrl.config.parse import exit_with, parse_config
 from spmdrl.errors import ConfigError
 from spmdrl.parallel import resolve_device_type
-from spmdrl.plan import make_plan
+from spmdrl.plan import heap, make_plan
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -32,13 +32,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as err:
         exit_with(err, debug, prog="spmdrl.sft")
 
-    from spmdrl import heap
     from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
+    from spmdrl.plan import heap
     from spmdrl.sft.loop import run
     from spmdrl.train import teardown
 
     device_type = resolve_device_type(cfg.trainer.device)
-    if device_type == "cpu":  # as spmdrl.train: freed activations go back to the OS (spmdrl/heap.py)
+    if device_type == "cpu":  # as spmdrl.train: freed activations go back to the OS (spmdrl/plan/heap.py)
         heap.return_large_frees()
     rank, world_size = init_distributed(device_type)
     finished, code = False, 0
