@@ -68,7 +68,9 @@ def rollout_gap_metrics(logp: torch.Tensor, rollout_logp: torch.Tensor,
     """The rollout-vs-training diagnostics of one micro-batch, from the training forward itself (the loop
     computes them batch-wide when it has old_logp). The engine averages them over micro-batches and
     ranks, so batch-wide extremes are left out."""
-    _, _, metrics = rollout_correction(logp, rollout_logp, mask)
+    # This rank's rows only (group None: no collective): under token budgets ranks run different numbers
+    # of micro-batches, and a collective here hung the update (the combination matrix's ppo case).
+    _, _, metrics = rollout_correction(logp, rollout_logp, mask, group=None)
     return {k: v for k, v in metrics.items() if not k.endswith(("_max", "_min"))}
 
 

@@ -15,7 +15,9 @@ pi_train, so the update ignores that the tokens came from pi_rollout.
 - ``rollout_token_veto_threshold``: a response holding any token with rho below it leaves the loss.
 
 Every statistic is batch-wide: local sums are all-reduced over ``group``, so one rank and k ranks
-log the same numbers. Ratios are exponentiated inside exp(+-20), as verl does.
+log the same numbers; ``group=None`` keeps them to this rank's rows, with no collective (a
+micro-batch's diagnostics inside the loss, where ranks may run different numbers of micro-batches).
+Ratios are exponentiated inside exp(+-20), as verl does.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class _Stats:
                            (self.mins, dist.ReduceOp.MIN)):
             keys = sorted(values)
             t = torch.stack([values[k] for k in keys]) if keys else torch.zeros(0, dtype=torch.float64)
-            if keys and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            if keys and self.group is not None and dist.get_world_size(self.group) > 1:
                 dist.all_reduce(t, op=op, group=self.group)
             out.append(dict(zip(keys, t.tolist())))
         return out[0], out[1], out[2]

@@ -126,3 +126,23 @@ def test_masked_mean_gradient_flows_through_the_local_share():
     g0, g1 = spawn(_grad_rank, 2)
     torch.testing.assert_close(torch.tensor(g0), torch.tensor([[1.0, 1.0], [1.0, 0.0]]) / 7)
     torch.testing.assert_close(torch.tensor(g1), torch.ones(2, 2) / 7)
+
+
+def _uneven_micro_batches(rank: int, world_size: int) -> int:
+    """Rank 0 measures the rollout gap of 3 micro-batches, rank 1 of 1, as under token budgets; then both
+    meet in one all-reduce, which a collective inside the measurement would have paired wrongly."""
+    import torch
+
+    from spmdrl.objectives import rollout_gap_metrics
+
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3 if rank == 0 else 1):
+        logp = -torch.rand(2, 4, generator=g)
+        rollout_gap_metrics(logp, logp - 0.01, torch.ones(2, 4))
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def test_rollout_gap_metrics_take_no_collective() -> None:
+    assert spawn(_uneven_micro_batches, 2) == [3, 3]
