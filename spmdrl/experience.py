@@ -87,9 +87,10 @@ class Experience:
         )
         agent = ToolAgent.from_config(cfg, tokenizer, eos_ids) if cfg.rollout.multi_turn.enable else None
         # Colocated, the engine sleeps after each awake window unless rollout.free_cache_engine keeps it
-        # awake.
+        # awake; a split placement's rollout rank has nothing to make room for.
         session = RolloutSession(engine, export_weights, sleep_level=sleep_level(cfg, device.type),
-                                 colocate=cfg.trainer.colocate and cfg.rollout.free_cache_engine,
+                                 colocate=cfg.trainer.colocate and cfg.rollout.free_cache_engine
+                                 and not dims.split,
                                  tp_rank=rollout_tp_rank(dims.rollout_mesh), tp=dims.rollout_tp)
         needs_baseline = bool(ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_baseline"))
         return cls(cfg, session, rewards, timer=timer, group=dims.batch_group, agent=agent,

@@ -66,8 +66,8 @@ class Run:
     tokenizer: Any
     train_loader: PromptLoader
     val_loader: Optional[ValidationLoader]
-    experience: Experience  # rollout session, agent and reward sources
-    actor: TrainEngine
+    experience: Optional[Experience]  # rollout session, agent, reward sources (None: a split training rank)
+    actor: Optional[TrainEngine]  # None: a rollout rank under split placement (spmdrl/split.py)
     ref: Optional[LogProbSource]
     critic: Optional[TrainEngine]
     kl_ctrl: Any
@@ -92,6 +92,11 @@ class Run:
     @property
     def trained(self) -> list[TrainEngine]:
         return [e for e in (self.actor, self.critic) if e is not None]
+
+    @property
+    def world(self) -> int:
+        """Ranks the batch is sharded over (the world; under split placement, this rank's role's ranks)."""
+        return dist.get_world_size(self.group)
 
 
 def _engines(cfg: Config, dims: ParallelDims, device: torch.device, total_steps: int
@@ -123,22 +128,27 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
                              dims.device_type)
     cfg = resolve_builtins(plan.apply(user_cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-    rollout_rank, _ = rollout_coords(dims.rollout_mesh)
+    # Under split placement a rank either generates or trains (dims.generates / dims.trains); a training
+    # rank still reads the data's length, so both roles count the same steps.
+    generates, trains = dims.generates(rank), dims.trains(rank)
+    rollout_rank = rollout_coords(dims.rollout_mesh)[0] if generates else 0
     train_loader, val_loader = build_loaders(cfg, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp)
     # A user's reward file is imported here, so its errors stop the run before the models load.
-    rewards = build_rewards(cfg, dims, device, tokenizer)
+    rewards = build_rewards(cfg, dims, device, tokenizer) if generates else None
     total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * train_loader.steps_per_epoch
     precision, emulated = precision_summary(cfg.actor.param_dtype, cfg.rollout.dtype, device.type)
     if emulated and rank == 0:
         log.warning("bfloat16 was asked for but this %s has no native bf16: bf16 matmuls are emulated, %s; "
                     "the default (auto) picks float32 here", device.type.upper(), EMULATED_BF16_SLOWDOWN)
-    actor, ref, critic = _engines(cfg, dims, device, total_steps)
+    actor, ref, critic = _engines(cfg, dims, device, total_steps) if trains else (None, None, None)
     watchdog = Watchdog(cfg.trainer.hang_timeout_s, rank, dims.world_size)
     timer = PhaseTimer(device, on_phase=watchdog.beat, exact_memory=cfg.trainer.exact_memory)
     # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
     rollout_dtype = resolve_dtype(cfg.rollout.dtype, device.type)
-    experience = Experience.from_config(cfg, dims, device, tokenizer, rewards, timer,
-                                        export_weights=lambda: actor.export_weights(rollout_dtype))
+    experience = None
+    if generates:  # split placement: the weights come from the training ranks (spmdrl/split.py)
+        experience = Experience.from_config(cfg, dims, device, tokenizer, rewards, timer,
+                                            export_weights=lambda: actor.export_weights(rollout_dtype))
     print(_summary(rank, dims, device, cfg.model.path, actor, precision), flush=True)
     kc = cfg.algorithm.kl_ctrl
     return Run(
@@ -152,14 +162,16 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
     )
 
 
-def _summary(rank: int, dims: ParallelDims, device: torch.device, model_path: str, actor: TrainEngine,
-             precision: str) -> str:
+def _summary(rank: int, dims: ParallelDims, device: torch.device, model_path: str,
+             actor: Optional[TrainEngine], precision: str) -> str:
     c = dims.coords(rank)
-    return (
-        f"[rank {rank}/{dims.world_size}] train mesh pp={c['pp']} dp_replicate={c['dp_replicate']} "
-        f"dp_shard={c['dp_shard']} tp={c['tp']} | rollout mesh dp={c['rollout_dp']} tp={c['rollout_tp']} | "
-        f"device {device} | actor {actor.num_params() / 1e6:.2f}M params from {model_path} | {precision}"
-    )
+    train = (f"train mesh pp={c['pp']} dp_replicate={c['dp_replicate']} dp_shard={c['dp_shard']} tp={c['tp']}"
+             if dims.trains(rank) else "rollout only")
+    rollout = (f"rollout mesh dp={c['rollout_dp']} tp={c['rollout_tp']}" if dims.generates(rank)
+               else "training only")
+    model = f"actor {actor.num_params() / 1e6:.2f}M params" if actor is not None else "rollout engine"
+    return f"[rank {rank}/{dims.world_size}] {train} | {rollout} | device {device} | {model} from " \
+           f"{model_path} | {precision}"
 
 
 def _budget(use_dynamic_bsz: bool, max_token_len: int) -> Optional[int]:
@@ -171,7 +183,6 @@ def train_step(r: Run) -> tuple[dict[str, float], float]:
     """One GRPO/PPO step on this rank's share of the batch: (this rank's metrics, its tokens); every
     piece of work in a phase (``finish_step`` reduces them and closes the step's timing window)."""
     cfg, t = r.cfg, r.timer
-    a, ref = cfg.actor, cfg.ref
     with t.phase("data"):
         prompts = next(r.train_loader)
     r.experience.step = r.step + 1  # the step this experience trains, part of its sampling keys
@@ -190,10 +201,22 @@ def train_step(r: Run) -> tuple[dict[str, float], float]:
             dump_generations(batch, r.tokenizer, r.step + 1, folder, r.group)
 
     metrics.update(batch_metrics(batch))
+    learned, tokens = learn(r, batch, bypass=cfg.algorithm.rollout_correction.bypass_mode)
+    r.experience.session.actor_changed()
+    return {**metrics, **learned}, tokens
+
+
+def learn(r: Run, batch, *, bypass: bool) -> tuple[dict[str, float], float]:
+    """Everything a step does with a scored batch of this rank's share: balance, old / reference log-probs,
+    values, advantages, then the critic's and the actor's updates; (its metrics, the tokens this rank
+    trained on). ``bypass``: the PPO ratio is taken against the rollout's own log-probs
+    (``rollout_correction.bypass_mode``; split placement's off-policy batches)."""
+    cfg, t, metrics = r.cfg, r.timer, {}
+    a, ref = cfg.actor, cfg.ref
     kept_mask, rc = None, cfg.algorithm.rollout_correction
     mini = _mini_rows(r, cfg.actor.ppo_mini_batch_size)  # the actor's rows per rank per optimizer step
     critic_mini = _mini_rows(r, cfg.critic.ppo_mini_batch_size)
-    if cfg.trainer.balance_batch and r.dims.world_size > 1:
+    if cfg.trainer.balance_batch and r.world > 1:
         with t.phase("balance"):
             # Groups move within slots inside one actor and one critic mini-batch: neither update changes.
             slot = balance_slot([mini, critic_mini] if r.critic is not None else [mini])
@@ -203,7 +226,7 @@ def train_step(r: Run) -> tuple[dict[str, float], float]:
     # its own forward (objectives.py), unless something before the update needs the actor's log-probs.
     one_pass = cfg.actor.ppo_epochs == 1 and mini >= len(batch)
     with t.phase("old_logp"):
-        if rc.bypass_mode:  # the PPO ratio is taken against the rollout policy itself
+        if bypass:  # the PPO ratio is taken against the rollout policy itself
             batch["old_logp"] = batch["rollout_logp"]
         elif not one_pass or cfg.algorithm.use_kl_in_reward or rc.corrects:
             batch["old_logp"] = r.actor.forward_no_grad(
@@ -240,7 +263,6 @@ def train_step(r: Run) -> tuple[dict[str, float], float]:
             batch, r.actor_loss, mini, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_epochs,
             entropy_grad=cfg.actor.entropy_coeff != 0,
             max_token_len=_budget(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu)))
-        r.experience.session.actor_changed()
     return metrics, float(batch["attention_mask"].sum())
 
 
@@ -259,7 +281,7 @@ def finish_step(r: Run, metrics: dict[str, float], tokens: float) -> dict[str, f
 
 def _mini_rows(r: Run, ppo_mini_batch_size: int) -> int:
     """Rows per rank of one optimizer step: ``ppo_mini_batch_size`` prompts x n over the world."""
-    return ppo_mini_batch_size * r.cfg.rollout.n // r.dims.world_size
+    return ppo_mini_batch_size * r.cfg.rollout.n // r.world
 
 
 def _rollout_correction(r: Run, batch) -> tuple[Optional[torch.Tensor], dict[str, float]]:
@@ -300,11 +322,11 @@ def _advantages(r: Run, batch) -> dict[str, float]:
 
 def _reduce(r: Run, metrics: dict[str, float], tokens: float) -> dict[str, float]:
     """Metrics over ranks, each rank's peak memory, and the world's throughput."""
-    peaks = _gather_float(metrics["memory/overall_peak_gb"])
+    peaks = _gather_float(metrics["memory/overall_peak_gb"], r.group)
     metrics = reduce_metrics(metrics, r.group)
     metrics.update({f"memory/rank{i}_overall_peak_gb": p for i, p in enumerate(peaks)})
     # Throughput is a world-wide sum: every rank's tokens over the slowest rank's step time.
-    metrics["perf/tokens_per_s"] = tokens * r.dims.world_size / metrics["timing/step"]
+    metrics["perf/tokens_per_s"] = tokens * r.world / metrics["timing/step"]
     return metrics
 
 
@@ -315,11 +337,11 @@ def _global_rows(r: Run, batch) -> int:
     return int(rows.item())
 
 
-def _gather_float(value: float) -> list[float]:
-    """One float from every rank, in rank order."""
-    out = torch.zeros(dist.get_world_size(), dtype=torch.float64)
-    out[dist.get_rank()] = value
-    dist.all_reduce(out)
+def _gather_float(value: float, group: dist.ProcessGroup) -> list[float]:
+    """One float from every rank of ``group``, in rank order."""
+    out = torch.zeros(dist.get_world_size(group), dtype=torch.float64)
+    out[dist.get_rank(group)] = value
+    dist.all_reduce(out, group=group)
     return out.tolist()
 
 
@@ -363,8 +385,29 @@ def _step(r: Run, ckpt: CheckpointManager, sink: MetricsSink, preemption: Preemp
     return True
 
 
+def open_output(r: Run, resumed: bool) -> MetricsSink:
+    """The run folder on rank 0 (a fresh start sets an earlier run's files aside, never overwrites them;
+    config.yaml and plan.json) and the metrics sink of every rank (rank 0 writes)."""
+    cfg = r.cfg
+    if r.rank == 0:
+        r.out_dir.mkdir(parents=True, exist_ok=True)
+        if not resumed:
+            dump = cfg.trainer.rollout_data_dir
+            set_aside_earlier_run(r.out_dir, also=(Path(dump).parts[0],) if dump else ())
+        (r.out_dir / "config.yaml").write_text(r.config_text)
+        (r.out_dir / "plan.json").write_text(json.dumps(r.plan.summary(), indent=1) + "\n")
+    return MetricsSink(r.out_dir, cfg.trainer.logger, r.total_steps, rank=r.rank,
+                       progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
+                       experiment=cfg.trainer.experiment_name, config=asdict(cfg), initial_step=r.step,
+                       name=cfg.algorithm.adv_estimator)
+
+
 def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
     r = build(cfg, dims, plan)
+    if dims.split:  # rollout and training on their own ranks, overlapped (spmdrl/split.py)
+        from spmdrl.split import run_split
+
+        return run_split(r)
     preemption = Preemption()  # SIGTERM/SIGUSR1 handlers: checkpoint and stop at the next step boundary
     # What a checkpoint holds; each part declares how it is stored (spmdrl/checkpoint/manager.py).
     parts = {"actor": r.actor, "critic": r.critic, "data": r.train_loader, "kl_ctrl": r.kl_ctrl,
@@ -376,17 +419,7 @@ def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
     if resumed is not None:
         r.step = ckpt.resumed_step
         r.experience.session.actor_changed()  # the rollout engine still holds the initial weights
-    if r.rank == 0:
-        r.out_dir.mkdir(parents=True, exist_ok=True)
-        if resumed is None:  # a fresh start keeps an earlier run's files (under previous/), never overwrites
-            dump = cfg.trainer.rollout_data_dir
-            set_aside_earlier_run(r.out_dir, also=(Path(dump).parts[0],) if dump else ())
-        (r.out_dir / "config.yaml").write_text(r.config_text)
-        (r.out_dir / "plan.json").write_text(json.dumps(r.plan.summary(), indent=1) + "\n")
-    sink = MetricsSink(r.out_dir, cfg.trainer.logger, r.total_steps, rank=r.rank,
-                       progress_bar=cfg.trainer.progress_bar, project=cfg.trainer.project_name,
-                       experiment=cfg.trainer.experiment_name, config=asdict(cfg), initial_step=r.step,
-                       name=cfg.algorithm.adv_estimator)
+    sink = open_output(r, resumed is not None)
     try:
         # trainer.val_only (verl's): the initial or resumed weights' validation metrics, and no training.
         if cfg.trainer.val_only or (cfg.trainer.val_before_train and r.step == 0):

@@ -19,6 +19,11 @@ The data-parallel size of the loop is the rollout DP size: each rollout DP
 coordinate owns a disjoint share of the prompts, and after generation the
 ranks of a TP group each keep 1/tp of the group's outputs, so the batch is
 sharded over the whole world in rank order (see docs/design.md, "Meshes").
+
+Split placement (``rollout.placement: split``, ``rollout_ranks`` > 0): the
+training mesh covers ranks [0, world - rollout_ranks) and the rollout mesh the
+last ``rollout_ranks`` ranks; a rank has one role, and the batch is sharded over
+each role's ranks (``spmdrl/split.py`` moves it from one to the other).
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+if TYPE_CHECKING:
+    from spmdrl.config import Config
 
 
 def resolve_device_type(requested: str = "auto") -> str:
@@ -115,34 +123,56 @@ class ParallelDims:
     pp: int = 1
     rollout_tp: int = 1
     device_type: str = "cpu"
+    rollout_ranks: int = 0  # split placement: the last this many ranks only generate (0: colocated)
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
+    _groups: dict[str, dist.ProcessGroup] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, cfg: "Config", world_size: int, **extra) -> "ParallelDims":
+        """The degrees of ``cfg`` (parallel.*, and the rollout ranks of a split placement) on ``world_size``
+        ranks; raises ValueError (one sentence) when they do not fit."""
+        return cls(world_size, **vars(cfg.parallel), rollout_ranks=split_ranks(cfg), **extra)
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "tp", "pp", "rollout_tp"):
             value = getattr(self, key)
             if value < 1:
                 raise ValueError(f"parallel.{key} is {value}; it must be an integer >= 1")
+        if self.rollout_ranks:
+            if not 0 < self.rollout_ranks < self.world_size:
+                raise ValueError(
+                    f"rollout.placement split puts {self.rollout_ranks} rank(s) on rollout "
+                    f"(rollout.nnodes x rollout.n_gpus_per_node), which leaves no rank of the "
+                    f"{self.world_size} to train; give rollout fewer ranks than the world")
+            self._check_degrees(self.world_size - self.rollout_ranks, "training ranks")
+            self._check_rollout(self.rollout_ranks, "rollout ranks")
+        else:
+            self._check_degrees(self.world_size, "world size")
+            self._check_rollout(self.world_size, "world size")
+
+    def _check_degrees(self, world_size: int, what: str) -> None:
         if self.dp_shard == -1:
             rest = self.dp_replicate * self.tp * self.pp
-            if self.world_size % rest:
+            if world_size % rest:
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by parallel.dp_replicate x tp x pp = "
+                    f"{what} {world_size} is not divisible by parallel.dp_replicate x tp x pp = "
                     f"{rest}; choose degrees whose product divides the number of ranks"
                 )
-            self.dp_shard = self.world_size // rest
+            self.dp_shard = world_size // rest
         elif self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard is {self.dp_shard}; it must be >= 1 or -1 (the rest)")
         product = self.dp_replicate * self.dp_shard * self.tp * self.pp
-        if product != self.world_size:
+        if product != world_size:
             raise ValueError(
                 f"parallel.pp x dp_replicate x dp_shard x tp = {self.pp} x {self.dp_replicate} x "
-                f"{self.dp_shard} x {self.tp} = {product}, but the world size is {self.world_size}; the "
+                f"{self.dp_shard} x {self.tp} = {product}, but the {what} is {world_size}; the "
                 f"product must equal it"
             )
-        if self.world_size % self.rollout_tp:
+
+    def _check_rollout(self, world_size: int, what: str) -> None:
+        if world_size % self.rollout_tp:
             raise ValueError(
-                f"parallel.rollout_tp is {self.rollout_tp}, which does not divide the world size "
-                f"{self.world_size}"
+                f"parallel.rollout_tp is {self.rollout_tp}, which does not divide the {what} {world_size}"
             )
 
     @property
@@ -151,20 +181,57 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def split(self) -> bool:
+        """Split placement: rollout and training on disjoint ranks."""
+        return self.rollout_ranks > 0
+
+    @property
+    def train_ranks(self) -> int:
+        return self.world_size - self.rollout_ranks
+
+    @property
     def rollout_dp(self) -> int:
-        return self.world_size // self.rollout_tp
+        return (self.rollout_ranks or self.world_size) // self.rollout_tp
+
+    def trains(self, rank: int) -> bool:
+        """Whether ``rank`` holds the training engines (every rank when colocated)."""
+        return rank < self.train_ranks
+
+    def generates(self, rank: int) -> bool:
+        """Whether ``rank`` holds a rollout engine (every rank when colocated)."""
+        return not self.split or rank >= self.train_ranks
 
     def build(self) -> "ParallelDims":
-        """Create the named meshes (collective: every rank must call it)."""
-        self._meshes["train"] = init_device_mesh(
-            self.device_type,
-            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
-        )
-        self._meshes["rollout"] = init_device_mesh(
-            self.device_type, (self.rollout_dp, self.rollout_tp), mesh_dim_names=("dp", "tp")
-        )
+        """Create the named meshes (collective: every rank must call it, whatever its role)."""
+        train_shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        train_names = ("pp", "dp_replicate", "dp_shard", "tp")
+        if not self.split:
+            self._meshes["train"] = init_device_mesh(self.device_type, train_shape,
+                                                     mesh_dim_names=train_names)
+            self._meshes["rollout"] = init_device_mesh(
+                self.device_type, (self.rollout_dp, self.rollout_tp), mesh_dim_names=("dp", "tp")
+            )
+            return self
+        ranks = torch.arange(self.world_size)
+        self._meshes["train"] = DeviceMesh(self.device_type, ranks[: self.train_ranks].view(train_shape),
+                                           mesh_dim_names=train_names)
+        self._meshes["rollout"] = DeviceMesh(self.device_type,
+                                             ranks[self.train_ranks:].view(self.rollout_dp, self.rollout_tp),
+                                             mesh_dim_names=("dp", "tp"))
+        # new_group is collective over the world: every rank creates every group, in this order.
+        train, rollout = list(range(self.train_ranks)), list(range(self.train_ranks, self.world_size))
+        self._groups["train"] = dist.new_group(train)
+        self._groups["rollout"] = dist.new_group(rollout)
+        self._groups["weights"] = dist.new_group([0, *rollout])  # train rank 0 sends, rollout ranks receive
+        for r in rollout:  # rollout rank r sends its share of each batch to every train rank
+            self._groups[f"batch{r}"] = dist.new_group([*train, r])
         return self
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """A split placement's process group: "train", "rollout", "weights", "batch<rollout rank>"."""
+        if name not in self._groups:
+            raise RuntimeError(f"no process group {name!r}: build() makes them under split placement only")
+        return self._groups[name]
 
     def _mesh(self, name: str) -> DeviceMesh:
         if name not in self._meshes:
@@ -192,13 +259,30 @@ class ParallelDims:
     @property
     def batch_group(self) -> dist.ProcessGroup:
         """The group batch-wide statistics reduce over: every rank, because the batch is sharded over the
-        whole world in rollout order (whatever the training mesh). Passed explicitly, never as None."""
-        return dist.group.WORLD
+        whole world in rollout order (whatever the training mesh); under split placement, this rank's
+        role's ranks, over which that role's batch is sharded. Passed explicitly, never as None."""
+        if not self.split:
+            return dist.group.WORLD
+        return self.group("train" if self.trains(dist.get_rank()) else "rollout")
 
-    def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of ``rank`` on both meshes (for the start-up summary line)."""
+    def coords(self, rank: int) -> dict[str, Optional[int]]:
+        """Coordinates of ``rank`` on both meshes (for the start-up summary line); None on a mesh the rank
+        is not on (split placement)."""
         pp, rest = divmod(rank, self.dp_replicate * self.dp_shard * self.tp)
         rep, rest = divmod(rest, self.dp_shard * self.tp)
         shard, tp = divmod(rest, self.tp)
-        rdp, rtp = divmod(rank, self.rollout_tp)
-        return dict(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp, rollout_dp=rdp, rollout_tp=rtp)
+        rdp, rtp = divmod(rank - (self.train_ranks if self.split else 0), self.rollout_tp)
+        train = dict(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp) if self.trains(rank) else \
+            dict.fromkeys(("pp", "dp_replicate", "dp_shard", "tp"))
+        rollout = dict(rollout_dp=rdp, rollout_tp=rtp) if self.generates(rank) else \
+            dict.fromkeys(("rollout_dp", "rollout_tp"))
+        return {**train, **rollout}
+
+
+def split_ranks(cfg: "Config") -> int:
+    """Ranks that only generate under ``rollout.placement: split`` (rollout.nnodes x n_gpus_per_node, verl's
+    keys); 0 when colocated."""
+    r = cfg.rollout
+    if r.placement != "split":
+        return 0
+    return r.nnodes * (r.n_gpus_per_node or 0)

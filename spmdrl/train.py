@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict
 from typing import Optional, Sequence
 
 import torch.distributed as dist
@@ -63,7 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if device_type == "cpu":  # freed activations go back to the OS instead of a fragmented heap
             heap.return_large_frees()
         _, world_size = init_distributed(device_type, collective_timeout_s(cfg.trainer.hang_timeout_s))
-        dims = ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build()
+        dims = ParallelDims.of(cfg, world_size, device_type=device_type).build()
         run(cfg, dims, plan)
         finished = True
     except ConfigError as err:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +35,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _check_names(cfg)
     _check_features(cfg)
     _check_device(cfg)
+    _check_split(cfg)
     dims = _check_sizes(cfg, world_size)
     _check_builtin_names(cfg)
     _check_model_folders(cfg)
@@ -290,15 +290,48 @@ def _check_rollout_correction(cfg: Config) -> None:
            f"{r.top_p} are of a truncated distribution; sample from the full one (top_k -1, top_p 1.0)")
 
 
+def _check_split(cfg: Config) -> None:
+    """rollout.placement split: its keys, and what it does not run yet (each with one sentence)."""
+    r, t = cfg.rollout, cfg.trainer
+    if r.placement != "split":
+        return
+    _check(r.n_gpus_per_node is not None and r.n_gpus_per_node >= 1 and r.nnodes >= 1,
+           f"rollout.placement is split but rollout.nnodes x rollout.n_gpus_per_node is {r.nnodes} x "
+           f"{r.n_gpus_per_node}; give the rollout ranks (verl: rollout.nnodes=1 rollout.n_gpus_per_node=1)")
+    _check(r.max_staleness in (0, 1),
+           f"rollout.max_staleness is {r.max_staleness}; split placement runs 0 (the rollout waits for each "
+           f"update) or 1 (one-step off-policy)")
+    _check(t.colocate, "rollout.placement split puts rollout and training on different ranks; "
+           "trainer.colocate false (both awake on every rank) is for colocated runs")
+    not_yet = [("trainer.save_freq", t.save_freq > 0),
+               ("trainer.test_freq", t.test_freq > 0 and bool(_files(cfg.data.val_files))),
+               ("trainer.val_before_train", t.val_before_train and bool(_files(cfg.data.val_files))),
+               ("trainer.val_only", t.val_only), ("reward_model.enable", cfg.reward_model.enable),
+               ("trainer.rollout_data_dir", bool(t.rollout_data_dir))]
+    for key, on in not_yet:
+        _check(not on, f"{key} is not built for rollout.placement split yet (checkpoints, validation, reward "
+               f"models and generation dumps run colocated); turn it off or use rollout.placement colocated")
+    from spmdrl.checkpoint.layout import CHECKPOINTS, LATEST
+
+    earlier = t.resume == "auto" and (output_dir(cfg) / CHECKPOINTS / LATEST).exists()
+    _check(t.resume in ("auto", "off") and not earlier,
+           f"trainer.resume {t.resume!r} would continue a checkpoint, which rollout.placement split cannot "
+           f"yet; set trainer.resume off (a fresh start sets the earlier run's files aside)")
+    _check(r.calculate_log_probs or r.max_staleness == 0 or cfg.algorithm.rollout_correction.corrects,
+           "rollout.placement split with rollout.max_staleness 1 takes the rollout's log-probs as the old "
+           "ones, but rollout.calculate_log_probs is false; set it to true")
+
+
 def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":
     """Batch sizes against each other and the world; the parallel degrees against the world size."""
     from spmdrl.parallel import ParallelDims
 
     d, r, a = cfg.data, cfg.rollout, cfg.actor
     try:
-        dims = ParallelDims(world_size, **asdict(cfg.parallel))
+        dims = ParallelDims.of(cfg, world_size)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    world_size = dims.train_ranks  # the ranks the batch is sharded over for training
     _check(
         d.train_batch_size % dims.rollout_dp == 0,
         f"data.train_batch_size x rollout.n = {d.train_batch_size} x {r.n} responses cannot be split over "
@@ -324,10 +357,12 @@ def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":
         _check(d.train_batch_size % mini == 0,
                f"data.train_batch_size ({d.train_batch_size}) is not a multiple of "
                f"{role}.ppo_mini_batch_size ({mini})")
-        _check((mini * r.n) % world_size == 0 and mini % dims.rollout_dp == 0,
+        # Whole groups per rank: over the rollout DP ranks, and over the training ranks when they differ.
+        whole = math.lcm(dims.rollout_dp, dims.train_ranks if dims.split else 1)
+        _check((mini * r.n) % world_size == 0 and mini % whole == 0,
                f"{role}.ppo_mini_batch_size x rollout.n = {mini} x {r.n} does not split evenly over "
                f"{world_size} ranks (whole groups of n responses per rank); make {role}.ppo_mini_batch_size "
-               f"a multiple of {dims.rollout_dp}")
+               f"a multiple of {whole}")
     return dims
 
 

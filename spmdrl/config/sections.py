@@ -212,6 +212,22 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = 512
     """Weight sync streams the actor's weights into the engine in buckets of about this many MB: the most
     exported bytes alive at once between the actor and the engine (verl's key)."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """colocated: every rank generates and trains, taking turns on its device. split: the last
+    rollout.nnodes x rollout.n_gpus_per_node ranks only generate and score (rollout engine, tools, rule
+    rewards), the others only train (actor, reference, critic), and the two overlap: while the training
+    ranks update on step k's batch, the rollout ranks generate step k+1's with weights rollout.max_staleness
+    updates old (verl's one-step off-policy; verl: actor_rollout_ref.hybrid_engine=False). The PPO ratio
+    then takes the rollout's log-probs as the old ones (bypass mode) unless a rollout correction is asked
+    for. docs/engines.md, "Split placement"."""
+    nnodes: int = 1
+    """Split placement: nodes of rollout ranks (verl's rollout.nnodes)."""
+    n_gpus_per_node: Optional[int] = None
+    """Split placement: rollout ranks per node (verl's rollout.n_gpus_per_node); required with split."""
+    max_staleness: int = 1
+    """Split placement: how many updates old the weights a batch is generated with may be. 1: one-step
+    off-policy, rollout and training overlap; 0: the rollout waits for each update (no overlap; the same
+    samples and updates as colocated, for checking a split run)."""
     val_kwargs: ValKwargsConfig = field(default_factory=lambda: ValKwargsConfig())
     multi_turn: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig())
 

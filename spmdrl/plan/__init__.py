@@ -132,7 +132,7 @@ def models(cfg: "Config", world_size: int) -> list[Model]:
     from spmdrl.engines import engine_class
     from spmdrl.parallel import ParallelDims
 
-    dims = ParallelDims(world_size, **{k: v for k, v in vars(cfg.parallel).items()})
+    dims = ParallelDims.of(cfg, world_size)
     backend = engine_class(cfg.actor.strategy)
     actor = ModelShape.of(cfg.model.path)
     out = [Model("actor", actor, backend.layout(cfg, dims, actor.layers), True, cfg.model.lora_rank)]
@@ -154,7 +154,7 @@ def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str
     from spmdrl.parallel import ParallelDims
     from spmdrl.rollout import rollout_engine_class
 
-    dims = ParallelDims(world_size, **{k: v for k, v in vars(cfg.parallel).items()})
+    dims = ParallelDims.of(cfg, world_size)
     sizes = Sizes.of(cfg, device_type)
     run_models = models(cfg, world_size)
     engine = rollout_engine_class(cfg.rollout.engine).memory(cfg, run_models[0].shape, device_type,
@@ -164,12 +164,15 @@ def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str
     budget = budget_bytes(device_type, local_ranks)
 
     def phases(offload: bool, checkpointing: bool) -> dict[str, dict[str, float]]:
-        return step_phases(run_models, engine, cfg, sizes, runtime, world_size, offload=offload,
+        return step_phases(run_models, engine, cfg, sizes, runtime, dims.train_ranks, offload=offload,
                            checkpointing=checkpointing)
 
     from spmdrl.plan.decide import decide
 
     offload, checkpointing, kv_fraction, lines = decide(cfg, phases, budget, device_type, engine,
                                                         device_total(device_type), MARGIN, MAX_KV_FRACTION)
+    if dims.split:  # each role holds only its own part: the table's sum is an upper bound for either
+        lines.append(f"split placement: planned as if one rank held the {dims.train_ranks} training ranks' "
+                     f"share and a rollout engine of the {dims.rollout_ranks} rollout ranks (an upper bound)")
     return Plan(device_type, budget, phases(offload, checkpointing), engine, offload, checkpointing,
                 kv_fraction, lines)

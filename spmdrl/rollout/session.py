@@ -10,11 +10,13 @@ order").
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterable, Iterator, Sequence
+from typing import Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import torch
 
 from spmdrl.rollout.base import GenerationOutput, RolloutEngine, SamplingParams, tp_share
+
+Export = Callable[[], Iterable[tuple[str, torch.Tensor]]]  # (hf name, full tensor), one at a time
 
 
 class RolloutSession:
@@ -40,8 +42,12 @@ class RolloutSession:
         self.stale = False  # the engine was built from the same folder as the actor
         self._depth = 0
 
-    def actor_changed(self) -> None:
+    def actor_changed(self, export: Optional[Export] = None) -> None:
+        """The trained weights changed: load them at the next wake, from ``export`` from now on when given
+        (split placement: the weights the training ranks sent)."""
         self.stale = True
+        if export is not None:
+            self._export = export
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         """This rank's share of the responses to ``prompts`` (inside ``awake``). Every rank of a rollout TP

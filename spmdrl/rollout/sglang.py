@@ -224,6 +224,10 @@ class SGLangRollout(RolloutEngine):
         why = sglang_available()
         if why is not None:
             raise ValueError(f"rollout.engine is 'sglang' but {why}; {INSTALL_HINT}")
+        if cfg.rollout.placement == "split":
+            raise ValueError("rollout.placement split runs the native and hf rollout engines for now "
+                             "(SGLang's weight push from the training ranks is not built); use "
+                             "rollout.placement colocated with SGLang")
         r = cfg.rollout
         for key, sampling in (("rollout", r), ("rollout.val_kwargs", r.val_kwargs)):
             if sampling.top_p < 1.0 and sampling.top_k <= 0 and getattr(sampling, "do_sample", True):

@@ -189,6 +189,9 @@ class VLLMRollout(RolloutEngine):
         why = vllm_available()
         if why is not None:
             raise ValueError(f"rollout.engine is 'vllm' but {why}; {INSTALL_HINT}")
+        if cfg.rollout.placement == "split":  # its external launcher takes the whole torch world as its own
+            raise ValueError("rollout.placement split runs the native and hf rollout engines for now: vLLM's "
+                             "external launcher spans every rank; use rollout.placement colocated with vLLM")
         if cfg.model.path.startswith("builtin:"):
             return  # the built-in models are Qwen2 with head_dim 64, which vLLM runs on CPU and GPU
         config = json.loads((Path(cfg.model.path) / "config.json").read_text())

@@ -241,7 +241,11 @@ TABLE: list[Rule] = [
     only(f"{AR}.model.external_lib", (None,), "transformers loads the model"),
     only(f"{AR}.model.return_last_hidden_state", (False,), "not supported"),
     only(f"{AR}.model.use_fused_loss", (False,), "the loss is computed from full log-probs"),
-    only(f"{AR}.hybrid_engine", (True,), "actor and rollout always share the devices"),
+    m(f"{AR}.hybrid_engine", "rollout.placement", lambda v: "colocated" if v else "split",
+      "false: split placement, rollout.nnodes x rollout.n_gpus_per_node ranks only generate (one-step "
+      "off-policy, as verl's one_step_off_policy recipe)"),
+    m("rollout.nnodes", "rollout.nnodes", note="split placement: nodes of rollout ranks"),
+    m("rollout.n_gpus_per_node", "rollout.n_gpus_per_node", note="split placement: rollout ranks per node"),
     m(f"{AR}.nccl_timeout", "trainer.hang_timeout_s",
       note="the hang watchdog's limit per phase; the collective timeout is never shorter"),
     # actor
@@ -441,8 +445,10 @@ TABLE: list[Rule] = [
     m("trainer.experiment_name", "trainer.experiment_name"),
     m("trainer.logger", "trainer.logger", _logger,
       "one name or a list; jsonl (metrics.jsonl) is always kept"),
-    Rule("trainer.nnodes", "", _world, "n_gpus_per_node x nnodes must equal torchrun's world size"),
-    Rule("trainer.n_gpus_per_node", "", _world, "n_gpus_per_node x nnodes must equal torchrun's world size"),
+    Rule("trainer.nnodes", "", _world, "n_gpus_per_node x nnodes (plus split placement's rollout ranks) must "
+         "equal torchrun's world size"),
+    Rule("trainer.n_gpus_per_node", "", _world, "n_gpus_per_node x nnodes (plus split placement's rollout "
+         "ranks) must equal torchrun's world size"),
     m("trainer.device", "trainer.device"),
     m("trainer.save_freq", "trainer.save_freq"),
     m("trainer.test_freq", "trainer.test_freq"),
@@ -553,8 +559,13 @@ def check_world_size(verl: dict[str, Any], world_size: int) -> None:
     if "trainer.n_gpus_per_node" not in verl and "trainer.nnodes" not in verl:
         return
     per_node, nodes = verl.get("trainer.n_gpus_per_node", 8), verl.get("trainer.nnodes", 1)
-    if not isinstance(per_node, int) or not isinstance(nodes, int) or per_node * nodes != world_size:
+    # Without the hybrid engine, verl's trainer.* ranks train and its rollout.* ranks generate: both count.
+    split = verl.get("actor_rollout_ref.hybrid_engine") is False
+    rollout = verl.get("rollout.n_gpus_per_node", 0) * verl.get("rollout.nnodes", 1) if split else 0
+    counted = isinstance(per_node, int) and isinstance(nodes, int)
+    if not counted or per_node * nodes + rollout != world_size:
+        extra = f" (+ {rollout} rollout ranks)" if split else ""
         raise ConfigError(
-            f"verl keys trainer.n_gpus_per_node x trainer.nnodes = {per_node} x {nodes} do not match the "
-            f"{world_size} rank(s) torchrun started (WORLD_SIZE); torchrun decides placement: start "
+            f"verl keys trainer.n_gpus_per_node x trainer.nnodes = {per_node} x {nodes}{extra} do not match "
+            f"the {world_size} rank(s) torchrun started (WORLD_SIZE); torchrun decides placement: start "
             f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m spmdrl.train ..., or drop these keys")

@@ -106,6 +106,31 @@ BAD = [
 ]
 
 
+SPLIT = ["--rollout.placement", "split", "--rollout.n_gpus_per_node", "1"]
+# Split placement on 2 ranks: its keys, and what it refuses before any work.
+BAD_SPLIT = [
+    (["--rollout.placement", "split"], "rollout.nnodes x rollout.n_gpus_per_node is 1 x None"),
+    ([*SPLIT, "--rollout.n_gpus_per_node", "2"], "leaves no rank of the 2 to train"),
+    ([*SPLIT, "--rollout.max_staleness", "2"], "rollout.max_staleness is 2"),
+    ([*SPLIT, "--trainer.save_freq", "5"], "trainer.save_freq is not built for rollout.placement split"),
+    ([*SPLIT, "--trainer.val_before_train", "true"], "trainer.val_before_train is not built"),
+    ([*SPLIT, "--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm"],
+     "reward_model.enable is not built"),
+    ([*SPLIT, "--rollout.calculate_log_probs", "false"], "takes the rollout's log-probs as the old ones"),
+    ([*SPLIT, "--trainer.resume", "/tmp/nowhere"], "trainer.resume '/tmp/nowhere' would continue"),
+    ([*SPLIT, "--actor.strategy", "megatron"], "rollout.placement split trains with actor.strategy fsdp2"),
+]
+
+
+@pytest.mark.parametrize("extra,fragment", BAD_SPLIT, ids=[" ".join(a) for a, _ in BAD_SPLIT])
+def test_bad_split_placement_exits_2_with_one_sentence(extra, fragment, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, err = run_main(["--config", GRPO, "--data.train_batch_size", "4", "--actor.ppo_mini_batch_size",
+                          "4", *extra], capsys)
+    assert code == 2 and fragment in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 @pytest.mark.parametrize("extra,fragment", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_config_exits_2_with_one_sentence(extra, fragment, capsys):
     code, err = run_main(["--config", GRPO, *extra], capsys)

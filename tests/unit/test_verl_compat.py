@@ -340,3 +340,16 @@ def test_vllm_runs_cuda_graphs_on_cuda_and_eager_on_cpu():
     assert _graph_sizes(cpu) == {}  # eager: nothing to capture
     eager = parse_config(["actor_rollout_ref.rollout.enforce_eager=True"])[0]
     assert VLLMOptions.from_config(eager, torch.device("cuda")).enforce_eager is True
+
+
+def test_verl_one_step_off_policy_keys_make_a_split_placement(monkeypatch, capsys):
+    """verl's one_step_off_policy recipe: no hybrid engine, trainer.* ranks train, rollout.* ranks generate,
+    and torchrun's world holds both."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg, _ = parse_config(["actor_rollout_ref.hybrid_engine=False", "trainer.n_gpus_per_node=2",
+                           "trainer.nnodes=1", "rollout.n_gpus_per_node=1", "rollout.nnodes=1"])
+    r = cfg.rollout
+    assert (r.placement, r.nnodes, r.n_gpus_per_node) == ("split", 1, 1)
+    code, err = run_main(["actor_rollout_ref.hybrid_engine=False", "trainer.n_gpus_per_node=3",
+                          "rollout.n_gpus_per_node=1"], capsys)
+    assert code == 2 and "= 3 x 1 (+ 1 rollout ranks) do not match the 3 rank(s)" in err

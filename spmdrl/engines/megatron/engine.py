@@ -200,6 +200,10 @@ class MegatronEngine(TrainEngine):
         from spmdrl.algos.registry import ADVANTAGES
         from spmdrl.parallel import resolve_device_type
 
+        if cfg.rollout.placement == "split":  # megatron-core's parallel state spans the whole world
+            raise ValueError("rollout.placement split trains with actor.strategy fsdp2 for now: "
+                             "megatron-core's model-parallel groups span every rank; use rollout.placement "
+                             "colocated with megatron")
         if cfg.reward_model.enable:
             raise ValueError("reward_model.enable is true but actor.strategy 'megatron' builds no reward "
                              "model (a sequence-classification head); set actor.strategy: fsdp2 to use one")
