@@ -301,8 +301,6 @@ def _check_split(cfg: Config) -> None:
     _check(r.max_staleness in (0, 1),
            f"rollout.max_staleness is {r.max_staleness}; split placement runs 0 (the rollout waits for each "
            f"update) or 1 (one-step off-policy)")
-    _check(t.colocate, "rollout.placement split puts rollout and training on different ranks; "
-           "trainer.colocate false (both awake on every rank) is for colocated runs")
     not_yet = [("trainer.save_freq", t.save_freq > 0),
                ("trainer.test_freq", t.test_freq > 0 and bool(_files(cfg.data.val_files))),
                ("trainer.val_before_train", t.val_before_train and bool(_files(cfg.data.val_files))),
