@@ -40,7 +40,6 @@ from spmdrl.engines import build_engine
 from spmdrl.engines.balance import balance_rows, balance_slot
 from spmdrl.engines.base import LogProbSource, LossFn, TrainEngine
 from spmdrl.experience import Experience, batch_metrics, rollout_actor_gap, sampling_params
-from spmdrl.generations import dump_generations
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords
@@ -48,6 +47,7 @@ from spmdrl.plan import Plan, make_plan
 from spmdrl.plot import plot_run
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
 from spmdrl.reward.sources import build_rewards
+from spmdrl.rollout.generations import dump_generations
 from spmdrl.validation import validation_metrics
 
 log = logging.getLogger("spmdrl")
@@ -404,10 +404,6 @@ def open_output(r: Run, resumed: bool) -> MetricsSink:
 
 def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
     r = build(cfg, dims, plan)
-    if dims.split:  # rollout and training on their own ranks, overlapped (spmdrl/split.py)
-        from spmdrl.split import run_split
-
-        return run_split(r)
     preemption = Preemption()  # SIGTERM/SIGUSR1 handlers: checkpoint and stop at the next step boundary
     # What a checkpoint holds; each part declares how it is stored (spmdrl/checkpoint/manager.py).
     parts = {"actor": r.actor, "critic": r.critic, "data": r.train_loader, "kl_ctrl": r.kl_ctrl,

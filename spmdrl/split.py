@@ -24,17 +24,21 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
 from spmdrl.experience import batch_metrics
-from spmdrl.loop import Run, finish_step, learn, open_output
+from spmdrl.loop import Run, build, finish_step, learn, open_output
 from spmdrl.metrics import MetricsSink, reduce_metrics
 from spmdrl.parallel import ParallelDims
 from spmdrl.precision import resolve_dtype
+
+if TYPE_CHECKING:
+    from spmdrl.config import Config
+    from spmdrl.plan import Plan
 
 log = logging.getLogger("spmdrl")
 
@@ -196,8 +200,10 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink) -> None:
             return
 
 
-def run_split(r: Run) -> None:
-    """The run of either role; both end together, then the rollout ranks close their engines."""
+def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) -> None:
+    """A split placement's run (``spmdrl.loop.run``'s counterpart): each rank builds its role's part and runs
+    its role's loop; both end together, then the rollout ranks close their engines."""
+    r = build(cfg, dims, plan)
     ex = Exchange(r.dims, r.rank, r.cfg.rollout.n)
     sink = open_output(r, resumed=False)  # split runs start fresh (the config refuses checkpoints for now)
     try:

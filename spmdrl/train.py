@@ -55,6 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from spmdrl.loop import run
     from spmdrl.parallel import ParallelDims, init_distributed
+    from spmdrl.split import run_split
 
     finished, code, world_size = False, 0, 1
     try:
@@ -63,7 +64,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             heap.return_large_frees()
         _, world_size = init_distributed(device_type, collective_timeout_s(cfg.trainer.hang_timeout_s))
         dims = ParallelDims.of(cfg, world_size, device_type=device_type).build()
-        run(cfg, dims, plan)
+        # Split placement: rollout and training on their own ranks, overlapped (spmdrl/split.py).
+        (run_split if dims.split else run)(cfg, dims, plan)
         finished = True
     except ConfigError as err:
         # Problems only visible once files are opened (a bad parquet column, a
