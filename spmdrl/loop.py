@@ -323,10 +323,11 @@ def _advantages(r: Run, batch) -> dict[str, float]:
 def _reduce(r: Run, metrics: dict[str, float], tokens: float) -> dict[str, float]:
     """Metrics over ranks, each rank's peak memory, and the world's throughput."""
     peaks = _gather_float(metrics["memory/overall_peak_gb"], r.group)
+    trained = sum(_gather_float(tokens, r.group))  # ranks hold different tokens (not rank 0's x the world)
     metrics = reduce_metrics(metrics, r.group)
     metrics.update({f"memory/rank{i}_overall_peak_gb": p for i, p in enumerate(peaks)})
     # Throughput is a world-wide sum: every rank's tokens over the slowest rank's step time.
-    metrics["perf/tokens_per_s"] = tokens * r.world / metrics["timing/step"]
+    metrics["perf/tokens_per_s"] = trained / metrics["timing/step"]
     return metrics
 
 
