@@ -352,10 +352,7 @@ def _step(r: Run, ckpt: CheckpointManager, sink: MetricsSink, preemption: Preemp
     cfg, t = r.cfg, r.timer
     metrics, tokens = train_step(r)
     r.step += 1
-    failures = r.experience.pop_failures()
-    if failures:  # sporadic: the step trains on, with one line saying so (reward/num_errors counts them)
-        log.warning("step %d: %d rewards failed on rank %d and scored 0 (first: %s)", r.step, len(failures),
-                    r.rank, failures[0])
+    warn_failures(r, r.step)
     # The data's total_epochs can run out first when DAPO's extra rounds drew more batches.
     last = r.step == r.total_steps or r.train_loader.exhausted
     if cfg.trainer.test_freq > 0 and (r.step % cfg.trainer.test_freq == 0 or last):
@@ -425,11 +422,31 @@ def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
         while r.step < r.total_steps and not cfg.trainer.val_only and _step(r, ckpt, sink, preemption):
             pass
     finally:
-        r.watchdog.close()
-        sink.close()
+        close(r, sink)
+    end(r)
+
+
+def warn_failures(r: Run, step: int) -> None:
+    """Sporadic reward failures: the step trains on, with one line saying so (reward/num_errors counts
+    them); a function failing on every response already stopped the run (Experience.score)."""
+    failures = r.experience.pop_failures()
+    if failures:
+        log.warning("step %d: %d rewards failed on rank %d and scored 0 (first: %s)", step, len(failures),
+                    r.rank, failures[0])
+
+
+def close(r: Run, sink: MetricsSink) -> None:
+    """What a run holds besides its engines: the watchdog, the metrics sink, the reward and tool workers."""
+    r.watchdog.close()
+    sink.close()
+    if r.experience is not None:
         r.experience.rewards.close()
         if r.experience.agent is not None:
             r.experience.agent.close()
-    # Every rank is done with every collective; then the engine may tear down what it started.
+
+
+def end(r: Run) -> None:
+    """Every rank is done with every collective; then the rollout engine may tear down what it started."""
     dist.barrier()
-    r.experience.session.engine.close()
+    if r.experience is not None:
+        r.experience.session.engine.close()

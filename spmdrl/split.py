@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from spmdrl.batch import Batch
 from spmdrl.experience import batch_metrics
-from spmdrl.loop import Run, build, finish_step, learn, open_output
+from spmdrl.loop import Run, build, close, end, finish_step, learn, open_output, warn_failures
 from spmdrl.metrics import MetricsSink, reduce_metrics
 from spmdrl.parallel import ParallelDims
 from spmdrl.precision import resolve_dtype
@@ -150,10 +150,7 @@ def rollout_ranks_loop(r: Run, ex: Exchange) -> None:
         r.experience.step = step  # part of every sampling key: the same samples as a colocated run
         batch, metrics = r.experience.produce(prompts, more_prompts=r.train_loader)
         metrics.update(batch_metrics(batch))
-        failures = r.experience.pop_failures()
-        if failures:
-            log.warning("step %d: %d rewards failed on rank %d and scored 0 (first: %s)", step, len(failures),
-                        r.rank, failures[0])
+        warn_failures(r, step)
         last = step == r.total_steps or r.train_loader.exhausted
         metrics.update(t.pop())
         metrics = _prefixed(reduce_metrics(metrics, r.group))
@@ -213,12 +210,5 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
         else:
             train_ranks_loop(r, ex, sink)
     finally:
-        r.watchdog.close()
-        sink.close()
-        if r.experience is not None:
-            r.experience.rewards.close()
-            if r.experience.agent is not None:
-                r.experience.agent.close()
-    dist.barrier()
-    if r.experience is not None:
-        r.experience.session.engine.close()
+        close(r, sink)
+    end(r)
