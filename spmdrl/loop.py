@@ -141,7 +141,8 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
         log.warning("bfloat16 was asked for but this %s has no native bf16: bf16 matmuls are emulated, %s; "
                     "the default (auto) picks float32 here", device.type.upper(), EMULATED_BF16_SLOWDOWN)
     actor, ref, critic = _engines(cfg, dims, device, total_steps) if trains else (None, None, None)
-    watchdog = Watchdog(cfg.trainer.hang_timeout_s, rank, dims.world_size)
+    role = "" if not dims.split else "rollout" if generates else "training"  # named when the watchdog fires
+    watchdog = Watchdog(cfg.trainer.hang_timeout_s, rank, dims.world_size, role)
     timer = PhaseTimer(device, on_phase=watchdog.beat, exact_memory=cfg.trainer.exact_memory)
     # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
     rollout_dtype = resolve_dtype(cfg.rollout.dtype, device.type)
@@ -366,21 +367,31 @@ def _step(r: Run, ckpt: CheckpointManager, sink: MetricsSink, preemption: Preemp
     if ckpt.due(r.step, last) or stop:
         with t.phase("checkpoint"):
             ckpt.save(r.step)
-    f = cfg.trainer.plot_freq
-    if r.rank == 0 and f > 0 and (r.step % f == 0 or last or stop):
-        with t.phase("plot"):
-            plot_run(r.out_dir)  # figures of metrics.jsonl into out_dir/plots; a failure only warns
+    plot_due(r, last or stop)
     if stop:
         log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
         return False
-    if last and r.step < r.total_steps:
-        if r.rank == 0:
-            log.warning("data.train_files' %d epoch(s) are used up after step %d of %d: dynamic sampling "
-                        "drew extra generation batches (verl ends its epoch loop here too); set "
-                        "trainer.total_steps to train on past the epochs", cfg.trainer.total_epochs, r.step,
-                        r.total_steps)
+    if last:
+        warn_epochs_used(r)
         return False
     return True
+
+
+def plot_due(r: Run, final: bool) -> None:
+    """Figures of metrics.jsonl into out_dir/plots every ``trainer.plot_freq`` steps and at the run's
+    ``final`` step (rank 0; a failure only warns)."""
+    f = r.cfg.trainer.plot_freq
+    if r.rank == 0 and f > 0 and (r.step % f == 0 or final):
+        with r.timer.phase("plot"):
+            plot_run(r.out_dir)
+
+
+def warn_epochs_used(r: Run) -> None:
+    """The run ends before total_steps: the data's epochs ran out first (DAPO's extra rounds)."""
+    if r.step < r.total_steps and r.rank == 0:
+        log.warning("data.train_files' %d epoch(s) are used up after step %d of %d: dynamic sampling drew extra "
+                    "generation batches (verl ends its epoch loop here too); set trainer.total_steps to train "
+                    "on past the epochs", r.cfg.trainer.total_epochs, r.step, r.total_steps)
 
 
 def open_output(r: Run, resumed: bool) -> MetricsSink:

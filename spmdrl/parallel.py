@@ -221,6 +221,8 @@ class ParallelDims:
         # new_group is collective over the world: every rank creates every group, in this order.
         train, rollout = list(range(self.train_ranks)), list(range(self.train_ranks, self.world_size))
         self._groups["train"] = dist.new_group(train)
+        # The training ranks' decisions and checkpoints use CPU collectives (NCCL has none).
+        self._groups["train_cpu"] = dist.new_group(train, backend="gloo")
         self._groups["rollout"] = dist.new_group(rollout)
         self._groups["weights"] = dist.new_group([0, *rollout])  # train rank 0 sends, rollout ranks receive
         for r in rollout:  # rollout rank r sends its share of each batch to every train rank
@@ -228,7 +230,8 @@ class ParallelDims:
         return self
 
     def group(self, name: str) -> dist.ProcessGroup:
-        """A split placement's process group: "train", "rollout", "weights", "batch<rollout rank>"."""
+        """A split placement's process group: "train", "train_cpu" (gloo), "rollout",
+        "weights", "batch<rollout rank>"."""
         if name not in self._groups:
             raise RuntimeError(f"no process group {name!r}: build() makes them under split placement only")
         return self._groups[name]

@@ -17,7 +17,14 @@ a broadcast on a group of its own (``ParallelDims.build``): every rollout rank s
 batch to every training rank, which keeps its own slice of the rows in rollout order; training rank 0
 sends the weights, one tensor at a time as the actor exports them, to every rollout rank. A message is a
 JSON header (names, dtypes, shapes, the batch's lists, the rollout's metrics) and then raw tensors: nothing
-is pickled.
+is pickled. Training rank 0 also starts the rollout ranks (where a resumed run stands) and stops them (a
+preemption) on the weights' group.
+
+Checkpoints, preemption and resume are the training ranks' (``CheckpointManager`` on their group). A
+checkpoint after step k holds the batch of step k+1, which is in flight then (generated with weights the
+checkpoint no longer holds under staleness 1), and the loader's position after it; a resumed run trains on
+that batch first and the rollout ranks start past it, so it continues as the uninterrupted run does. A
+SIGTERM/SIGUSR1 on a rollout rank reaches the training ranks with its next batch.
 """
 
 from __future__ import annotations
@@ -30,8 +37,14 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
+from spmdrl.checkpoint.in_flight import InFlight
+from spmdrl.checkpoint.manager import CheckpointManager
+from spmdrl.checkpoint.preemption import Preemption
+from spmdrl.checkpoint.rng import RNGState
+from spmdrl.errors import ConfigError
 from spmdrl.experience import batch_metrics
-from spmdrl.loop import Run, build, close, end, finish_step, learn, open_output, warn_failures
+from spmdrl.loop import (Run, build, close, end, finish_step, learn, open_output, plot_due, warn_epochs_used,
+                         warn_failures)
 from spmdrl.metrics import MetricsSink, reduce_metrics
 from spmdrl.parallel import ParallelDims
 from spmdrl.precision import resolve_dtype
@@ -80,7 +93,7 @@ def _described(tensors: Iterable[torch.Tensor]) -> list[list]:
 
 
 class Exchange:
-    """The two hand-overs between the roles (collective on their groups; see the module's docstring)."""
+    """The hand-overs between the roles (collective on their groups; see the module's docstring)."""
 
     def __init__(self, dims: ParallelDims, rank: int, n: int):
         self.dims, self.rank, self.n = dims, rank, n  # n: responses per prompt, kept together
@@ -90,7 +103,7 @@ class Exchange:
 
     def send_batch(self, batch: Batch, info: dict[str, Any]) -> None:
         """(rollout rank) This rank's share of the step's batch, with ``info`` (JSON: step, weights version,
-        whether it is the last, the rollout's metrics)."""
+        whether it is the last, the loader's position after it, a stop signal, the rollout's metrics)."""
         names = list(batch.tensors)
         tensors = [batch.tensors[k].contiguous() for k in names]
         header = {"names": names, "tensors": _described(tensors), "non_tensor": batch.non_tensor,
@@ -98,20 +111,31 @@ class Exchange:
         _send(header, tensors, self.rank, self.dims.group(f"batch{self.rank}"))
 
     def recv_batch(self) -> tuple[Batch, dict[str, Any]]:
-        """(training rank) The step's batch, this rank's contiguous slice of its rows in rollout order (whole
-        groups of n: the config checks the sizes), and the first rollout rank's ``info``."""
-        parts, info = [], None
+        """(training rank) The step's whole batch, every rollout rank's share in rollout order, and the first
+        rollout rank's ``info`` (its ``stop``: whether any rollout rank was signalled)."""
+        parts, infos = [], []
         for src in self.rollout_ranks:
             header, tensors = _recv(src, self.dims.group(f"batch{src}"))
             parts.append(Batch(dict(zip(header["names"], tensors)), header["non_tensor"]))
-            info = info or header["info"]
-        batch = Batch.cat(parts)
-        # Whole groups of n, the same number on every training rank so that the update's collectives line
-        # up (DAPO may keep a number of groups the training ranks do not divide: the rest is dropped).
-        rows = len(batch) // self.n // self.dims.train_ranks * self.n
-        return batch.select(slice(self.rank * rows, (self.rank + 1) * rows)), info
+            infos.append(header["info"])
+        return Batch.cat(parts), {**infos[0], "stop": any(i["stop"] for i in infos)}
 
-    # ---- weights: training rank 0 -> every rollout rank --------------------------------------------
+    def own_rows(self, batch: Batch) -> Batch:
+        """(training rank) This rank's contiguous slice of a whole batch's rows: whole groups of n, the same
+        number on every training rank so that the update's collectives line up (DAPO may keep a number of
+        groups the training ranks do not divide: the rest is dropped)."""
+        rows = len(batch) // self.n // self.dims.train_ranks * self.n
+        return batch.select(slice(self.rank * rows, (self.rank + 1) * rows))
+
+    # ---- training rank 0 -> every rollout rank: how to start, the weights, a stop ------------------
+
+    def send_control(self, header: dict[str, Any]) -> None:
+        """(training ranks) A message without tensors: the start (where a resumed run stands), or a stop."""
+        if self.rank == 0:
+            _send({**header, "name": None, "tensors": []}, [], 0, self.dims.group("weights"))
+
+    def recv_control(self) -> dict[str, Any]:
+        return _recv(0, self.dims.group("weights"))[0]
 
     def send_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """(training ranks) The actor's weights: every training rank runs the export (its gathers are
@@ -120,14 +144,16 @@ class Exchange:
         for name, tensor in named:
             if self.rank == 0:
                 _send({"name": name, "tensors": _described([tensor])}, [tensor.contiguous()], 0, group)
-        if self.rank == 0:
-            _send({"name": None, "tensors": []}, [], 0, group)
+        self.send_control({})  # the end of the weights
 
-    def recv_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """(rollout rank) The weights training rank 0 sends, in the order the actor exports them."""
+    def recv_weights(self) -> Optional[list[tuple[str, torch.Tensor]]]:
+        """(rollout rank) The weights training rank 0 sends, in the order the actor exports them; None when
+        the training ranks stopped the run instead (a preemption)."""
         group, out = self.dims.group("weights"), []
         while True:
             header, tensors = _recv(0, group)
+            if header.get("stop"):
+                return None
             if header["name"] is None:
                 return out
             out.append((header["name"], tensors[0]))
@@ -140,11 +166,36 @@ def _prefixed(metrics: dict[str, float]) -> dict[str, float]:
             for k, v in metrics.items()}
 
 
-def rollout_ranks_loop(r: Run, ex: Exchange) -> None:
-    """A rollout rank's run: generate and score each step's batch, send it, load the weights sent back."""
+def _load_weights(r: Run, ex: Exchange) -> bool:
+    """(rollout rank) Receive the next weights; the engine loads them at its next batch. False: the training
+    ranks stopped the run."""
+    with r.timer.phase("wait_weights"):
+        weights = ex.recv_weights()
+    if weights is None:
+        return False
+    r.experience.session.actor_changed(lambda w=weights: iter(w))
+    return True
+
+
+def rollout_ranks_loop(r: Run, ex: Exchange, preemption: Preemption) -> None:
+    """A rollout rank's run: generate and score each step's batch, send it, load the weights sent back.
+
+    ``sent`` is the last step whose batch the training ranks hold (a resumed run's checkpoint holds the
+    batch in flight, so it starts past it); after sending batch ``sent`` the rollout waits for the weights
+    of update ``sent - max_staleness``, which the training ranks send at the matching point of their loop."""
     t, s = r.timer, r.cfg.rollout.max_staleness
-    version = 0  # the update whose weights the engine holds (0: the initial weights)
-    for step in range(r.step + 1, r.total_steps + 1):
+    start = ex.recv_control()
+    if "error" in start:  # the training ranks could not resume: the same sentence ends this rank
+        raise (ConfigError if start["config_error"] else RuntimeError)(start["error"])
+    if start["data"] is not None:
+        r.train_loader.load_state_dict(start["data"])
+    sent, last, version = start["sent"], start["last"], 0  # version: the update the engine's weights are
+    if not last and (start["weights_now"] or sent - s >= 1):
+        version = sent if start["weights_now"] else sent - s
+        if not _load_weights(r, ex):
+            return
+    while not last:
+        step = sent + 1
         with t.phase("data"):
             prompts = next(r.train_loader)
         r.experience.step = step  # part of every sampling key: the same samples as a colocated run
@@ -155,19 +206,29 @@ def rollout_ranks_loop(r: Run, ex: Exchange) -> None:
         metrics.update(t.pop())
         metrics = _prefixed(reduce_metrics(metrics, r.group))
         metrics["async/weights_version"] = float(version)
+        info = {"step": step, "version": version, "last": last, "metrics": metrics,
+                "data": r.train_loader.state_dict(), "stop": preemption.signalled}
         with t.phase("send_batch"):
-            ex.send_batch(batch, {"step": step, "version": version, "last": last, "metrics": metrics})
-        if last:
-            return
-        if step - s >= 1:  # the update the next batch is generated with (weights version step - s)
-            with t.phase("wait_weights"):
-                weights = ex.recv_weights()
-            version = step - s
-            r.experience.session.actor_changed(lambda w=weights: iter(w))
+            ex.send_batch(batch, info)
+        sent = step
+        if not last and sent - s >= 1:  # the update the next batch is generated with
+            version = sent - s
+            if not _load_weights(r, ex):
+                return
 
 
-def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink) -> None:
-    """A training rank's run: receive each step's batch, send the weights the rollout needs next, learn."""
+def _next_batch(r: Run, ex: Exchange, held: InFlight) -> tuple[Batch, dict[str, Any]]:
+    """(training rank) The next step's whole batch: the one a checkpoint held, or the rollout's next; the
+    data part of a checkpoint follows the rollout's loader (it saves the position after the last batch)."""
+    batch, info = held.take() or ex.recv_batch()
+    r.train_loader.load_state_dict(info["data"])
+    return batch, info
+
+
+def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointManager, held: InFlight,
+                     preemption: Preemption) -> None:
+    """A training rank's run: receive each step's batch, send the weights the rollout needs next, learn;
+    checkpoints hold the batch in flight (``held``), which a resumed run trains on first."""
     cfg, t = r.cfg, r.timer
     s = cfg.rollout.max_staleness
     rc = cfg.algorithm.rollout_correction
@@ -177,12 +238,13 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink) -> None:
     while r.step < r.total_steps:
         step = r.step + 1
         with t.phase("wait_rollout"):  # verl's wait_prev_gen
-            batch, info = ex.recv_batch()
-        if s == 1 and step >= 2 and not info["last"]:  # the rollout generates step + 1 with these
+            whole, info = _next_batch(r, ex, held)
+        last = info["last"]
+        if s == 1 and step >= 2 and not last:  # the rollout generates step + 1 with these
             with t.phase("weight_send"):
                 ex.send_weights(r.actor.export_weights(dtype))
-        metrics, tokens = learn(r, batch, bypass=bypass)
-        if s == 0 and not info["last"]:
+        metrics, tokens = learn(r, ex.own_rows(whole), bypass=bypass)
+        if s == 0 and not last:
             with t.phase("weight_send"):
                 ex.send_weights(r.actor.export_weights(dtype))
         metrics.update(info["metrics"])
@@ -191,10 +253,42 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink) -> None:
         metrics = finish_step(r, metrics, tokens)
         with t.phase("log"):
             sink.log(r.step, metrics)
-        if info["last"]:
-            if r.step < r.total_steps and r.rank == 0:
-                log.warning("data.train_files' epochs are used up after step %d of %d", r.step, r.total_steps)
+        stop = preemption.stop_requested(step, elsewhere=info["stop"])
+        if ckpt.due(step, last) or stop:
+            with t.phase("checkpoint"):
+                if not last:  # the next batch is in flight: the checkpoint holds it (InFlight)
+                    held.hold(*_next_batch(r, ex, held))
+                ckpt.save(step)
+        plot_due(r, last or stop)
+        if stop:
+            if not (last or held.info["last"]):  # the rollout ranks wait for weights: tell them instead
+                ex.send_control({"stop": True})
+            log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
             return
+        if last:
+            warn_epochs_used(r)
+            return
+
+
+def _resume(r: Run, ex: Exchange, ckpt: CheckpointManager, held: InFlight) -> bool:
+    """(training ranks) Restore ``trainer.resume``'s checkpoint, then tell the rollout ranks where the run
+    stands (``rollout_ranks_loop``'s start); whether it resumed. A failure reaches the rollout ranks too."""
+    try:
+        resumed = ckpt.resume() is not None
+    except Exception as err:
+        ex.send_control({"error": str(err), "config_error": isinstance(err, ConfigError)})
+        raise
+    r.step = ckpt.resumed_step
+    # The checkpoint's batch in flight is trained first; with none (the run's last step), the rollout
+    # starts from the trained weights.
+    pending = held.info
+    last = pending["last"] if pending else r.step >= r.total_steps
+    weights_now = resumed and pending is None and not last
+    ex.send_control({"sent": r.step + (pending is not None), "last": last, "weights_now": weights_now,
+                     "data": r.train_loader.state_dict() if resumed else None})
+    if weights_now:
+        ex.send_weights(r.actor.export_weights(resolve_dtype(r.cfg.rollout.dtype, r.device.type)))
+    return resumed
 
 
 def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) -> None:
@@ -202,13 +296,26 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
     its role's loop; both end together, then the rollout ranks close their engines."""
     r = build(cfg, dims, plan)
     ex = Exchange(r.dims, r.rank, r.cfg.rollout.n)
-    sink = open_output(r, resumed=False)  # split runs start fresh (the config refuses checkpoints for now)
+    # SIGTERM/SIGUSR1: the training ranks decide, hearing of a rollout rank's signal with its next batch.
+    preemption = Preemption(group=dims.group("train_cpu"))
+    resumed = False
+    if r.actor is not None:
+        held = InFlight()
+        # What a checkpoint holds: the colocated run's parts (the data position is the rollout's, sent with
+        # each batch) and the batch in flight; the rollout ranks' sampling is keyed, so they save nothing.
+        parts = {"actor": r.actor, "critic": r.critic, "data": r.train_loader, "kl_ctrl": r.kl_ctrl,
+                 "rng": RNGState(None, r.device, cfg.trainer.seed), "in_flight": held}
+        ckpt = CheckpointManager(r.out_dir, {k: v for k, v in parts.items() if v is not None}, cfg=r.cfg,
+                                 total_steps=r.total_steps, tokenizer=r.tokenizer, config_text=r.config_text,
+                                 group=dims.group("train_cpu"))
+        resumed = _resume(r, ex, ckpt, held)
+    sink = open_output(r, resumed)
     try:
         r.timer.restart()
         if r.experience is not None:
-            rollout_ranks_loop(r, ex)
+            rollout_ranks_loop(r, ex, preemption)
         else:
-            train_ranks_loop(r, ex, sink)
+            train_ranks_loop(r, ex, sink, ckpt, held, preemption)
     finally:
         close(r, sink)
     end(r)

@@ -17,6 +17,9 @@ adapter, a replay buffer) checkpoints without a change here:
                  the part's ``reseed(step, rank)`` runs instead (the RNG streams, ``rng.RNGState``).
     "shared"     the default: small JSON state in trainer_state.json, written by rank 0 (data-loader
                  position, KL controller).
+    "files"      a folder named after the part that rank 0 writes with ``save_files(folder)`` and every
+                 rank reads with ``load_files(folder)`` (split placement's batch in flight: safetensors and
+                 JSON).
 
 One checkpoint is a folder ``{output_dir}/checkpoints/global_step_N/`` (names: ``layout.py``):
 
@@ -88,7 +91,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spmdrl")
 
-LAYOUTS = ("sharded", "per_rank", "shared")
+LAYOUTS = ("sharded", "per_rank", "shared", "files")
 SHARED_STATE = "trainer_state.json"
 
 
@@ -111,9 +114,12 @@ class CheckpointManager:
     """Saves and restores one run's parts; every method is collective (call it on every rank)."""
 
     def __init__(self, out_dir: Path, parts: dict[str, Stateful], *, cfg: "Config", total_steps: int,
-                 tokenizer: Any, config_text: Optional[str] = None) -> None:
+                 tokenizer: Any, config_text: Optional[str] = None,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
         """``cfg`` with ``builtin:`` paths resolved (its model folder's config and generation config are
-        copied into each checkpoint); ``config_text``: the config as the user gave it (default: ``cfg``)."""
+        copied into each checkpoint); ``config_text``: the config as the user gave it (default: ``cfg``);
+        ``group``: the ranks that save (a CPU group whose rank 0 is the world's; default the world: under
+        split placement the training ranks, spmdrl/split.py)."""
         for name, part in parts.items():
             if layout_of(part) not in LAYOUTS:
                 raise ValueError(f"checkpoint part {name!r} has checkpoint_layout {layout_of(part)!r}; "
@@ -126,13 +132,15 @@ class CheckpointManager:
         self.out_dir = out_dir
         self.total_steps = total_steps
         self.tokenizer = tokenizer  # saved next to the weights so export needs nothing else
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
         self.resumed_step = 0  # set by resume()
         self.root = out_dir / CHECKPOINTS
         self.model_src = Path(cfg.model.path)
         # Object collectives (decisions, error messages) need a CPU group; NCCL has none of its own.
-        self._pg = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        if group is None and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")
+        self._pg = group
 
     def _named(self, layout: str) -> dict[str, Any]:
         return {name: part for name, part in self.parts.items() if layout_of(part) == layout}
@@ -231,6 +239,9 @@ class CheckpointManager:
         """Rank 0, after every rank wrote its files: the small files, the manifest (with the ``digests`` the
         ranks computed, and the missing ones), the rename, ``latest``."""
         files_dir = self._write_model_files(tmp)
+        for name, part in self._named("files").items():
+            (tmp / name).mkdir()
+            part.save_files(tmp / name)
         shared = {"step": step, **{name: part.state_dict() for name, part in self._named("shared").items()}}
         write_synced(tmp / SHARED_STATE, json.dumps(shared, indent=1))
         write_synced(tmp / "config.yaml", self.config_text)
@@ -355,6 +366,8 @@ class CheckpointManager:
         for name, part in self._named("shared").items():
             part.load_state_dict(shared[name])
         self.resumed_step = step = int(shared["step"])
+        for name, part in self._named("files").items():
+            part.load_files(path / name)
         for name, part in self._named("per_rank").items():
             if saved_world_size == self.world_size:
                 part.load_state_dict(torch.load(path / f"{name}_rank{self.rank}.pt", weights_only=True))

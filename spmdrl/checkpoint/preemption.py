@@ -33,12 +33,16 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Preemption:
     """The stop flag of this rank and the all-reduced decision at each step boundary (collective)."""
 
-    def __init__(self, install_signal_handlers: bool = True) -> None:
+    def __init__(self, install_signal_handlers: bool = True, group: Optional[dist.ProcessGroup] = None) -> None:
+        """``group``: the CPU group that decides (default the world; under split placement the training
+        ranks, which hear of a rollout rank's signal with its batch)."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self._signal: Optional[int] = None
         # The decision is a CPU tensor; NCCL has no CPU group of its own.
-        self._pg = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        if group is None and dist.get_backend() != "gloo":
+            group = dist.new_group(backend="gloo")
+        self._pg = group
         if install_signal_handlers and threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 signal.signal(sig, self._on_signal)
@@ -50,9 +54,15 @@ class Preemption:
             os.write(2, f"[rank {self.rank}] {name}: checkpoint and stop at the end of this step\n".encode())
         self._signal = signum
 
-    def stop_requested(self, step: int) -> bool:
-        """True on every rank when any rank got SIGTERM/SIGUSR1 (all-reduced at the end of ``step``)."""
-        flag = torch.tensor([0 if self._signal is None else 1], dtype=torch.int32)
+    @property
+    def signalled(self) -> bool:
+        """Whether this rank got SIGTERM/SIGUSR1."""
+        return self._signal is not None
+
+    def stop_requested(self, step: int, elsewhere: bool = False) -> bool:
+        """True on every rank when any rank got SIGTERM/SIGUSR1 (all-reduced at the end of ``step``), or
+        ``elsewhere`` on any rank (a rank outside the group that said so)."""
+        flag = torch.tensor([int(self.signalled or elsewhere)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._pg)
         self._maybe_inject_fault(step)
         return bool(flag.item())

@@ -45,9 +45,11 @@ def collective_timeout_s(hang_timeout_s: Optional[float]) -> float:
 class Watchdog:
     """Heartbeats of this rank and the thread that ends it when they stop (no thread when disabled)."""
 
-    def __init__(self, timeout_s: Optional[float], rank: int, world_size: int = 1) -> None:
+    def __init__(self, timeout_s: Optional[float], rank: int, world_size: int = 1, role: str = "") -> None:
+        """``role``: what the rank does, named when it fires (split placement: "rollout", "training")."""
         self.timeout_s = float(timeout_s or 0)  # 0 or None: off
         self.rank = rank
+        self.who = f"rank {rank} ({role} rank)" if role else f"rank {rank}"
         self.grace_s = min(self.timeout_s, MAX_GRACE_S) if world_size > 1 else 0.0
         self._last = ("start", time.monotonic())  # (phase, when it began): replaced whole, read whole
         self._done = threading.Event()
@@ -75,7 +77,7 @@ class Watchdog:
                 self._fire(phase, idle)
 
     def _fire(self, phase: str, idle: float) -> None:
-        os.write(2, (f"[rank {self.rank}] spmdrl watchdog: rank {self.rank} made no progress in phase "
+        os.write(2, (f"[rank {self.rank}] spmdrl watchdog: {self.who} made no progress in phase "
                      f"{phase} for {int(idle)} s (trainer.hang_timeout_s={self.timeout_s:g}); the Python "
                      f"stacks of its threads follow, then it exits with code {HANG_EXIT_CODE}\n").encode())
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -301,20 +301,13 @@ def _check_split(cfg: Config) -> None:
     _check(r.max_staleness in (0, 1),
            f"rollout.max_staleness is {r.max_staleness}; split placement runs 0 (the rollout waits for each "
            f"update) or 1 (one-step off-policy)")
-    not_yet = [("trainer.save_freq", t.save_freq > 0),
-               ("trainer.test_freq", t.test_freq > 0 and bool(_files(cfg.data.val_files))),
+    not_yet = [("trainer.test_freq", t.test_freq > 0 and bool(_files(cfg.data.val_files))),
                ("trainer.val_before_train", t.val_before_train and bool(_files(cfg.data.val_files))),
                ("trainer.val_only", t.val_only), ("reward_model.enable", cfg.reward_model.enable),
                ("trainer.rollout_data_dir", bool(t.rollout_data_dir))]
     for key, on in not_yet:
-        _check(not on, f"{key} is not built for rollout.placement split yet (checkpoints, validation, reward "
-               f"models and generation dumps run colocated); turn it off or use rollout.placement colocated")
-    from spmdrl.checkpoint.layout import CHECKPOINTS, LATEST
-
-    earlier = t.resume == "auto" and (output_dir(cfg) / CHECKPOINTS / LATEST).exists()
-    _check(t.resume in ("auto", "off") and not earlier,
-           f"trainer.resume {t.resume!r} would continue a checkpoint, which rollout.placement split cannot "
-           f"yet; set trainer.resume off (a fresh start sets the earlier run's files aside)")
+        _check(not on, f"{key} is not built for rollout.placement split yet (validation, reward models and "
+               f"generation dumps run colocated); turn it off or use rollout.placement colocated")
     _check(r.calculate_log_probs or r.max_staleness == 0 or cfg.algorithm.rollout_correction.corrects,
            "rollout.placement split with rollout.max_staleness 1 takes the rollout's log-probs as the old "
            "ones, but rollout.calculate_log_probs is false; set it to true")

@@ -55,3 +55,22 @@ def test_a_stalled_rank_ends_the_job_with_every_ranks_stacks(tmp_path, spmdrl_ca
     OutputLock.acquire(tmp_path / "run").release()
     assert "which is no longer running" in caplog.text
 
+
+
+def test_a_stalled_rollout_rank_is_named_by_its_role_under_split_placement(tmp_path, spmdrl_cache):
+    # Split placement, 1 training + 1 rollout rank: the reward runs on the rollout rank (rank 1) only.
+    reward = tmp_path / "stall.py"
+    reward.write_text(STALLING_REWARD)
+    proc = train([*TINY, "--trainer.total_steps", "3", "--rollout.n", "2", "--trainer.val_before_train", "false",
+                  "--trainer.test_freq", "-1", "--rollout.placement", "split", "--rollout.n_gpus_per_node", "1",
+                  "--reward.function", f"{reward}:compute_score", "--trainer.hang_timeout_s", str(HANG_S),
+                  "--trainer.output_dir", str(tmp_path / "run")],
+                 cache=spmdrl_cache, nproc=2, check=False, env={"STALL_MARK": str(tmp_path / "mark")},
+                 timeout=300)
+    log = proc.stdout + proc.stderr
+    (tmp_path / "hang.log").write_text(log)
+    assert proc.returncode != 0
+    assert re.search(rf"rank 1 \(rollout rank\) made no progress in phase reward for {HANG_S}\d? s", log)
+    # The training rank waits for the batch: its own watchdog names its role and that wait.
+    assert "rank 0 (training rank) made no progress in phase wait_rollout" in log
+    assert "in compute_score" in log and "spmdrl/split.py" in log

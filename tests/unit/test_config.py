@@ -112,12 +112,11 @@ BAD_SPLIT = [
     (["--rollout.placement", "split"], "rollout.nnodes x rollout.n_gpus_per_node is 1 x None"),
     ([*SPLIT, "--rollout.n_gpus_per_node", "2"], "leaves no rank of the 2 to train"),
     ([*SPLIT, "--rollout.max_staleness", "2"], "rollout.max_staleness is 2"),
-    ([*SPLIT, "--trainer.save_freq", "5"], "trainer.save_freq is not built for rollout.placement split"),
+    ([*SPLIT, "--trainer.test_freq", "5"], "trainer.test_freq is not built for rollout.placement split"),
     ([*SPLIT, "--trainer.val_before_train", "true"], "trainer.val_before_train is not built"),
     ([*SPLIT, "--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm"],
      "reward_model.enable is not built"),
     ([*SPLIT, "--rollout.calculate_log_probs", "false"], "takes the rollout's log-probs as the old ones"),
-    ([*SPLIT, "--trainer.resume", "/tmp/nowhere"], "trainer.resume '/tmp/nowhere' would continue"),
     ([*SPLIT, "--actor.strategy", "megatron"], "rollout.placement split trains with actor.strategy fsdp2"),
 ]
 
