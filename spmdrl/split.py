@@ -48,6 +48,7 @@ from spmdrl.loop import (Run, build, close, end, finish_step, learn, open_output
 from spmdrl.metrics import MetricsSink, reduce_metrics
 from spmdrl.parallel import ParallelDims
 from spmdrl.precision import resolve_dtype
+from spmdrl.validation import validation_metrics
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -137,26 +138,38 @@ class Exchange:
     def recv_control(self) -> dict[str, Any]:
         return _recv(0, self.dims.group("weights"))[0]
 
-    def send_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def send_weights(self, named: Iterable[tuple[str, torch.Tensor]], validate: bool = False) -> None:
         """(training ranks) The actor's weights: every training rank runs the export (its gathers are
-        collective over the training ranks), rank 0 sends each tensor as it comes."""
+        collective over the training ranks), rank 0 sends each tensor as it comes. ``validate``: the rollout
+        ranks validate these weights at once and send the metrics back (``recv_validation``)."""
         group = self.dims.group("weights")
         for name, tensor in named:
             if self.rank == 0:
                 _send({"name": name, "tensors": _described([tensor])}, [tensor.contiguous()], 0, group)
-        self.send_control({})  # the end of the weights
+        self.send_control({"validate": validate})  # the end of the weights
 
-    def recv_weights(self) -> Optional[list[tuple[str, torch.Tensor]]]:
-        """(rollout rank) The weights training rank 0 sends, in the order the actor exports them; None when
-        the training ranks stopped the run instead (a preemption)."""
+    def recv_weights(self) -> tuple[Optional[list[tuple[str, torch.Tensor]]], bool]:
+        """(rollout rank) The weights training rank 0 sends, in the order the actor exports them (None when
+        the training ranks stopped the run instead), and whether to validate them."""
         group, out = self.dims.group("weights"), []
         while True:
             header, tensors = _recv(0, group)
             if header.get("stop"):
-                return None
+                return None, False
             if header["name"] is None:
-                return out
+                return out, header["validate"]
             out.append((header["name"], tensors[0]))
+
+    # ---- validation metrics: the first rollout rank -> every training rank -------------------------
+
+    def send_validation(self, metrics: dict[str, float]) -> None:
+        """(rollout ranks) The validation metrics (the same on every rollout rank: the first one sends)."""
+        if self.rank == self.rollout_ranks[0]:
+            _send({"validation": metrics, "tensors": []}, [], self.rank, self.dims.group(f"batch{self.rank}"))
+
+    def recv_validation(self) -> dict[str, float]:
+        src = self.rollout_ranks[0]
+        return _recv(src, self.dims.group(f"batch{src}"))[0]["validation"]
 
 
 def _prefixed(metrics: dict[str, float]) -> dict[str, float]:
@@ -166,14 +179,28 @@ def _prefixed(metrics: dict[str, float]) -> dict[str, float]:
             for k, v in metrics.items()}
 
 
+def validates(r: Run) -> bool:
+    """Whether the run validates during training (``trainer.test_freq`` and validation files); both roles
+    decide alike."""
+    return r.cfg.trainer.test_freq > 0 and r.val_loader is not None
+
+
+def _validate(r: Run, ex: Exchange) -> None:
+    """(rollout ranks) Validate the weights the engine holds and send the metrics to the training ranks."""
+    with r.timer.phase("validation"):
+        ex.send_validation(validation_metrics(r.experience, r.val_loader))
+
+
 def _load_weights(r: Run, ex: Exchange) -> bool:
-    """(rollout rank) Receive the next weights; the engine loads them at its next batch. False: the training
-    ranks stopped the run."""
+    """(rollout rank) Receive the next weights (the engine loads them at its next batch) and validate them
+    when asked. False: the training ranks stopped the run."""
     with r.timer.phase("wait_weights"):
-        weights = ex.recv_weights()
+        weights, validate = ex.recv_weights()
     if weights is None:
         return False
     r.experience.session.actor_changed(lambda w=weights: iter(w))
+    if validate:
+        _validate(r, ex)
     return True
 
 
@@ -190,6 +217,8 @@ def rollout_ranks_loop(r: Run, ex: Exchange, preemption: Preemption) -> None:
     if start["data"] is not None:
         r.train_loader.load_state_dict(start["data"])
     sent, last, version = start["sent"], start["last"], 0  # version: the update the engine's weights are
+    if sent == 0 and r.cfg.trainer.val_before_train and r.val_loader is not None:
+        _validate(r, ex)  # the initial weights, before the first batch (logged as step 0)
     if not last and (start["weights_now"] or sent - s >= 1):
         version = sent if start["weights_now"] else sent - s
         if not _load_weights(r, ex):
@@ -215,6 +244,10 @@ def rollout_ranks_loop(r: Run, ex: Exchange, preemption: Preemption) -> None:
             version = sent - s
             if not _load_weights(r, ex):
                 return
+    # The last batch is sent; the final weights (and those of a validation the training ranks ask for
+    # while they train on the batch in flight) still come to be validated, until the training ranks stop us.
+    while validates(r) and _load_weights(r, ex):
+        pass
 
 
 def _next_batch(r: Run, ex: Exchange, held: InFlight) -> tuple[Batch, dict[str, Any]]:
@@ -225,28 +258,59 @@ def _next_batch(r: Run, ex: Exchange, held: InFlight) -> tuple[Batch, dict[str, 
     return batch, info
 
 
+def _send_weights(r: Run, ex: Exchange, validate: bool = False) -> None:
+    with r.timer.phase("weight_send"):
+        ex.send_weights(r.actor.export_weights(resolve_dtype(r.cfg.rollout.dtype, r.device.type)), validate)
+
+
+def _validation(r: Run, ex: Exchange, held: InFlight, last: bool) -> tuple[dict[str, float], bool]:
+    """(training ranks) Validate the weights of the update just made, on the rollout ranks: send them with a
+    request and wait for the metrics. Under staleness 1 the rollout ranks take weights only after their
+    next batch, which is then held (trained next step, as always); returns (the metrics, whether these
+    weights went out ahead of the point where the next step would send them)."""
+    early = False
+    with r.timer.phase("validation"):
+        if not last and r.cfg.rollout.max_staleness == 1:
+            if held.batch is None:
+                held.hold(*_next_batch(r, ex, held))
+            early = True
+        if last or early:  # under staleness 0 the step's weights went out with the request already
+            _send_weights(r, ex, validate=True)
+        return ex.recv_validation(), early
+
+
+def _release(r: Run, ex: Exchange, rollout_done: bool) -> None:
+    """(training ranks) The run ends here: rollout ranks still waiting for weights (a preemption before
+    their last batch, or waiting for validations) are told to stop."""
+    if validates(r) or not rollout_done:
+        ex.send_control({"stop": True})
+
+
 def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointManager, held: InFlight,
-                     preemption: Preemption) -> None:
+                     preemption: Preemption) -> bool:
     """A training rank's run: receive each step's batch, send the weights the rollout needs next, learn;
-    checkpoints hold the batch in flight (``held``), which a resumed run trains on first."""
+    checkpoints hold the batch in flight (``held``), which a resumed run trains on first. Returns whether
+    the rollout ranks sent their last batch."""
     cfg, t = r.cfg, r.timer
-    s = cfg.rollout.max_staleness
+    s, f = cfg.rollout.max_staleness, cfg.trainer.test_freq
     rc = cfg.algorithm.rollout_correction
     # Off-policy batches take the rollout's log-probs as the old ones unless a correction recomputes them.
     bypass = rc.bypass_mode or (s > 0 and not rc.corrects)
-    dtype = resolve_dtype(cfg.rollout.dtype, r.device.type)
+    early = False  # the last update's weights went out already, with a validation request
     while r.step < r.total_steps:
         step = r.step + 1
         with t.phase("wait_rollout"):  # verl's wait_prev_gen
             whole, info = _next_batch(r, ex, held)
         last = info["last"]
-        if s == 1 and step >= 2 and not last:  # the rollout generates step + 1 with these
-            with t.phase("weight_send"):
-                ex.send_weights(r.actor.export_weights(dtype))
+        if s == 1 and step >= 2 and not last and not early:  # the rollout generates step + 1 with these
+            _send_weights(r, ex)
         metrics, tokens = learn(r, ex.own_rows(whole), bypass=bypass)
+        val = validates(r) and (step % f == 0 or last)
         if s == 0 and not last:
-            with t.phase("weight_send"):
-                ex.send_weights(r.actor.export_weights(dtype))
+            _send_weights(r, ex, validate=val)
+        if val:
+            val_metrics, early = _validation(r, ex, held, last)
+            metrics.update(val_metrics)
         metrics.update(info["metrics"])
         metrics["async/staleness"] = float(step - 1 - info["version"])
         r.step = step
@@ -256,23 +320,23 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointMa
         stop = preemption.stop_requested(step, elsewhere=info["stop"])
         if ckpt.due(step, last) or stop:
             with t.phase("checkpoint"):
-                if not last:  # the next batch is in flight: the checkpoint holds it (InFlight)
+                if not last and held.batch is None:  # the next batch is in flight: the checkpoint holds it
                     held.hold(*_next_batch(r, ex, held))
                 ckpt.save(step)
         plot_due(r, last or stop)
         if stop:
-            if not (last or held.info["last"]):  # the rollout ranks wait for weights: tell them instead
-                ex.send_control({"stop": True})
             log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
-            return
+            return last or held.info["last"]
         if last:
             warn_epochs_used(r)
-            return
+            return True
+    return True
 
 
-def _resume(r: Run, ex: Exchange, ckpt: CheckpointManager, held: InFlight) -> bool:
+def _resume(r: Run, ex: Exchange, ckpt: CheckpointManager, held: InFlight) -> tuple[bool, bool]:
     """(training ranks) Restore ``trainer.resume``'s checkpoint, then tell the rollout ranks where the run
-    stands (``rollout_ranks_loop``'s start); whether it resumed. A failure reaches the rollout ranks too."""
+    stands (``rollout_ranks_loop``'s start); (whether it resumed, whether the rollout ranks have sent their
+    last batch). A failure reaches the rollout ranks too."""
     try:
         resumed = ckpt.resume() is not None
     except Exception as err:
@@ -287,8 +351,8 @@ def _resume(r: Run, ex: Exchange, ckpt: CheckpointManager, held: InFlight) -> bo
     ex.send_control({"sent": r.step + (pending is not None), "last": last, "weights_now": weights_now,
                      "data": r.train_loader.state_dict() if resumed else None})
     if weights_now:
-        ex.send_weights(r.actor.export_weights(resolve_dtype(r.cfg.rollout.dtype, r.device.type)))
-    return resumed
+        _send_weights(r, ex)
+    return resumed, last
 
 
 def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) -> None:
@@ -298,7 +362,7 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
     ex = Exchange(r.dims, r.rank, r.cfg.rollout.n)
     # SIGTERM/SIGUSR1: the training ranks decide, hearing of a rollout rank's signal with its next batch.
     preemption = Preemption(group=dims.group("train_cpu"))
-    resumed = False
+    resumed = rollout_done = False
     if r.actor is not None:
         held = InFlight()
         # What a checkpoint holds: the colocated run's parts (the data position is the rollout's, sent with
@@ -308,14 +372,18 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
         ckpt = CheckpointManager(r.out_dir, {k: v for k, v in parts.items() if v is not None}, cfg=r.cfg,
                                  total_steps=r.total_steps, tokenizer=r.tokenizer, config_text=r.config_text,
                                  group=dims.group("train_cpu"))
-        resumed = _resume(r, ex, ckpt, held)
+        resumed, rollout_done = _resume(r, ex, ckpt, held)
     sink = open_output(r, resumed)
     try:
-        r.timer.restart()
         if r.experience is not None:
+            r.timer.restart()
             rollout_ranks_loop(r, ex, preemption)
         else:
-            train_ranks_loop(r, ex, sink, ckpt, held, preemption)
+            if not resumed and cfg.trainer.val_before_train and r.val_loader is not None:
+                sink.log(0, ex.recv_validation())  # the rollout ranks validate the initial weights first
+            r.timer.restart()
+            rollout_done = train_ranks_loop(r, ex, sink, ckpt, held, preemption) or rollout_done
+            _release(r, ex, rollout_done)
     finally:
         close(r, sink)
     end(r)

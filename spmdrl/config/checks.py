@@ -301,13 +301,11 @@ def _check_split(cfg: Config) -> None:
     _check(r.max_staleness in (0, 1),
            f"rollout.max_staleness is {r.max_staleness}; split placement runs 0 (the rollout waits for each "
            f"update) or 1 (one-step off-policy)")
-    not_yet = [("trainer.test_freq", t.test_freq > 0 and bool(_files(cfg.data.val_files))),
-               ("trainer.val_before_train", t.val_before_train and bool(_files(cfg.data.val_files))),
-               ("trainer.val_only", t.val_only), ("reward_model.enable", cfg.reward_model.enable),
+    not_yet = [("trainer.val_only", t.val_only), ("reward_model.enable", cfg.reward_model.enable),
                ("trainer.rollout_data_dir", bool(t.rollout_data_dir))]
     for key, on in not_yet:
-        _check(not on, f"{key} is not built for rollout.placement split yet (validation, reward models and "
-               f"generation dumps run colocated); turn it off or use rollout.placement colocated")
+        _check(not on, f"{key} is not built for rollout.placement split yet (validation alone, reward models "
+               f"and generation dumps run colocated); turn it off or use rollout.placement colocated")
     _check(r.calculate_log_probs or r.max_staleness == 0 or cfg.algorithm.rollout_correction.corrects,
            "rollout.placement split with rollout.max_staleness 1 takes the rollout's log-probs as the old "
            "ones, but rollout.calculate_log_probs is false; set it to true")

@@ -1,9 +1,12 @@
 """Split placement end to end (spmdrl/split.py): rollout ranks and training ranks, one program.
 
 - max_staleness 0 (the rollout waits for each update) on 1 rollout + 1 training rank is the colocated run
-  on 1 rank: the same samples (keyed by prompt, not rank) and the same updates, float32, every metric.
+  on 1 rank: the same samples (keyed by prompt, not rank) and the same updates, float32, every metric,
+  validation included (sampled, before training and every 2 steps: the rollout rank validates the
+  weights the training rank sends with the request).
 - max_staleness 1 on 1 rollout + 2 training ranks, with DAPO's dynamic sampling, takes its steps one
-  update apart: batch k+1 is generated with the weights of update k-1.
+  update apart: batch k+1 is generated with the weights of update k-1; validating after update 2 holds
+  batch 3 (the last) while the rollout rank validates, and the final weights are validated too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ SPLIT = ["--rollout.placement", "split", "--rollout.nnodes", "1", "--rollout.n_g
 # What the training ranks learn from the batch, and what the rollout ranks report of it.
 COMPARED = ["reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy",
             "actor/grad_norm"]
+VAL = ["--trainer.val_before_train", "true", "--trainer.test_freq", "2", "--rollout.val_kwargs.n", "2",
+       "--rollout.val_kwargs.do_sample", "true", "--rollout.val_kwargs.temperature", "1.0"]
+VAL_REWARD = "val-aux/spmdrl/arith/reward/mean@2"
 
 
 def test_split_without_staleness_equals_the_colocated_run(tmp_path, spmdrl_cache):
@@ -27,12 +33,15 @@ def test_split_without_staleness_equals_the_colocated_run(tmp_path, spmdrl_cache
     for name, nproc, extra in (("colocated", 1, []), ("split", 2, [*SPLIT, "--rollout.max_staleness", "0"])):
         out = tmp_path / name
         # One thread in both, so that the matmuls round alike.
-        train(["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *extra, "--trainer.output_dir", str(out)],
+        train(["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *VAL, *extra, "--trainer.output_dir", str(out)],
               cache=spmdrl_cache, nproc=nproc, env={"OMP_NUM_THREADS": "1"})
         runs[name] = read_metrics(out)
-    assert [r["step"] for r in runs["split"]] == [1, 2, 3]
-    for a, b in zip(runs["colocated"], runs["split"]):
-        for key in COMPARED:
+    # Validation before training (step 0), after update 2 and after the last one.
+    assert [(r["step"], VAL_REWARD in r) for r in runs["split"]] == [(0, True), (1, False), (2, True), (3, True)]
+    assert [r["step"] for r in runs["colocated"]] == [0, 1, 2, 3]
+    assert runs["split"][0] == runs["colocated"][0]
+    for a, b in zip(runs["colocated"][1:], runs["split"][1:]):
+        for key in COMPARED + ([VAL_REWARD] if VAL_REWARD in a else []):
             assert b[key] == a[key], (a["step"], key)
         assert b["async/staleness"] == 0.0
         assert b["rollout_ranks/timing/rollout"] > 0 and "timing/wait_rollout" in b
@@ -40,10 +49,11 @@ def test_split_without_staleness_equals_the_colocated_run(tmp_path, spmdrl_cache
 
 def test_one_step_off_policy_on_one_rollout_and_two_training_ranks(tmp_path, spmdrl_cache):
     out = tmp_path / "run"
-    train(["--config", "configs/dapo.yaml", *SHORT, *SPLIT, "--trainer.output_dir", str(out)],
-          cache=spmdrl_cache, nproc=3)
+    train(["--config", "configs/dapo.yaml", *SHORT, *SPLIT, "--trainer.test_freq", "2",
+           "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=3)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [any(k.startswith("val-core/") for k in r) for r in rows] == [False, True, True]
     # Batch 1 and 2 come from the initial weights, batch 3 from update 1: one update old from step 2 on.
     assert [r["async/weights_version"] for r in rows] == [0.0, 0.0, 1.0]
     assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
