@@ -8,7 +8,8 @@ Still one program: a rank's role comes from its place in the world (``ParallelDi
 
 Batch k+1 is generated with the weights of update k-1 while the training ranks run update k, so a batch
 is one update old when it is trained on (``async/staleness``), and the PPO ratio takes the rollout's own
-log-probs as the old ones (verl's bypass mode) unless a rollout correction is asked for. With
+log-probs as the old ones (verl's bypass mode) unless a rollout correction is asked for (or
+``rollout.calculate_log_probs`` is false, verl's default: the actor computes them then). With
 ``max_staleness`` 0 the rollout ranks wait for each update: the same samples and updates as a colocated
 run, which is how a split run is checked.
 
@@ -294,8 +295,9 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointMa
     cfg, t = r.cfg, r.timer
     s, f = cfg.rollout.max_staleness, cfg.trainer.test_freq
     rc = cfg.algorithm.rollout_correction
-    # Off-policy batches take the rollout's log-probs as the old ones unless a correction recomputes them.
-    bypass = rc.bypass_mode or (s > 0 and not rc.corrects)
+    # Off-policy batches take the rollout's log-probs as the old ones unless a correction recomputes them,
+    # or the rollout does not return them (verl's default: the actor computes them, as its recipe does).
+    bypass = rc.bypass_mode or (s > 0 and not rc.corrects and cfg.rollout.calculate_log_probs)
     early = False  # the last update's weights went out already, with a validation request
     while r.step < r.total_steps:
         step = r.step + 1

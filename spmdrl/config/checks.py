@@ -32,10 +32,10 @@ def validate_config(cfg: Config, world_size: int) -> None:
     _check_optimizer(cfg)
     _check_kl_and_dapo(cfg)
     _check_output_dir(cfg)
+    _check_split(cfg)  # before the engines' own checks: a split run refuses an engine it cannot run yet
     _check_names(cfg)
     _check_features(cfg)
     _check_device(cfg)
-    _check_split(cfg)
     dims = _check_sizes(cfg, world_size)
     _check_builtin_names(cfg)
     _check_model_folders(cfg)
@@ -301,14 +301,15 @@ def _check_split(cfg: Config) -> None:
     _check(r.max_staleness in (0, 1),
            f"rollout.max_staleness is {r.max_staleness}; split placement runs 0 (the rollout waits for each "
            f"update) or 1 (one-step off-policy)")
+    _check(r.engine in ("native", "hf"),
+           f"rollout.engine {r.engine} is not built for rollout.placement split yet: the split rollout ranks run "
+           f"the native and hf engines (vLLM and SGLang run colocated); use rollout.engine native or "
+           f"rollout.placement colocated")
     not_yet = [("trainer.val_only", t.val_only), ("reward_model.enable", cfg.reward_model.enable),
                ("trainer.rollout_data_dir", bool(t.rollout_data_dir))]
     for key, on in not_yet:
         _check(not on, f"{key} is not built for rollout.placement split yet (validation alone, reward models "
                f"and generation dumps run colocated); turn it off or use rollout.placement colocated")
-    _check(r.calculate_log_probs or r.max_staleness == 0 or cfg.algorithm.rollout_correction.corrects,
-           "rollout.placement split with rollout.max_staleness 1 takes the rollout's log-probs as the old "
-           "ones, but rollout.calculate_log_probs is false; set it to true")
 
 
 def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":

@@ -325,6 +325,7 @@ TABLE: list[Rule] = [
     m(f"{RO}.log_prob_use_dynamic_bsz", "actor.log_prob_use_dynamic_bsz"),
     m(f"{RO}.log_prob_max_token_len_per_gpu", "actor.log_prob_max_token_len_per_gpu"),
     ignore(f"{RO}.load_format", "weights are pushed from the actor each step"),
+    ignore(f"{RO}.layered_summon", "the FSDP2 export already gathers one unit at a time"),
     ignore(f"{RO}.enable_chunked_prefill", PERF),
     ignore(f"{RO}.disable_log_stats", "vLLM's own logging"),
     only(f"{RO}.use_fire_sampling", (False,), "not supported"),
