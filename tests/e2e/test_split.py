@@ -4,6 +4,8 @@
   on 1 rank: the same samples (keyed by prompt, not rank) and the same updates, float32, every metric,
   validation included (sampled, before training and every 2 steps: the rollout rank validates the
   weights the training rank sends with the request).
+- max_staleness 1 on 1 rollout + 1 training rank trains on the batches a scripted one-step-stale run on one
+  process produces (stale_driver.py: step k generated with the weights of update k-2), every metric equal.
 - max_staleness 1 on 1 rollout + 2 training ranks, with DAPO's dynamic sampling, takes its steps one
   update apart: batch k+1 is generated with the weights of update k-1; validating after update 2 holds
   batch 3 (the last) while the rollout rank validates, and the final weights are validated too.
@@ -12,7 +14,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import TINY, read_metrics, train
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO, TINY, read_metrics, train
 
 pytestmark = pytest.mark.e2e
 
@@ -63,3 +70,22 @@ def test_one_step_off_policy_on_one_rollout_and_two_training_ranks(tmp_path, spm
         # The ratio is taken against the rollout's log-probs (bypass): ppo_kl measures the gap to them.
         assert abs(r["actor/ppo_kl"]) < 1.0
     assert "timing/weight_send" in rows[1] and "rollout_ranks/timing/wait_weights" in rows[2]
+
+
+def test_one_step_off_policy_trains_on_what_a_scripted_stale_run_produces(tmp_path, spmdrl_cache):
+    args = ["--config", "configs/grpo.yaml", *SHORT, "--trainer.total_steps", "4", *FLOAT32]
+    out = tmp_path / "split"
+    train([*args, *SPLIT, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2,
+          env={"OMP_NUM_THREADS": "1"})
+    split = read_metrics(out)
+    results = tmp_path / "scripted.json"
+    env = {**os.environ, "SPMDRL_CACHE": spmdrl_cache, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "stale_driver.py"), str(results), "--", *args,
+                    "--trainer.output_dir", str(tmp_path / "scripted")], cwd=REPO, env=env, check=True,
+                   timeout=600)
+    scripted = json.loads(results.read_text())
+    assert [r["async/weights_version"] for r in split] == [0.0, 0.0, 1.0, 2.0]
+    assert [r["step"] for r in scripted] == [r["step"] for r in split] == [1, 2, 3, 4]
+    for a, b in zip(scripted, split):
+        for key in COMPARED + ["actor/ppo_kl", "batch/responses"]:
+            assert b[key] == a[key], (a["step"], key)

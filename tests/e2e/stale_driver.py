@@ -1,0 +1,56 @@
+"""A scripted one-step-stale run on one process: what split placement with rollout.max_staleness 1 must train
+on, written out step by step with the loop's own parts (tests/e2e/test_split.py).
+
+    python tests/e2e/stale_driver.py RESULTS.json -- TRAINER ARGS...
+
+Colocated, one rank: before generating step k's batch, the rollout engine is given the actor's weights of
+update k-2 (the initial weights for steps 1 and 2), kept aside as the actor exported them; then the step
+learns on that batch with the rollout's log-probs as the old ones (bypass). Each step's batch and update
+metrics go to RESULTS.json, one row per step, to compare with the split run's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def main(results: str, argv: list[str]) -> None:
+    import torch.distributed as dist
+
+    from spmdrl.config.checks import validate_config
+    from spmdrl.config.parse import parse_config
+    from spmdrl.experience import batch_metrics
+    from spmdrl.loop import build, learn
+    from spmdrl.metrics import reduce_metrics
+    from spmdrl.parallel import ParallelDims, init_distributed
+    from spmdrl.precision import resolve_dtype
+
+    cfg, _ = parse_config(argv)
+    validate_config(cfg, 1)
+    init_distributed("cpu")
+    r = build(cfg, ParallelDims.of(cfg, 1).build())
+    dtype = resolve_dtype(cfg.rollout.dtype, "cpu")
+    versions = [[(k, v.clone()) for k, v in r.actor.export_weights(dtype)]]  # versions[u]: after update u
+    rows = []
+    for step in range(1, r.total_steps + 1):
+        weights = versions[max(0, step - 2)]
+        r.experience.session.actor_changed(lambda w=weights: iter(w))
+        r.experience.step = step
+        batch, metrics = r.experience.produce(next(r.train_loader), more_prompts=r.train_loader)
+        metrics.update(batch_metrics(batch))
+        learned, _ = learn(r, batch, bypass=True)
+        metrics.update(learned)
+        rows.append({"step": step, **reduce_metrics(metrics, r.group)})
+        versions.append([(k, v.clone()) for k, v in r.actor.export_weights(dtype)])
+    with open(results, "w") as f:
+        json.dump(rows, f)
+    r.watchdog.close()
+    r.experience.rewards.close()
+    r.experience.session.engine.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sep = sys.argv.index("--")
+    main(sys.argv[1], sys.argv[sep + 1:])
