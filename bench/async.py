@@ -16,6 +16,8 @@ the table gives medians over rounds of the per-step medians of steps 2 onwards (
 - wait_rollout: the training ranks' wait for the batch (colocated: the rollout itself);
 - idle: each role's share of a step spent waiting on the other (training: wait_rollout; rollout: the
   sends and the wait for weights);
+- weights/update: the weight hand-over's time as a fraction of the update's (split: the training ranks'
+  export and send, ``timing/weight_send``; colocated: the engine's load, ``timing/weight_sync``);
 - reward: the mean reward of the last step (a random model: near the task's floor; it shows both learn
   alike, not how well).
 """
@@ -76,6 +78,8 @@ def summary(rows: list[dict], split: bool) -> dict[str, float]:
                                        + r.get("rollout_ranks/timing/wait_weights", 0.0))
                             / r["rollout_ranks/timing/step"]) if split else
         med(lambda r: 1 - (r["timing/rollout"] + r.get("timing/weight_sync", 0.0)) / r["timing/step"]),
+        "weights/update": med(lambda r: r.get("timing/weight_send" if split else "timing/weight_sync", 0.0)
+                              / r["timing/update"]),
         "reward": rows[-1]["reward/mean"],
         "length": med(lambda r: r["response_length/mean"]),
         "cut": med(lambda r: r["response_length/clip_ratio"]),
@@ -124,8 +128,8 @@ def main() -> None:
             print(f"round {round_ + 1}/{args.rounds} {name}: {results[name][-1]['s/step']:.3f} s/step",
                   flush=True)
     base = statistics.median(r["s/step"] for r in results[next(iter(configs))])
-    cols = ["s/step", "steps/s", "tokens/s", "wait_rollout", "train idle", "rollout idle", "length", "cut",
-            "reward"]
+    cols = ["s/step", "steps/s", "tokens/s", "wait_rollout", "train idle", "rollout idle", "weights/update",
+            "length", "cut", "reward"]
     print(f"\n{args.prompts} prompts x {args.n}, responses up to {args.max_response} tokens "
           f"({args.stop_ids} stop ids), {args.steps} steps, medians of steps 2-{args.steps} over "
           f"{args.rounds} interleaved rounds\n")

@@ -16,7 +16,8 @@ run, which is how a split run is checked.
 The two roles meet only in these exchanges, in the same order on both sides (batch k, then weights), each
 a broadcast on a group of its own (``ParallelDims.build``): every rollout rank sends its share of the
 batch to every training rank, which keeps its own slice of the rows in rollout order; training rank 0
-sends the weights, one tensor at a time as the actor exports them, to every rollout rank. A message is a
+sends the weights in buckets (one flat buffer of ``rollout.update_weights_bucket_megabytes`` a
+broadcast) as the actor exports them, to every rollout rank. A message is a
 JSON header (names, dtypes, shapes, the batch's lists, the rollout's metrics) and then raw tensors: nothing
 is pickled. Training rank 0 also starts the rollout ranks (where a resumed run stands) and stops them (a
 preemption) on the weights' group.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
@@ -49,6 +51,7 @@ from spmdrl.loop import (Run, build, close, end, finish_step, learn, open_output
 from spmdrl.metrics import MetricsSink, reduce_metrics
 from spmdrl.parallel import ParallelDims
 from spmdrl.precision import resolve_dtype
+from spmdrl.rollout.base import buckets
 from spmdrl.validation import validation_metrics
 
 if TYPE_CHECKING:
@@ -94,11 +97,37 @@ def _described(tensors: Iterable[torch.Tensor]) -> list[list]:
     return [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
 
 
+_ALIGN = 16  # bytes: every part of a bucket starts aligned for any dtype's view
+
+
+def _flatten(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[list]]:
+    """(name, tensor) pairs as one uint8 buffer and [name, dtype, shape, byte offset] per part."""
+    parts, pieces, offset = [], [], 0
+    for name, t in bucket:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pad = -raw.numel() % _ALIGN
+        parts.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+        pieces += [raw, raw.new_zeros(pad)] if pad else [raw]
+        offset += raw.numel() + pad
+    return torch.cat(pieces), parts
+
+
+def _unflatten(flat: torch.Tensor, parts: list[list]) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) views of a bucket ``_flatten`` made (they keep the buffer alive)."""
+    out = []
+    for name, dtype, shape, offset in parts:
+        dt = getattr(torch, dtype)
+        nbytes = math.prod(shape) * dt.itemsize
+        out.append((name, flat[offset:offset + nbytes].view(dt).view(shape)))
+    return out
+
+
 class Exchange:
     """The hand-overs between the roles (collective on their groups; see the module's docstring)."""
 
-    def __init__(self, dims: ParallelDims, rank: int, n: int):
+    def __init__(self, dims: ParallelDims, rank: int, n: int, bucket_bytes: int = 512 << 20):
         self.dims, self.rank, self.n = dims, rank, n  # n: responses per prompt, kept together
+        self.bucket_bytes = bucket_bytes  # rollout.update_weights_bucket_megabytes: one broadcast each
         self.rollout_ranks = list(range(dims.train_ranks, dims.world_size))
 
     # ---- batch: every rollout rank -> every training rank ------------------------------------------
@@ -141,12 +170,14 @@ class Exchange:
 
     def send_weights(self, named: Iterable[tuple[str, torch.Tensor]], validate: bool = False) -> None:
         """(training ranks) The actor's weights: every training rank runs the export (its gathers are
-        collective over the training ranks), rank 0 sends each tensor as it comes. ``validate``: the rollout
-        ranks validate these weights at once and send the metrics back (``recv_validation``)."""
+        collective over the training ranks), rank 0 sends them in buckets of about ``bucket_bytes``, each one
+        flat byte buffer (one broadcast) described by its header. ``validate``: the rollout ranks validate
+        these weights at once and send the metrics back (``recv_validation``)."""
         group = self.dims.group("weights")
-        for name, tensor in named:
+        for bucket in buckets(named, self.bucket_bytes):
             if self.rank == 0:
-                _send({"name": name, "tensors": _described([tensor])}, [tensor.contiguous()], 0, group)
+                flat, parts = _flatten(bucket)
+                _send({"name": "bucket", "parts": parts, "tensors": _described([flat])}, [flat], 0, group)
         self.send_control({"validate": validate})  # the end of the weights
 
     def recv_weights(self) -> tuple[Optional[list[tuple[str, torch.Tensor]]], bool]:
@@ -159,7 +190,7 @@ class Exchange:
                 return None, False
             if header["name"] is None:
                 return out, header["validate"]
-            out.append((header["name"], tensors[0]))
+            out.extend(_unflatten(tensors[0], header["parts"]))
 
     # ---- validation metrics: the first rollout rank -> every training rank -------------------------
 
@@ -361,7 +392,7 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
     """A split placement's run (``spmdrl.loop.run``'s counterpart): each rank builds its role's part and runs
     its role's loop; both end together, then the rollout ranks close their engines."""
     r = build(cfg, dims, plan)
-    ex = Exchange(r.dims, r.rank, r.cfg.rollout.n)
+    ex = Exchange(r.dims, r.rank, r.cfg.rollout.n, r.cfg.rollout.update_weights_bucket_megabytes << 20)
     # SIGTERM/SIGUSR1: the training ranks decide, hearing of a rollout rank's signal with its next batch.
     preemption = Preemption(group=dims.group("train_cpu"))
     resumed = rollout_done = False

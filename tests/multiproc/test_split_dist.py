@@ -3,7 +3,8 @@
 - Roles come from the place in the world: the first ranks train (their own FSDP2 mesh), the last ones
   generate (their own rollout mesh), and the groups join exactly the ranks each exchange needs.
 - Weights arrive bitwise: an FSDP2 actor sharded over the training ranks exports in the rollout dtype,
-  training rank 0 sends, and the rollout rank's native engine holds the very bits the actor exported.
+  training rank 0 sends them in flat buckets, and the rollout rank's native engine holds the very bits the
+  actor exported.
 """
 
 import pytest
@@ -57,7 +58,7 @@ def _weights(rank, world_size, model_dir):
     from spmdrl.split import Exchange
 
     dims = ParallelDims(world_size, rollout_ranks=1).build()
-    ex = Exchange(dims, rank, n=2)
+    ex = Exchange(dims, rank, n=2, bucket_bytes=100_000)  # several buckets, some tensors larger than one
     if dims.trains(rank):
         actor = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, lr=1e-2, seed=0,
                             param_dtype=torch.bfloat16)
@@ -70,7 +71,8 @@ def _weights(rank, world_size, model_dir):
         return sent
     engine = NativeRollout(model_dir, mesh=None, seed=0, eos_token_ids=[2], pad_token_id=0,
                            dtype=torch.bfloat16)
-    received = ex.recv_weights()
+    received, validate = ex.recv_weights()
+    assert validate is False
     engine.update_weights(iter(received))
     held = engine.model.weights.slots  # hf name -> its view in the engine's one buffer
     return {"received": {k: _digest(v) for k, v in received}, "held": {k: _digest(held[k]) for k, _ in received},
