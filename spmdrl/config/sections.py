@@ -219,7 +219,8 @@ class RolloutConfig:
     ranks update on step k's batch, the rollout ranks generate step k+1's with weights rollout.max_staleness
     updates old (verl's one-step off-policy; verl: actor_rollout_ref.hybrid_engine=False). The PPO ratio
     then takes the rollout's log-probs as the old ones (bypass mode) unless a rollout correction is asked
-    for. docs/engines.md, "Split placement"."""
+    for or rollout.calculate_log_probs is false (the actor computes them then). Checkpoints hold the batch
+    in flight; validation runs on the rollout ranks. docs/engines.md, "Split placement"."""
     nnodes: int = 1
     """Split placement: nodes of rollout ranks (verl's rollout.nnodes)."""
     n_gpus_per_node: Optional[int] = None
