@@ -389,9 +389,9 @@ def plot_due(r: Run, final: bool) -> None:
 def warn_epochs_used(r: Run) -> None:
     """The run ends before total_steps: the data's epochs ran out first (DAPO's extra rounds)."""
     if r.step < r.total_steps and r.rank == 0:
-        log.warning("data.train_files' %d epoch(s) are used up after step %d of %d: dynamic sampling drew extra "
-                    "generation batches (verl ends its epoch loop here too); set trainer.total_steps to train "
-                    "on past the epochs", r.cfg.trainer.total_epochs, r.step, r.total_steps)
+        log.warning("data.train_files' %d epoch(s) are used up after step %d of %d: dynamic sampling drew "
+                    "extra generation batches (verl ends its epoch loop here too); set trainer.total_steps "
+                    "to train on past the epochs", r.cfg.trainer.total_epochs, r.step, r.total_steps)
 
 
 def open_output(r: Run, resumed: bool) -> MetricsSink:

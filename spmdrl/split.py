@@ -46,8 +46,18 @@ from spmdrl.checkpoint.preemption import Preemption
 from spmdrl.checkpoint.rng import RNGState
 from spmdrl.errors import ConfigError
 from spmdrl.experience import batch_metrics
-from spmdrl.loop import (Run, build, close, end, finish_step, learn, open_output, plot_due, warn_epochs_used,
-                         warn_failures)
+from spmdrl.loop import (
+    Run,
+    build,
+    close,
+    end,
+    finish_step,
+    learn,
+    open_output,
+    plot_due,
+    warn_epochs_used,
+    warn_failures,
+)
 from spmdrl.metrics import MetricsSink, reduce_metrics
 from spmdrl.parallel import ParallelDims
 from spmdrl.precision import resolve_dtype

@@ -6,7 +6,7 @@ update older), so it cannot be regenerated from the checkpoint: it is saved with
 trains on it first, as the uninterrupted run did (spmdrl/split.py).
 
     in_flight/batch.safetensors   the batch's tensors (every training rank's rows, in rollout order)
-    in_flight/batch.json          its lists (prompts' extra info, ...) and the info; {"batch": null} when empty
+    in_flight/batch.json          its lists (prompts' extra info, ...) and the info; {"batch": null} if none
 
 Layout "files" (spmdrl/checkpoint/manager.py): rank 0 writes, every rank reads. Safetensors and JSON only:
 nothing a file holds is unpickled.
@@ -46,8 +46,10 @@ class InFlight:
         if self.batch is None:
             (folder / "batch.json").write_text(json.dumps({"batch": None}))
             return
-        save_file({k: v.contiguous() for k, v in self.batch.tensors.items()}, str(folder / "batch.safetensors"))
-        # default=str: a list item JSON lacks (a numpy scalar in extra_info) keeps its text, as in the exchange.
+        tensors = {k: v.contiguous() for k, v in self.batch.tensors.items()}
+        save_file(tensors, str(folder / "batch.safetensors"))
+        # default=str: a list item JSON lacks (a numpy scalar in extra_info) keeps its text, as in the
+        # exchange.
         (folder / "batch.json").write_text(json.dumps(
             {"batch": {"non_tensor": self.batch.non_tensor}, "info": self.info}, default=str))
 

@@ -33,7 +33,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Preemption:
     """The stop flag of this rank and the all-reduced decision at each step boundary (collective)."""
 
-    def __init__(self, install_signal_handlers: bool = True, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, install_signal_handlers: bool = True,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
         """``group``: the CPU group that decides (default the world; under split placement the training
         ranks, which hear of a rollout rank's signal with its batch)."""
         self.rank = dist.get_rank()

@@ -302,8 +302,8 @@ def _check_split(cfg: Config) -> None:
            f"rollout.max_staleness is {r.max_staleness}; split placement runs 0 (the rollout waits for each "
            f"update) or 1 (one-step off-policy)")
     _check(r.engine in ("native", "hf"),
-           f"rollout.engine {r.engine} is not built for rollout.placement split yet: the split rollout ranks run "
-           f"the native and hf engines (vLLM and SGLang run colocated); use rollout.engine native or "
+           f"rollout.engine {r.engine} is not built for rollout.placement split yet: the split rollout ranks "
+           f"run the native and hf engines (vLLM and SGLang run colocated); use rollout.engine native or "
            f"rollout.placement colocated")
     not_yet = [("trainer.val_only", t.val_only), ("reward_model.enable", cfg.reward_model.enable),
                ("trainer.rollout_data_dir", bool(t.rollout_data_dir))]

@@ -61,8 +61,9 @@ def test_a_stalled_rollout_rank_is_named_by_its_role_under_split_placement(tmp_p
     # Split placement, 1 training + 1 rollout rank: the reward runs on the rollout rank (rank 1) only.
     reward = tmp_path / "stall.py"
     reward.write_text(STALLING_REWARD)
-    proc = train([*TINY, "--trainer.total_steps", "3", "--rollout.n", "2", "--trainer.val_before_train", "false",
-                  "--trainer.test_freq", "-1", "--rollout.placement", "split", "--rollout.n_gpus_per_node", "1",
+    proc = train([*TINY, "--trainer.total_steps", "3", "--rollout.n", "2", "--trainer.val_before_train",
+                  "false", "--trainer.test_freq", "-1", "--rollout.placement", "split",
+                  "--rollout.n_gpus_per_node", "1",
                   "--reward.function", f"{reward}:compute_score", "--trainer.hang_timeout_s", str(HANG_S),
                   "--trainer.output_dir", str(tmp_path / "run")],
                  cache=spmdrl_cache, nproc=2, check=False, env={"STALL_MARK": str(tmp_path / "mark")},

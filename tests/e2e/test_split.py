@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-import pytest
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, TINY, read_metrics, train
 
 pytestmark = pytest.mark.e2e
@@ -40,11 +40,12 @@ def test_split_without_staleness_equals_the_colocated_run(tmp_path, spmdrl_cache
     for name, nproc, extra in (("colocated", 1, []), ("split", 2, [*SPLIT, "--rollout.max_staleness", "0"])):
         out = tmp_path / name
         # One thread in both, so that the matmuls round alike.
-        train(["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *VAL, *extra, "--trainer.output_dir", str(out)],
-              cache=spmdrl_cache, nproc=nproc, env={"OMP_NUM_THREADS": "1"})
+        train(["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *VAL, *extra, "--trainer.output_dir",
+               str(out)], cache=spmdrl_cache, nproc=nproc, env={"OMP_NUM_THREADS": "1"})
         runs[name] = read_metrics(out)
     # Validation before training (step 0), after update 2 and after the last one.
-    assert [(r["step"], VAL_REWARD in r) for r in runs["split"]] == [(0, True), (1, False), (2, True), (3, True)]
+    validated = [(r["step"], VAL_REWARD in r) for r in runs["split"]]
+    assert validated == [(0, True), (1, False), (2, True), (3, True)]
     assert [r["step"] for r in runs["colocated"]] == [0, 1, 2, 3]
     assert runs["split"][0] == runs["colocated"][0]
     for a, b in zip(runs["colocated"][1:], runs["split"][1:]):
@@ -80,9 +81,9 @@ def test_one_step_off_policy_trains_on_what_a_scripted_stale_run_produces(tmp_pa
     split = read_metrics(out)
     results = tmp_path / "scripted.json"
     env = {**os.environ, "SPMDRL_CACHE": spmdrl_cache, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(REPO / "tests" / "e2e" / "stale_driver.py"), str(results), "--", *args,
-                    "--trainer.output_dir", str(tmp_path / "scripted")], cwd=REPO, env=env, check=True,
-                   timeout=600)
+    driver = REPO / "tests" / "e2e" / "stale_driver.py"
+    subprocess.run([sys.executable, str(driver), str(results), "--", *args, "--trainer.output_dir",
+                    str(tmp_path / "scripted")], cwd=REPO, env=env, check=True, timeout=600)
     scripted = json.loads(results.read_text())
     assert [r["async/weights_version"] for r in split] == [0.0, 0.0, 1.0, 2.0]
     assert [r["step"] for r in scripted] == [r["step"] for r in split] == [1, 2, 3, 4]

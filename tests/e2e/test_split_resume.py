@@ -46,7 +46,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, spmdrl_cache: str) -> dict:
         assert proc.returncode == 0, f"{name} run failed:\n{proc.stderr[-4000:]}"
 
     torchrun("full", base / "full")
-    torchrun("stopped", base / "stopped", env={"SPMDRL_FAULT_INJECT_STEP": "1", "SPMDRL_FAULT_INJECT_RANK": "0",
+    torchrun("stopped", base / "stopped", env={"SPMDRL_FAULT_INJECT_STEP": "1",
+                                               "SPMDRL_FAULT_INJECT_RANK": "0",  # the training rank
                                                "SPMDRL_FAULT_INJECT_SIGNAL": "SIGTERM"})
     stopped = {"steps": [row["step"] for row in metrics(base / "stopped")],
                "checkpoints": sorted(p.name for p in (base / "stopped" / "checkpoints").iterdir())}

@@ -334,8 +334,9 @@ ONE_STEP_OFF_POLICY = """
 """
 
 
-def test_one_step_off_policy_recipe_runs_split_and_refuses_vllm_by_name(tmp_path, tiny_model_dir, spmdrl_cache,
-                                                                        gsm8k, monkeypatch, capsys):
+def test_one_step_off_policy_recipe_runs_split_and_refuses_vllm_by_name(tmp_path, tiny_model_dir,
+                                                                        spmdrl_cache, gsm8k, monkeypatch,
+                                                                        capsys):
     from spmdrl.train import main
 
     paths = dict(data=gsm8k, model=tiny_model_dir, out=tmp_path / "out")
@@ -347,8 +348,8 @@ def test_one_step_off_policy_recipe_runs_split_and_refuses_vllm_by_name(tmp_path
     assert not paths["out"].exists()
     monkeypatch.delenv("WORLD_SIZE")
 
-    proc = train(shlex.split(ONE_STEP_OFF_POLICY.format(**paths, engine="")) + ["--trainer.progress_bar", "false"],
-                 cache=spmdrl_cache, nproc=2)
+    argv = shlex.split(ONE_STEP_OFF_POLICY.format(**paths, engine="")) + ["--trainer.progress_bar", "false"]
+    proc = train(argv, cache=spmdrl_cache, nproc=2)
     assert "verl keys accepted with no effect here: actor_rollout_ref.rollout.load_format" in proc.stderr
     rows = read_metrics(paths["out"])
     assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then 2 steps

@@ -75,7 +75,8 @@ def _weights(rank, world_size, model_dir):
     assert validate is False
     engine.update_weights(iter(received))
     held = engine.model.weights.slots  # hf name -> its view in the engine's one buffer
-    return {"received": {k: _digest(v) for k, v in received}, "held": {k: _digest(held[k]) for k, _ in received},
+    return {"received": {k: _digest(v) for k, v in received},
+            "held": {k: _digest(held[k]) for k, _ in received},
             "dtypes": sorted({str(held[k].dtype) for k, _ in received})}
 
 
