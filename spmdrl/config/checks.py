@@ -301,7 +301,10 @@ def _check_split(cfg: Config) -> None:
     _check(r.max_staleness in (0, 1),
            f"rollout.max_staleness is {r.max_staleness}; split placement runs 0 (the rollout waits for each "
            f"update) or 1 (one-step off-policy)")
-    _check(r.engine in ("native", "hf"),
+    from spmdrl.rollout import ROLLOUT_ENGINES, rollout_engine_class
+
+    # An unknown engine name is said by the names' check.
+    _check(r.engine not in ROLLOUT_ENGINES or rollout_engine_class(r.engine).runs_split,
            f"rollout.engine {r.engine} is not built for rollout.placement split yet: the split rollout ranks "
            f"run the native and hf engines (vLLM and SGLang run colocated); use rollout.engine native or "
            f"rollout.placement colocated")

@@ -211,6 +211,10 @@ class EngineMemory:
 class RolloutEngine(abc.ABC):
     """One in-process generation engine per rank (one rollout DP x TP coordinate)."""
 
+    # Whether it runs on split placement's rollout ranks (rollout.placement split, spmdrl/split.py): the
+    # engine builds on the rollout mesh alone and takes the weights the training ranks send.
+    runs_split: bool = False
+
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         """Sample ``sampling.n`` responses for each prompt (token ids, no padding)."""

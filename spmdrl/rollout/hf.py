@@ -76,6 +76,8 @@ class HFRollout(RolloutEngine):
     RNG is untouched and a run is reproducible.
     """
 
+    runs_split = True
+
     def __init__(
         self,
         model_path: str,

@@ -29,6 +29,8 @@ def call_text(expression: str) -> str:
 
 
 class ScriptedRollout(RolloutEngine):
+    runs_split = True  # it ignores the weights, wherever they come from
+
     def __init__(self, tokenizer, eos_token_id: int, pad_token_id: int) -> None:
         self.tokenizer, self.eos, self.pad = tokenizer, eos_token_id, pad_token_id
         self.calls = 0  # generate calls (turns) seen

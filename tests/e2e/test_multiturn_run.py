@@ -1,6 +1,7 @@
 """configs/grpo_tools.yaml under torchrun on 2 ranks with a deterministic policy
 (tests/e2e/scripted_policy.py): tool calls are parsed, executed, masked and scored; the metrics count
-them. Mechanics, not learning."""
+them. Mechanics, not learning. Colocated, and under split placement (1 rollout rank runs the agent and
+its tools, 1 training rank trains, one update apart)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, read_metrics
 
+SPLIT = ["--rollout.placement", "split", "--rollout.n_gpus_per_node", "1"]
 
-def test_grpo_tools_two_ranks_scripted_policy(tmp_path, spmdrl_cache):
+
+@pytest.mark.parametrize("placement", [[], SPLIT], ids=["colocated", "split"])
+def test_grpo_tools_two_ranks_scripted_policy(tmp_path, spmdrl_cache, placement):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(REPO / "tests" / "e2e" / "scripted_train.py"), "--config", "configs/grpo_tools.yaml",
            "--rollout.engine", "scripted", "--data.train_batch_size", "4", "--actor.ppo_mini_batch_size", "4",
            "--rollout.n", "4", "--data.max_response_length", "160", "--trainer.total_steps", "2",
            "--trainer.test_freq", "-1", "--trainer.progress_bar", "false", "--trainer.resume", "off",
-           "--trainer.output_dir", str(out), "--rollout.multi_turn.tool_num_workers", "1"]
+           "--trainer.output_dir", str(out), "--rollout.multi_turn.tool_num_workers", "1", *placement]
     env = {**os.environ, "SPMDRL_CACHE": spmdrl_cache, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -35,6 +40,8 @@ def test_grpo_tools_two_ranks_scripted_policy(tmp_path, spmdrl_cache):
         # conversation.
         assert abs(m["reward/mean"] - (1.0 + 3 * 0.1) / 4) < 1e-6
         assert m["reward/acc"] == 0.25 and m["reward/tool_used"] == 0.25
-        assert 0 < m["timing/rollout/tools"] < m["timing/rollout"]  # a phase inside the rollout phase
+        # A phase inside the rollout phase (under split, the rollout rank's timing is logged under a prefix).
+        timing = "rollout_ranks/timing/" if placement else "timing/"
+        assert 0 < m[f"{timing}rollout/tools"] < m[f"{timing}rollout"]
         # Response length counts generated tokens only: the script's texts, not the tool turns between them.
         assert m["response_length/mean"] < m["response_length/max"] <= 160

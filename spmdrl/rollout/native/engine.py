@@ -97,6 +97,8 @@ class NativeRollout(RolloutEngine):
             and fit the model (CPU, float32/bfloat16), "on" raises when they cannot, "off" never.
     """
 
+    runs_split = True
+
     def __init__(
         self,
         model_path: str,
