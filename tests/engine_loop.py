@@ -16,7 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 LOGP_TOL = 1e-4
 
 
-def check_grpo_through_loop(engine: str, tp: int, out_dir: Path) -> None:
+def check_grpo_through_loop(engine: str, tp: int, out_dir: Path, split: bool = False) -> None:
+    """``split``: rollout.placement split, 1 rollout + 1 training rank, staleness 0 (each batch generated with
+    the weights the training rank sent after the previous update, so the gap to the actor is a transfer's)."""
     # ppo_mini_batch_size 4 of 8 prompts: two optimizer steps, so the actor recomputes old log-probs and the
     # loop reports training/rollout_logp_diff (the rollout against the actor, after the step's weight sync).
     args = ["--config", "configs/grpo.yaml", "--rollout.engine", engine, "--trainer.total_steps", "3",
@@ -26,6 +28,9 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path) -> None:
             "--rollout.dtype", "float32", "--actor.param_dtype", "float32",
             # each phase's own RSS peak, to hold the plan against; the longest arith prompt
             "--trainer.exact_memory", "true", "--data.max_prompt_length", "27"]
+    if split:
+        args += ["--rollout.placement", "split", "--rollout.n_gpus_per_node", "1",
+                 "--rollout.max_staleness", "0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "spmdrl.train", *args, "--parallel.rollout_tp", str(tp),
            "--trainer.output_dir", str(out_dir)]
@@ -35,13 +40,17 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path) -> None:
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        # 8 prompts x 8 responses over 2 ranks: 32 rows each, whatever the rollout TP.
-        assert r["batch/responses"] == 32
+        # 8 prompts x 8 responses over 2 ranks: 32 rows each, whatever the rollout TP (split: 64 on the one
+        # training rank).
+        assert r["batch/responses"] == (64 if split else 32)
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["response_length/mean"] > 0
         assert r["training/rollout_logp_diff/max"] < LOGP_TOL, r
     # Step 1 generates from the folder's weights; later steps sync the trained ones in first.
-    assert all(r["timing/weight_sync"] > 1e-3 for r in rows[1:])
+    sync = "rollout_ranks/timing/weight_sync" if split else "timing/weight_sync"
+    assert all(r[sync] > 1e-3 for r in rows[1:])
     assert rows[-1]["actor/pg_loss"] == rows[-1]["actor/pg_loss"]  # finite
+    if split:  # the plan plans a split run as if one rank held both roles: an upper bound, not held to 15%
+        return
     planned = json.loads((out_dir / "plan.json").read_text())["peak_gb"]
     off = {p: (round(gb, 3), round(rows[-1][f"memory/{p}_peak_gb"], 3)) for p, gb in planned.items()
            if abs(gb - rows[-1][f"memory/{p}_peak_gb"]) > 0.15 * rows[-1][f"memory/{p}_peak_gb"]}

@@ -168,6 +168,8 @@ class SGLangRollout(RolloutEngine):
         options: SGLangOptions (dtype, seed, sizes, memory).
     """
 
+    runs_split = True  # on the rollout mesh alone; the received weights go in by its bucketed push
+
     def __init__(self, model_path: str, *, mesh: Optional["DeviceMesh"] = None,
                  device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
                  options: Optional[SGLangOptions] = None, **option_kwargs):
@@ -224,10 +226,6 @@ class SGLangRollout(RolloutEngine):
         why = sglang_available()
         if why is not None:
             raise ValueError(f"rollout.engine is 'sglang' but {why}; {INSTALL_HINT}")
-        if cfg.rollout.placement == "split":
-            raise ValueError("rollout.placement split runs the native and hf rollout engines for now "
-                             "(SGLang's weight push from the training ranks is not built); use "
-                             "rollout.placement colocated with SGLang")
         r = cfg.rollout
         for key, sampling in (("rollout", r), ("rollout.val_kwargs", r.val_kwargs)):
             if sampling.top_p < 1.0 and sampling.top_k <= 0 and getattr(sampling, "do_sample", True):

@@ -1,5 +1,6 @@
 """GRPO through the loop with ``rollout.engine: sglang`` on 2 torchrun ranks, rollout TP 1 (one SGLang engine
-per rank) and 2 (one engine of TP 2 on rank 0, its outputs broadcast to rank 1): the loop's metrics, and
+per rank) and 2 (one engine of TP 2 on rank 0, its outputs broadcast to rank 1), and under split placement
+(the SGLang engine on the rollout rank, the weights sent from the training rank): the loop's metrics, and
 the rollout log-probs equal to the actor's after every weight sync.
 
     .venv-sglang/bin/python -m pytest tests/sglang_engine/test_sglang_loop.py
@@ -18,3 +19,8 @@ skip_unless_installed("sglang")
 @pytest.mark.parametrize("tp", [1, 2])
 def test_grpo_with_sglang(tp, tmp_path):
     check_grpo_through_loop("sglang", tp, tmp_path / f"tp{tp}")
+
+
+@pytest.mark.e2e
+def test_grpo_with_sglang_on_split_placement(tmp_path):
+    check_grpo_through_loop("sglang", 1, tmp_path / "split", split=True)

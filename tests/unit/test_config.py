@@ -113,7 +113,7 @@ BAD_SPLIT = [
     ([*SPLIT, "--rollout.n_gpus_per_node", "2"], "leaves no rank of the 2 to train"),
     ([*SPLIT, "--rollout.max_staleness", "2"], "rollout.max_staleness is 2"),
     ([*SPLIT, "--trainer.val_only", "true"], "trainer.val_only is not built for rollout.placement split"),
-    ([*SPLIT, "--rollout.engine", "sglang"], "rollout.engine sglang is not built for rollout.placement"),
+    ([*SPLIT, "--rollout.engine", "vllm"], "rollout.engine vllm is not built for rollout.placement"),
     ([*SPLIT, "--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm"],
      "reward_model.enable is not built"),
     ([*SPLIT, "--actor.strategy", "megatron"], "rollout.placement split trains with actor.strategy fsdp2"),
