@@ -15,8 +15,9 @@ breaks the connections its peers wait on and they would end with a plain collect
 own stacks; torchrun then tears down whatever is left.
 
 The thread only reads a tuple the main thread replaces, and it writes with ``os.write`` and ``faulthandler``
-(neither takes a lock the stuck main thread might hold). SIGUSR1 and SIGTERM stay with
-``checkpoint.preemption``; this module installs no signal handler.
+(neither takes a lock the stuck main thread might hold): the sentence and the stacks in one write, so that
+ranks stalling together do not interleave their dumps in torchrun's shared stderr. SIGUSR1 and SIGTERM
+stay with ``checkpoint.preemption``; this module installs no signal handler.
 """
 
 from __future__ import annotations
@@ -77,10 +78,28 @@ class Watchdog:
                 self._fire(phase, idle)
 
     def _fire(self, phase: str, idle: float) -> None:
-        os.write(2, (f"[rank {self.rank}] spmdrl watchdog: {self.who} made no progress in phase "
-                     f"{phase} for {int(idle)} s (trainer.hang_timeout_s={self.timeout_s:g}); the Python "
-                     f"stacks of its threads follow, then it exits with code {HANG_EXIT_CODE}\n").encode())
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        said = (f"[rank {self.rank}] spmdrl watchdog: {self.who} made no progress in phase {phase} for "
+                f"{int(idle)} s (trainer.hang_timeout_s={self.timeout_s:g}); the Python stacks of its "
+                f"threads follow, then it exits with code {HANG_EXIT_CODE}\n").encode()
+        os.write(2, said + _stacks())
         if self._done.wait(self.grace_s):
             return  # the main thread finished after all (close() during the grace): nothing to end
         os._exit(HANG_EXIT_CODE)
+
+
+def _stacks() -> bytes:
+    """Every thread's Python stack as faulthandler writes it, gathered in memory first: ranks that stall
+    together share torchrun's stderr, and one write each keeps their dumps from interleaving line by line
+    (a pipe takes a write of up to 4 KiB whole). Where there is no memfd (not Linux), b"" after dumping
+    straight to stderr."""
+    if not hasattr(os, "memfd_create"):
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        return b""
+    fd = os.memfd_create("spmdrl-watchdog")
+    try:
+        faulthandler.dump_traceback(file=fd, all_threads=True)
+        size = os.lseek(fd, 0, os.SEEK_CUR)
+        os.lseek(fd, 0, os.SEEK_SET)
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
