@@ -36,7 +36,7 @@ from spmdrl.checkpoint.run_folder import set_aside_earlier_run
 from spmdrl.checkpoint.watchdog import Watchdog
 from spmdrl.config import Config, dump_config, output_dir
 from spmdrl.data import PromptLoader, ValidationLoader, build_loaders
-from spmdrl.engines import build_engine
+from spmdrl.engines import build_engine, engine_class
 from spmdrl.engines.balance import balance_rows, balance_slot
 from spmdrl.engines.base import LogProbSource, LossFn, TrainEngine
 from spmdrl.experience import Experience, batch_metrics, rollout_actor_gap, sampling_params
@@ -140,7 +140,11 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
     if emulated and rank == 0:
         log.warning("bfloat16 was asked for but this %s has no native bf16: bf16 matmuls are emulated, %s; "
                     "the default (auto) picks float32 here", device.type.upper(), EMULATED_BF16_SLOWDOWN)
-    actor, ref, critic = _engines(cfg, dims, device, total_steps) if trains else (None, None, None)
+    actor = ref = critic = None
+    if trains:
+        actor, ref, critic = _engines(cfg, dims, device, total_steps)
+    else:  # split placement's rollout ranks: their part in the world-wide steps of the engines' construction
+        engine_class(cfg.actor.strategy).join_as_bystander(dims)
     role = "" if not dims.split else "rollout" if generates else "training"  # named when the watchdog fires
     watchdog = Watchdog(cfg.trainer.hang_timeout_s, rank, dims.world_size, role)
     timer = PhaseTimer(device, on_phase=watchdog.beat, exact_memory=cfg.trainer.exact_memory)

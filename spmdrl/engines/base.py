@@ -118,6 +118,12 @@ class TrainEngine(abc.ABC):
         runs before any process group or model exists. The default accepts everything."""
 
     @classmethod
+    def join_as_bystander(cls, dims: "ParallelDims") -> None:
+        """(a split placement's rollout ranks, which build no training engine) Take part in the collective
+        steps of the training ranks' engine construction that span the whole world (torch makes a process
+        group on every rank). The default: there are none (FSDP2's meshes are ``ParallelDims.build``'s)."""
+
+    @classmethod
     def layout(cls, cfg: "Config", dims: "ParallelDims", layers: int) -> Layout:
         """How this backend lays a model of ``layers`` decoder layers out on one rank (the default: FSDP
         over the data-parallel shards times TP, every layer on every rank)."""

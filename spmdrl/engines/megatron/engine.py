@@ -68,7 +68,7 @@ from spmdrl.engines.megatron.convert import (
     transformer_config,
 )
 from spmdrl.engines.megatron.cpu import compat_context
-from spmdrl.engines.megatron.setup import init_model_parallel, model_arch, quiet_megatron
+from spmdrl.engines.megatron.setup import init_model_parallel, join_as_bystander, model_arch, quiet_megatron
 from spmdrl.engines.optim import build_optimizer, build_scheduler, optimizer_settings, value_head_weight
 from spmdrl.precision import resolve_dtype
 
@@ -152,6 +152,7 @@ class MegatronEngine(TrainEngine):
             from megatron.core import parallel_state as ps
 
         self.tp, self.pp, self._dp_size = dims.tp, dims.pp, dims.dp
+        self._train_group = dims.group("train") if dims.split else None  # every training rank
         init_model_parallel(dims, self.device, seed)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -196,14 +197,15 @@ class MegatronEngine(TrainEngine):
                       gathers=False, runtime_bytes=MEGATRON_RUNTIME_BYTES)
 
     @classmethod
+    def join_as_bystander(cls, dims: "ParallelDims") -> None:
+        with quiet_megatron():
+            join_as_bystander(dims)
+
+    @classmethod
     def check_config(cls, cfg: "Config") -> None:
         from spmdrl.algos.registry import ADVANTAGES
         from spmdrl.parallel import resolve_device_type
 
-        if cfg.rollout.placement == "split":  # megatron-core's parallel state spans the whole world
-            raise ValueError("rollout.placement split trains with actor.strategy fsdp2 for now: "
-                             "megatron-core's model-parallel groups span every rank; use rollout.placement "
-                             "colocated with megatron")
         if cfg.reward_model.enable:
             raise ValueError("reward_model.enable is true but actor.strategy 'megatron' builds no reward "
                              "model (a sequence-classification head); set actor.strategy: fsdp2 to use one")
@@ -462,7 +464,7 @@ class MegatronEngine(TrainEngine):
         values = [sums.get(k, 0.0) for k in keys[0]] + [float(n_micro)]
         t = torch.tensor(values if contributes else [0.0] * len(values), dtype=torch.float64,
                          device=self._comm_device())
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self._train_group)
         return loss_metric_means(keys[0], t, set(keys[1]), n_mini)
 
     # ------------------------------------------------------------------ weights, memory, checkpoints
