@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
@@ -62,6 +61,7 @@ from spmdrl.metrics import MetricsSink, reduce_metrics
 from spmdrl.parallel import ParallelDims
 from spmdrl.precision import resolve_dtype
 from spmdrl.rollout.base import buckets
+from spmdrl.rollout.flat import flatten, unflatten
 from spmdrl.validation import validation_metrics
 
 if TYPE_CHECKING:
@@ -105,31 +105,6 @@ def _exchange(header: Optional[dict], tensors: Optional[list[torch.Tensor]], src
 
 def _described(tensors: Iterable[torch.Tensor]) -> list[list]:
     return [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
-
-
-_ALIGN = 16  # bytes: every part of a bucket starts aligned for any dtype's view
-
-
-def _flatten(bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[list]]:
-    """(name, tensor) pairs as one uint8 buffer and [name, dtype, shape, byte offset] per part."""
-    parts, pieces, offset = [], [], 0
-    for name, t in bucket:
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        pad = -raw.numel() % _ALIGN
-        parts.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
-        pieces += [raw, raw.new_zeros(pad)] if pad else [raw]
-        offset += raw.numel() + pad
-    return torch.cat(pieces), parts
-
-
-def _unflatten(flat: torch.Tensor, parts: list[list]) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) views of a bucket ``_flatten`` made (they keep the buffer alive)."""
-    out = []
-    for name, dtype, shape, offset in parts:
-        dt = getattr(torch, dtype)
-        nbytes = math.prod(shape) * dt.itemsize
-        out.append((name, flat[offset:offset + nbytes].view(dt).view(shape)))
-    return out
 
 
 class Exchange:
@@ -186,7 +161,7 @@ class Exchange:
         group = self.dims.group("weights")
         for bucket in buckets(named, self.bucket_bytes):
             if self.rank == 0:
-                flat, parts = _flatten(bucket)
+                flat, parts = flatten(bucket)
                 _send({"name": "bucket", "parts": parts, "tensors": _described([flat])}, [flat], 0, group)
         self.send_control({"validate": validate})  # the end of the weights
 
@@ -200,7 +175,7 @@ class Exchange:
                 return None, False
             if header["name"] is None:
                 return out, header["validate"]
-            out.extend(_unflatten(tensors[0], header["parts"]))
+            out.extend(unflatten(tensors[0], header["parts"]))
 
     # ---- validation metrics: the first rollout rank -> every training rank -------------------------
 

@@ -305,9 +305,8 @@ def _check_split(cfg: Config) -> None:
 
     # An unknown engine name is said by the names' check.
     _check(r.engine not in ROLLOUT_ENGINES or rollout_engine_class(r.engine).runs_split,
-           f"rollout.engine {r.engine} is not built for rollout.placement split yet: the split rollout ranks "
-           f"run the native, hf and sglang engines (vLLM's external launcher spans every rank, so it runs "
-           f"colocated); use rollout.engine native or rollout.placement colocated")
+           f"rollout.engine {r.engine} is not built for rollout.placement split yet; use rollout.engine "
+           f"native or rollout.placement colocated")
     not_yet = [("trainer.val_only", t.val_only), ("reward_model.enable", cfg.reward_model.enable),
                ("trainer.rollout_data_dir", bool(t.rollout_data_dir))]
     for key, on in not_yet:

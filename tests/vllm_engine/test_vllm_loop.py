@@ -36,3 +36,11 @@ def test_plan_only_of_the_gsm8k_config(tmp_path):
     assert run.stdout.startswith("memory plan") and "rollout engine memory" in run.stdout
     assert "verdict: " in run.stdout  # it fits here or says which phase does not (an 8-GPU config on CPU)
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.e2e
+def test_grpo_with_vllm_on_split_placement(tmp_path):
+    """Split placement, 1 rollout + 1 training rank, staleness 0: vLLM in a process of its own on the
+    rollout rank takes the weights the training rank sends, and its log-probs equal the actor's after every
+    transfer (within the loop's float32 tolerance)."""
+    check_grpo_through_loop("vllm", 1, tmp_path / "split", split=True)

