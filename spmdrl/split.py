@@ -75,18 +75,22 @@ log = logging.getLogger("spmdrl")
 ROLLOUT_PREFIX = "rollout_ranks/"
 
 
-def _send(header: dict, tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup) -> None:
-    _exchange(header, tensors, src, group)
+def _send(header: dict, tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup,
+          device: torch.device) -> None:
+    _exchange(header, tensors, src, group, device)
 
 
-def _recv(src: int, group: dist.ProcessGroup) -> tuple[dict, list[torch.Tensor]]:
-    return _exchange(None, None, src, group)
+def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
+    return _exchange(None, None, src, group, device)
 
 
 def _exchange(header: Optional[dict], tensors: Optional[list[torch.Tensor]], src: int,
-              group: dist.ProcessGroup) -> tuple[dict, list[torch.Tensor]]:
+              group: dist.ProcessGroup, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
     """Broadcast one message from ``src`` over ``group``: the header as JSON bytes (length first), then each
-    tensor its header describes ([dtype, shape] under "tensors"); returns it on every rank."""
+    tensor its header describes ([dtype, shape] under "tensors"); returns it on every rank.
+
+    The header travels as CPU tensors and the tensors on ``device``: on CUDA the group's two backends
+    carry them (gloo, NCCL), and every rank must put a tensor on the same backend as the sender does."""
     sending = header is not None
     # A list field the data gave as a type JSON lacks (a numpy scalar in extra_info) travels as its text.
     raw = json.dumps(header, default=str).encode() if sending else b""
@@ -97,7 +101,9 @@ def _exchange(header: Optional[dict], tensors: Optional[list[torch.Tensor]], src
     dist.broadcast(buf, src, group=group)
     if not sending:
         header = json.loads(buf.numpy().tobytes())
-        tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for dtype, shape in header["tensors"]]
+        tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                   for dtype, shape in header["tensors"]]
+    tensors = [t.to(device) for t in tensors]
     for t in tensors:
         dist.broadcast(t, src, group=group)
     return header, tensors
@@ -110,8 +116,10 @@ def _described(tensors: Iterable[torch.Tensor]) -> list[list]:
 class Exchange:
     """The hand-overs between the roles (collective on their groups; see the module's docstring)."""
 
-    def __init__(self, dims: ParallelDims, rank: int, n: int, bucket_bytes: int = 512 << 20):
+    def __init__(self, dims: ParallelDims, rank: int, n: int, bucket_bytes: int = 512 << 20,
+                 device: torch.device = torch.device("cpu")):
         self.dims, self.rank, self.n = dims, rank, n  # n: responses per prompt, kept together
+        self.device = device  # where the tensors travel: NCCL's on CUDA (the headers go over gloo)
         self.bucket_bytes = bucket_bytes  # rollout.update_weights_bucket_megabytes: one broadcast each
         self.rollout_ranks = list(range(dims.train_ranks, dims.world_size))
 
@@ -124,14 +132,14 @@ class Exchange:
         tensors = [batch.tensors[k].contiguous() for k in names]
         header = {"names": names, "tensors": _described(tensors), "non_tensor": batch.non_tensor,
                   "info": info}
-        _send(header, tensors, self.rank, self.dims.group(f"batch{self.rank}"))
+        _send(header, tensors, self.rank, self.dims.group(f"batch{self.rank}"), self.device)
 
     def recv_batch(self) -> tuple[Batch, dict[str, Any]]:
         """(training rank) The step's whole batch, every rollout rank's share in rollout order, and the first
         rollout rank's ``info`` (its ``stop``: whether any rollout rank was signalled)."""
         parts, infos = [], []
         for src in self.rollout_ranks:
-            header, tensors = _recv(src, self.dims.group(f"batch{src}"))
+            header, tensors = _recv(src, self.dims.group(f"batch{src}"), self.device)
             parts.append(Batch(dict(zip(header["names"], tensors)), header["non_tensor"]))
             infos.append(header["info"])
         return Batch.cat(parts), {**infos[0], "stop": any(i["stop"] for i in infos)}
@@ -148,10 +156,10 @@ class Exchange:
     def send_control(self, header: dict[str, Any]) -> None:
         """(training ranks) A message without tensors: the start (where a resumed run stands), or a stop."""
         if self.rank == 0:
-            _send({**header, "name": None, "tensors": []}, [], 0, self.dims.group("weights"))
+            _send({**header, "name": None, "tensors": []}, [], 0, self.dims.group("weights"), self.device)
 
     def recv_control(self) -> dict[str, Any]:
-        return _recv(0, self.dims.group("weights"))[0]
+        return _recv(0, self.dims.group("weights"), self.device)[0]
 
     def send_weights(self, named: Iterable[tuple[str, torch.Tensor]], validate: bool = False) -> None:
         """(training ranks) The actor's weights: every training rank runs the export (its gathers are
@@ -162,7 +170,8 @@ class Exchange:
         for bucket in buckets(named, self.bucket_bytes):
             if self.rank == 0:
                 flat, parts = flatten(bucket)
-                _send({"name": "bucket", "parts": parts, "tensors": _described([flat])}, [flat], 0, group)
+                _send({"name": "bucket", "parts": parts, "tensors": _described([flat])}, [flat], 0, group,
+                      self.device)
         self.send_control({"validate": validate})  # the end of the weights
 
     def recv_weights(self) -> tuple[Optional[list[tuple[str, torch.Tensor]]], bool]:
@@ -170,7 +179,7 @@ class Exchange:
         the training ranks stopped the run instead), and whether to validate them."""
         group, out = self.dims.group("weights"), []
         while True:
-            header, tensors = _recv(0, group)
+            header, tensors = _recv(0, group, self.device)
             if header.get("stop"):
                 return None, False
             if header["name"] is None:
@@ -182,11 +191,12 @@ class Exchange:
     def send_validation(self, metrics: dict[str, float]) -> None:
         """(rollout ranks) The validation metrics (the same on every rollout rank: the first one sends)."""
         if self.rank == self.rollout_ranks[0]:
-            _send({"validation": metrics, "tensors": []}, [], self.rank, self.dims.group(f"batch{self.rank}"))
+            _send({"validation": metrics, "tensors": []}, [], self.rank, self.dims.group(f"batch{self.rank}"),
+                  self.device)
 
     def recv_validation(self) -> dict[str, float]:
         src = self.rollout_ranks[0]
-        return _recv(src, self.dims.group(f"batch{src}"))[0]["validation"]
+        return _recv(src, self.dims.group(f"batch{src}"), self.device)[0]["validation"]
 
 
 def _prefixed(metrics: dict[str, float]) -> dict[str, float]:
@@ -272,7 +282,7 @@ def _next_batch(r: Run, ex: Exchange, held: InFlight) -> tuple[Batch, dict[str, 
     data part of a checkpoint follows the rollout's loader (it saves the position after the last batch)."""
     batch, info = held.take() or ex.recv_batch()
     r.train_loader.load_state_dict(info["data"])
-    return batch, info
+    return batch.to(ex.device), info  # a checkpoint's batch is read to the CPU
 
 
 def _send_weights(r: Run, ex: Exchange, validate: bool = False) -> None:
@@ -377,7 +387,8 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
     """A split placement's run (``spmdrl.loop.run``'s counterpart): each rank builds its role's part and runs
     its role's loop; both end together, then the rollout ranks close their engines."""
     r = build(cfg, dims, plan)
-    ex = Exchange(r.dims, r.rank, r.cfg.rollout.n, r.cfg.rollout.update_weights_bucket_megabytes << 20)
+    ex = Exchange(r.dims, r.rank, r.cfg.rollout.n, r.cfg.rollout.update_weights_bucket_megabytes << 20,
+                  r.device)
     # SIGTERM/SIGUSR1: the training ranks decide, hearing of a rollout rank's signal with its next batch.
     preemption = Preemption(group=dims.group("train_cpu"))
     resumed = rollout_done = False

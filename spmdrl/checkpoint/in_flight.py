@@ -46,7 +46,7 @@ class InFlight:
         if self.batch is None:
             (folder / "batch.json").write_text(json.dumps({"batch": None}))
             return
-        tensors = {k: v.contiguous() for k, v in self.batch.tensors.items()}
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.batch.tensors.items()}
         save_file(tensors, str(folder / "batch.safetensors"))
         # default=str: a list item JSON lacks (a numpy scalar in extra_info) keeps its text, as in the
         # exchange.

@@ -307,7 +307,7 @@ class VLLMRollout(RolloutEngine):
             for bucket in buckets(named_tensors, self.options.bucket_bytes):
                 flat, parts = flatten(bucket)
                 sent[0] += flat.numel()
-                self.llm.collective_rpc("spmdrl_stage", args=(parts, flat.numpy().tobytes()))
+                self.llm.collective_rpc("spmdrl_stage", args=(parts, flat.cpu().numpy().tobytes()))
                 del bucket, flat
             self.llm.collective_rpc("spmdrl_commit")
         else:
