@@ -62,6 +62,7 @@ from spmdrl.parallel import ParallelDims
 from spmdrl.precision import resolve_dtype
 from spmdrl.rollout.base import buckets
 from spmdrl.rollout.flat import flatten, unflatten
+from spmdrl.rollout.generations import dump_generations
 from spmdrl.validation import validation_metrics
 
 if TYPE_CHECKING:
@@ -243,6 +244,12 @@ def rollout_ranks_loop(r: Run, ex: Exchange, preemption: Preemption) -> None:
         raise (ConfigError if start["config_error"] else RuntimeError)(start["error"])
     if start["data"] is not None:
         r.train_loader.load_state_dict(start["data"])
+    if start["val_only"]:  # trainer.val_only: validate the initial or the resumed (sent) weights, and end
+        if start["weights_now"]:
+            _load_weights(r, ex)  # sent with a validation request
+        else:
+            _validate(r, ex)
+        return
     sent, last, version = start["sent"], start["last"], 0  # version: the update the engine's weights are
     if sent == 0 and r.cfg.trainer.val_before_train and r.val_loader is not None:
         _validate(r, ex)  # the initial weights, before the first batch (logged as step 0)
@@ -256,6 +263,10 @@ def rollout_ranks_loop(r: Run, ex: Exchange, preemption: Preemption) -> None:
             prompts = next(r.train_loader)
         r.experience.step = step  # part of every sampling key: the same samples as a colocated run
         batch, metrics = r.experience.produce(prompts, more_prompts=r.train_loader)
+        dump = r.cfg.trainer.rollout_data_dir
+        if dump:  # verl's generation dump, written by the first rollout rank
+            with t.phase("dump"):
+                dump_generations(batch, r.tokenizer, step, r.out_dir / dump, r.group)
         metrics.update(batch_metrics(batch))
         warn_failures(r, step)
         last = step == r.total_steps or r.train_loader.exhausted
@@ -361,26 +372,31 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointMa
     return True
 
 
-def _resume(r: Run, ex: Exchange, ckpt: CheckpointManager, held: InFlight) -> tuple[bool, bool]:
-    """(training ranks) Restore ``trainer.resume``'s checkpoint, then tell the rollout ranks where the run
-    stands (``rollout_ranks_loop``'s start); (whether it resumed, whether the rollout ranks have sent their
-    last batch). A failure reaches the rollout ranks too."""
+def _restore(ex: Exchange, ckpt: CheckpointManager) -> bool:
+    """(training ranks) Restore ``trainer.resume``'s checkpoint; whether it resumed. A failure reaches the
+    rollout ranks too (they wait for the start message)."""
     try:
-        resumed = ckpt.resume() is not None
+        return ckpt.resume() is not None
     except Exception as err:
         ex.send_control({"error": str(err), "config_error": isinstance(err, ConfigError)})
         raise
-    r.step = ckpt.resumed_step
+
+
+def _start(r: Run, ex: Exchange, held: InFlight, resumed: bool) -> bool:
+    """(training ranks) Tell the rollout ranks where the run stands (``rollout_ranks_loop``'s start), and
+    send the resumed weights when they are to generate (or, under ``trainer.val_only``, validate) with them
+    first; whether the rollout ranks have sent their last batch."""
     # The checkpoint's batch in flight is trained first; with none (the run's last step), the rollout
     # starts from the trained weights.
     pending = held.info
     last = pending["last"] if pending else r.step >= r.total_steps
-    weights_now = resumed and pending is None and not last
+    val_only = r.cfg.trainer.val_only
+    weights_now = resumed and (val_only or (pending is None and not last))
     ex.send_control({"sent": r.step + (pending is not None), "last": last, "weights_now": weights_now,
-                     "data": r.train_loader.state_dict() if resumed else None})
+                     "data": r.train_loader.state_dict() if resumed else None, "val_only": val_only})
     if weights_now:
-        _send_weights(r, ex)
-    return resumed, last
+        _send_weights(r, ex, validate=val_only)
+    return last
 
 
 def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) -> None:
@@ -401,18 +417,23 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
         ckpt = CheckpointManager(r.out_dir, {k: v for k, v in parts.items() if v is not None}, cfg=r.cfg,
                                  total_steps=r.total_steps, tokenizer=r.tokenizer, config_text=r.config_text,
                                  group=dims.group("train_cpu"))
-        resumed, rollout_done = _resume(r, ex, ckpt, held)
+        resumed = _restore(ex, ckpt)
+        r.step = ckpt.resumed_step
+    # Rank 0 sets an earlier run's files aside before the rollout ranks start (they write generation dumps).
     sink = open_output(r, resumed)
     try:
         if r.experience is not None:
             r.timer.restart()
             rollout_ranks_loop(r, ex, preemption)
         else:
-            if not resumed and cfg.trainer.val_before_train and r.val_loader is not None:
-                sink.log(0, ex.recv_validation())  # the rollout ranks validate the initial weights first
+            rollout_done = _start(r, ex, held, resumed)
+            first = not resumed and cfg.trainer.val_before_train and r.val_loader is not None
+            if cfg.trainer.val_only or first:  # the rollout ranks validate the weights they start with
+                sink.log(r.step, ex.recv_validation())
             r.timer.restart()
-            rollout_done = train_ranks_loop(r, ex, sink, ckpt, held, preemption) or rollout_done
-            _release(r, ex, rollout_done)
+            if not cfg.trainer.val_only:
+                rollout_done = train_ranks_loop(r, ex, sink, ckpt, held, preemption) or rollout_done
+                _release(r, ex, rollout_done)
     finally:
         close(r, sink)
     end(r)

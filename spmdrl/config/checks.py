@@ -292,7 +292,7 @@ def _check_rollout_correction(cfg: Config) -> None:
 
 def _check_split(cfg: Config) -> None:
     """rollout.placement split: its keys, and what it does not run yet (each with one sentence)."""
-    r, t = cfg.rollout, cfg.trainer
+    r = cfg.rollout
     if r.placement != "split":
         return
     _check(r.n_gpus_per_node is not None and r.n_gpus_per_node >= 1 and r.nnodes >= 1,
@@ -307,11 +307,8 @@ def _check_split(cfg: Config) -> None:
     _check(r.engine not in ROLLOUT_ENGINES or rollout_engine_class(r.engine).runs_split,
            f"rollout.engine {r.engine} is not built for rollout.placement split yet; use rollout.engine "
            f"native or rollout.placement colocated")
-    not_yet = [("trainer.val_only", t.val_only), ("reward_model.enable", cfg.reward_model.enable),
-               ("trainer.rollout_data_dir", bool(t.rollout_data_dir))]
-    for key, on in not_yet:
-        _check(not on, f"{key} is not built for rollout.placement split yet (validation alone, reward models "
-               f"and generation dumps run colocated); turn it off or use rollout.placement colocated")
+    _check(not cfg.reward_model.enable, "reward_model.enable is not built for rollout.placement split yet "
+           "(reward models run colocated); turn it off or use rollout.placement colocated")
 
 
 def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":

@@ -3,7 +3,8 @@
 - max_staleness 0 (the rollout waits for each update) on 1 rollout + 1 training rank is the colocated run
   on 1 rank: the same samples (keyed by prompt, not rank) and the same updates, float32, every metric,
   validation included (sampled, before training and every 2 steps: the rollout rank validates the
-  weights the training rank sends with the request).
+  weights the training rank sends with the request), and the same generation dumps; trainer.val_only
+  validates alike.
 - max_staleness 1 on 1 rollout + 1 training rank trains on the batches a scripted one-step-stale run on one
   process produces (stale_driver.py: step k generated with the weights of update k-2), every metric equal.
 - max_staleness 1 on 1 rollout + 2 training ranks, with DAPO's dynamic sampling, takes its steps one
@@ -41,8 +42,13 @@ def test_split_without_staleness_equals_the_colocated_run(tmp_path, spmdrl_cache
         out = tmp_path / name
         # One thread in both, so that the matmuls round alike.
         train(["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *VAL, *extra, "--trainer.output_dir",
-               str(out)], cache=spmdrl_cache, nproc=nproc, env={"OMP_NUM_THREADS": "1"})
+               str(out), "--trainer.rollout_data_dir", "generations"], cache=spmdrl_cache, nproc=nproc,
+              env={"OMP_NUM_THREADS": "1"})
         runs[name] = read_metrics(out)
+    # verl's generation dump (written by the rollout rank under split): the same lines.
+    for step in (1, 2, 3):
+        dumped = [(tmp_path / name / "generations" / f"{step}.jsonl").read_text() for name in runs]
+        assert dumped[0] == dumped[1] and dumped[0].count("\n") == 8 * 4
     # Validation before training (step 0), after update 2 and after the last one.
     validated = [(r["step"], VAL_REWARD in r) for r in runs["split"]]
     assert validated == [(0, True), (1, False), (2, True), (3, True)]
@@ -53,6 +59,20 @@ def test_split_without_staleness_equals_the_colocated_run(tmp_path, spmdrl_cache
             assert b[key] == a[key], (a["step"], key)
         assert b["async/staleness"] == 0.0
         assert b["rollout_ranks/timing/rollout"] > 0 and "timing/wait_rollout" in b
+
+
+def test_validation_alone_on_split_placement(tmp_path, spmdrl_cache):
+    """trainer.val_only: the rollout rank validates the initial weights and both roles end; the metrics
+    are the colocated run's."""
+    runs = {}
+    for name, nproc, extra in (("colocated", 1, []), ("split", 2, SPLIT)):
+        out = tmp_path / name
+        train(["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *VAL, "--trainer.val_only", "true", *extra,
+               "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=nproc,
+              env={"OMP_NUM_THREADS": "1"})
+        runs[name] = read_metrics(out)
+    assert [r["step"] for r in runs["split"]] == [0] and VAL_REWARD in runs["split"][0]
+    assert runs["split"] == runs["colocated"]
 
 
 def test_one_step_off_policy_on_one_rollout_and_two_training_ranks(tmp_path, spmdrl_cache):

@@ -125,7 +125,10 @@ BACKENDS = {
     "spmdrl.rollout.native": ("spmdrl.rollout.base", "spmdrl.rollout.sampling",
                               "spmdrl.rollout.weight_store"),
     "spmdrl.rollout.hf": ("spmdrl.rollout.base", "spmdrl.rollout.sampling", "spmdrl.rollout.weight_store"),
-    "spmdrl.rollout.vllm": ("spmdrl.rollout.base", "spmdrl.rollout.sampling"),
+    # vllm_worker: what runs in vLLM's worker (its extension methods), imported there by name; flat: the
+    # weights' byte buckets split placement's exchange uses too.
+    "spmdrl.rollout.vllm": ("spmdrl.rollout.base", "spmdrl.rollout.sampling", "spmdrl.rollout.vllm_worker",
+                            "spmdrl.rollout.flat"),
 }
 
 

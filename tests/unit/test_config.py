@@ -112,11 +112,8 @@ BAD_SPLIT = [
     (["--rollout.placement", "split"], "rollout.nnodes x rollout.n_gpus_per_node is 1 x None"),
     ([*SPLIT, "--rollout.n_gpus_per_node", "2"], "leaves no rank of the 2 to train"),
     ([*SPLIT, "--rollout.max_staleness", "2"], "rollout.max_staleness is 2"),
-    ([*SPLIT, "--trainer.val_only", "true"], "trainer.val_only is not built for rollout.placement split"),
-    ([*SPLIT, "--rollout.engine", "vllm"], "rollout.engine vllm is not built for rollout.placement"),
     ([*SPLIT, "--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm"],
      "reward_model.enable is not built"),
-    ([*SPLIT, "--actor.strategy", "megatron"], "rollout.placement split trains with actor.strategy fsdp2"),
 ]
 
 

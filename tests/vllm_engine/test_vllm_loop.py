@@ -6,7 +6,9 @@ metrics, and the rollout log-probs equal to the actor's after every weight sync.
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -44,3 +46,23 @@ def test_grpo_with_vllm_on_split_placement(tmp_path):
     rollout rank takes the weights the training rank sends, and its log-probs equal the actor's after every
     transfer (within the loop's float32 tolerance)."""
     check_grpo_through_loop("vllm", 1, tmp_path / "split", split=True)
+
+
+@pytest.mark.e2e
+def test_verl_one_step_off_policy_recipe_with_vllm(tmp_path, tiny_model_dir):
+    """verl's one-step-off-policy command line as written, rollout.name=vllm included, under torchrun on
+    1 training + 1 rollout rank: validation before training, then steps one update apart."""
+    from verl_recipes import ONE_STEP_OFF_POLICY, gsm8k_parquet
+
+    out = tmp_path / "out"
+    argv = shlex.split(ONE_STEP_OFF_POLICY.format(data=gsm8k_parquet(tmp_path), model=tiny_model_dir, out=out,
+                                                  engine="actor_rollout_ref.rollout.name=vllm"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "spmdrl.train", *argv, "--trainer.progress_bar", "false"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["async/staleness"] for r in rows[1:]] == [0.0, 1.0]
+    assert all(any(k.startswith("val-core/openai/gsm8k/") for k in rows[i]) for i in (0, 2))
