@@ -77,8 +77,8 @@ ROLLOUT_PREFIX = "rollout_ranks/"
 
 
 def _send(header: dict, tensors: list[torch.Tensor], src: int, group: dist.ProcessGroup,
-          device: torch.device) -> None:
-    _exchange(header, tensors, src, group, device)
+          device: torch.device, pending: Optional[list] = None) -> None:
+    _exchange(header, tensors, src, group, device, pending)
 
 
 def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
@@ -86,27 +86,35 @@ def _recv(src: int, group: dist.ProcessGroup, device: torch.device) -> tuple[dic
 
 
 def _exchange(header: Optional[dict], tensors: Optional[list[torch.Tensor]], src: int,
-              group: dist.ProcessGroup, device: torch.device) -> tuple[dict, list[torch.Tensor]]:
+              group: dist.ProcessGroup, device: torch.device,
+              pending: Optional[list] = None) -> tuple[dict, list[torch.Tensor]]:
     """Broadcast one message from ``src`` over ``group``: the header as JSON bytes (length first), then each
     tensor its header describes ([dtype, shape] under "tensors"); returns it on every rank.
 
     The header travels as CPU tensors and the tensors on ``device``: on CUDA the group's two backends
-    carry them (gloo, NCCL), and every rank must put a tensor on the same backend as the sender does."""
+    carry them (gloo, NCCL), and every rank must put a tensor on the same backend as the sender does.
+    ``pending`` (a sender's list): the broadcasts run in the background, in order; (work, tensor) pairs
+    go there, to be waited for (the tensors stay alive until then)."""
+    def broadcast(t: torch.Tensor) -> None:
+        work = dist.broadcast(t, src, group=group, async_op=pending is not None)
+        if pending is not None:
+            pending.append((work, t))
+
     sending = header is not None
     # A list field the data gave as a type JSON lacks (a numpy scalar in extra_info) travels as its text.
     raw = json.dumps(header, default=str).encode() if sending else b""
     length = torch.tensor([len(raw)], dtype=torch.int64)
-    dist.broadcast(length, src, group=group)
+    broadcast(length)
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if sending else \
         torch.empty(int(length), dtype=torch.uint8)
-    dist.broadcast(buf, src, group=group)
+    broadcast(buf)
     if not sending:
         header = json.loads(buf.numpy().tobytes())
         tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
                    for dtype, shape in header["tensors"]]
     tensors = [t.to(device) for t in tensors]
     for t in tensors:
-        dist.broadcast(t, src, group=group)
+        broadcast(t)
     return header, tensors
 
 
@@ -121,6 +129,7 @@ class Exchange:
                  device: torch.device = torch.device("cpu")):
         self.dims, self.rank, self.n = dims, rank, n  # n: responses per prompt, kept together
         self.device = device  # where the tensors travel: NCCL's on CUDA (the headers go over gloo)
+        self._in_flight: list = []  # (work, tensor) of weight broadcasts still running (send_weights)
         self.bucket_bytes = bucket_bytes  # rollout.update_weights_bucket_megabytes: one broadcast each
         self.rollout_ranks = list(range(dims.train_ranks, dims.world_size))
 
@@ -154,26 +163,41 @@ class Exchange:
 
     # ---- training rank 0 -> every rollout rank: how to start, the weights, a stop ------------------
 
-    def send_control(self, header: dict[str, Any]) -> None:
-        """(training ranks) A message without tensors: the start (where a resumed run stands), or a stop."""
+    def send_control(self, header: dict[str, Any], pending: Optional[list] = None) -> None:
+        """(training ranks) A message without tensors: the start (where a resumed run stands), the end of the
+        weights, or a stop."""
         if self.rank == 0:
-            _send({**header, "name": None, "tensors": []}, [], 0, self.dims.group("weights"), self.device)
+            if pending is None:
+                self.settle()
+            _send({**header, "name": None, "tensors": []}, [], 0, self.dims.group("weights"), self.device,
+                  pending)
+
+    def settle(self) -> None:
+        """(training rank 0) Wait for the weights still being sent (``send_weights(overlap=True)``)."""
+        for work, _ in self._in_flight:
+            work.wait()
+        self._in_flight = []
 
     def recv_control(self) -> dict[str, Any]:
         return _recv(0, self.dims.group("weights"), self.device)[0]
 
-    def send_weights(self, named: Iterable[tuple[str, torch.Tensor]], validate: bool = False) -> None:
+    def send_weights(self, named: Iterable[tuple[str, torch.Tensor]], validate: bool = False,
+                     overlap: bool = False) -> None:
         """(training ranks) The actor's weights: every training rank runs the export (its gathers are
         collective over the training ranks), rank 0 sends them in buckets of about ``bucket_bytes``, each one
         flat byte buffer (one broadcast) described by its header. ``validate``: the rollout ranks validate
-        these weights at once and send the metrics back (``recv_validation``)."""
+        these weights at once and send the metrics back (``recv_validation``). ``overlap``: the broadcasts
+        run in the background (the update goes on meanwhile; the buckets stay in memory until they are
+        sent) and the next message on the weights' group waits for them (``settle``)."""
         group = self.dims.group("weights")
+        self.settle()
+        pending = self._in_flight if overlap else None
         for bucket in buckets(named, self.bucket_bytes):
             if self.rank == 0:
                 flat, parts = flatten(bucket)
                 _send({"name": "bucket", "parts": parts, "tensors": _described([flat])}, [flat], 0, group,
-                      self.device)
-        self.send_control({"validate": validate})  # the end of the weights
+                      self.device, pending)
+        self.send_control({"validate": validate}, pending)  # the end of the weights
 
     def recv_weights(self) -> tuple[Optional[list[tuple[str, torch.Tensor]]], bool]:
         """(rollout rank) The weights training rank 0 sends, in the order the actor exports them (None when
@@ -296,9 +320,10 @@ def _next_batch(r: Run, ex: Exchange, held: InFlight) -> tuple[Batch, dict[str, 
     return batch.to(ex.device), info  # a checkpoint's batch is read to the CPU
 
 
-def _send_weights(r: Run, ex: Exchange, validate: bool = False) -> None:
-    with r.timer.phase("weight_send"):
-        ex.send_weights(r.actor.export_weights(resolve_dtype(r.cfg.rollout.dtype, r.device.type)), validate)
+def _send_weights(r: Run, ex: Exchange, validate: bool = False, overlap: bool = False) -> None:
+    with r.timer.phase("weight_send"):  # the export; with overlap, not the transfer that follows it
+        ex.send_weights(r.actor.export_weights(resolve_dtype(r.cfg.rollout.dtype, r.device.type)), validate,
+                        overlap)
 
 
 def _validation(r: Run, ex: Exchange, held: InFlight, last: bool) -> tuple[dict[str, float], bool]:
@@ -322,6 +347,7 @@ def _release(r: Run, ex: Exchange, rollout_done: bool) -> None:
     their last batch, or waiting for validations) are told to stop."""
     if validates(r) or not rollout_done:
         ex.send_control({"stop": True})
+    ex.settle()
 
 
 def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointManager, held: InFlight,
@@ -342,7 +368,7 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointMa
             whole, info = _next_batch(r, ex, held)
         last = info["last"]
         if s == 1 and step >= 2 and not last and not early:  # the rollout generates step + 1 with these
-            _send_weights(r, ex)
+            _send_weights(r, ex, overlap=True)  # sent while the update runs
         metrics, tokens = learn(r, ex.own_rows(whole), bypass=bypass)
         val = validates(r) and (step % f == 0 or last)
         if s == 0 and not last:
