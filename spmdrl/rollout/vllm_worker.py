@@ -36,11 +36,10 @@ def refresh_tied_head(worker) -> bool:
 class WeightIntake:
     """Methods vLLM adds to its worker (``worker_extension_cls``) for weights sent from another process."""
 
-    def spmdrl_stage(self, parts: list[list], data: bytes) -> int:
-        """Hold one bucket (``flatten``'s buffer as bytes); returns the bytes held so far."""
+    def spmdrl_stage(self, parts: list[list], data: bytes) -> None:
+        """Hold one bucket (``flatten``'s buffer as bytes) until ``spmdrl_commit``."""
         staged = self.__dict__.setdefault("_spmdrl_staged", [])
         staged.extend(unflatten(torch.frombuffer(bytearray(data), dtype=torch.uint8), parts))
-        return sum(t.numel() * t.element_size() for _, t in staged)
 
     def spmdrl_commit(self) -> bool:
         """Load the held buckets in place, in one reload, then refresh a tied head; returns whether it did."""
