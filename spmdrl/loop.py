@@ -46,7 +46,7 @@ from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords
 from spmdrl.plan import Plan, make_plan
 from spmdrl.plot import plot_run
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
-from spmdrl.reward.sources import build_rewards
+from spmdrl.reward.sources import Rewards, build_rewards
 from spmdrl.rollout.generations import dump_generations
 from spmdrl.validation import validation_metrics
 
@@ -68,6 +68,9 @@ class Run:
     val_loader: Optional[ValidationLoader]
     experience: Optional[Experience]  # rollout session, agent, reward sources (None: a split training rank)
     actor: Optional[TrainEngine]  # None: a rollout rank under split placement (spmdrl/split.py)
+    # A split placement's training ranks: the reward model they score with (None: none, or colocated,
+    # where every source is the experience's).
+    rewards: Optional[Rewards]
     ref: Optional[LogProbSource]
     critic: Optional[TrainEngine]
     kl_ctrl: Any
@@ -133,8 +136,10 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
     generates, trains = dims.generates(rank), dims.trains(rank)
     rollout_rank = rollout_coords(dims.rollout_mesh)[0] if generates else 0
     train_loader, val_loader = build_loaders(cfg, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp)
-    # A user's reward file is imported here, so its errors stop the run before the models load.
-    rewards = build_rewards(cfg, dims, device, tokenizer) if generates else None
+    # A user's reward file is imported here, so its errors stop the run before the models load. Under split
+    # placement the training ranks hold the reward model (reward.sources).
+    sources = "all" if not dims.split else "rollout" if generates else "training"
+    rewards = build_rewards(cfg, dims, device, tokenizer, sources)
     total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * train_loader.steps_per_epoch
     precision, emulated = precision_summary(cfg.actor.param_dtype, cfg.rollout.dtype, device.type)
     if emulated and rank == 0:
@@ -159,7 +164,7 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
     return Run(
         cfg=cfg, config_text=dump_config(user_cfg), dims=dims, device=device, rank=rank,
         out_dir=output_dir(cfg), tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader,
-        experience=experience, actor=actor, ref=ref, critic=critic,
+        experience=experience, actor=actor, rewards=None if generates else rewards, ref=ref, critic=critic,
         kl_ctrl=build_kl_controller(kc.type, kc.kl_coef, kc.target_kl, kc.horizon), timer=timer,
         watchdog=watchdog,
         total_steps=total_steps, actor_loss=actor_loss_fn(cfg), critic_loss=critic_loss_fn(cfg),
@@ -454,6 +459,8 @@ def close(r: Run, sink: MetricsSink) -> None:
     """What a run holds besides its engines: the watchdog, the metrics sink, the reward and tool workers."""
     r.watchdog.close()
     sink.close()
+    if r.rewards is not None:
+        r.rewards.close()
     if r.experience is not None:
         r.experience.rewards.close()
         if r.experience.agent is not None:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from spmdrl.batch import Batch
+from spmdrl.batch import Batch, place_scores
 from spmdrl.checkpoint.in_flight import InFlight
 from spmdrl.checkpoint.manager import CheckpointManager
 from spmdrl.checkpoint.preemption import Preemption
@@ -63,7 +63,7 @@ from spmdrl.precision import resolve_dtype
 from spmdrl.rollout.base import buckets
 from spmdrl.rollout.flat import flatten, unflatten
 from spmdrl.rollout.generations import dump_generations
-from spmdrl.validation import validation_metrics
+from spmdrl.validation import ValidationRows, validation_rows
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -211,17 +211,18 @@ class Exchange:
                 return out, header["validate"]
             out.extend(unflatten(tensors[0], header["parts"]))
 
-    # ---- validation metrics: the first rollout rank -> every training rank -------------------------
+    # ---- validation rows: every rollout rank -> every training rank ---------------------------------
 
-    def send_validation(self, metrics: dict[str, float]) -> None:
-        """(rollout ranks) The validation metrics (the same on every rollout rank: the first one sends)."""
-        if self.rank == self.rollout_ranks[0]:
-            _send({"validation": metrics, "tensors": []}, [], self.rank, self.dims.group(f"batch{self.rank}"),
-                  self.device)
+    def send_validation(self, rows: ValidationRows) -> None:
+        """(rollout ranks) This rank's scored validation rows (the training ranks make the metrics, after
+        adding their reward model's scores)."""
+        _send({"validation": rows.to_json(), "tensors": []}, [], self.rank,
+              self.dims.group(f"batch{self.rank}"), self.device)
 
-    def recv_validation(self) -> dict[str, float]:
-        src = self.rollout_ranks[0]
-        return _recv(src, self.dims.group(f"batch{src}"), self.device)[0]["validation"]
+    def recv_validation(self) -> ValidationRows:
+        """(training ranks) Every rollout rank's validation rows, in rollout order."""
+        return ValidationRows.cat([_recv(src, self.dims.group(f"batch{src}"), self.device)[0]["validation"]
+                                   for src in self.rollout_ranks])
 
 
 def _prefixed(metrics: dict[str, float]) -> dict[str, float]:
@@ -240,7 +241,28 @@ def validates(r: Run) -> bool:
 def _validate(r: Run, ex: Exchange) -> None:
     """(rollout ranks) Validate the weights the engine holds and send the metrics to the training ranks."""
     with r.timer.phase("validation"):
-        ex.send_validation(validation_metrics(r.experience, r.val_loader))
+        rows = validation_rows(r.experience, r.val_loader) if r.val_loader is not None else ValidationRows()
+        ex.send_validation(rows)
+
+
+def _validation_metrics(r: Run, ex: Exchange) -> dict[str, float]:
+    """(training ranks) The metrics of the rollout ranks' validation rows, a reward model's scores added."""
+    rows = ex.recv_validation()
+    if r.rewards is not None and rows.uids:
+        rows.add_model_scores(r.rewards, r.dims.group("train_cpu"))
+    return rows.metrics(None)  # every training rank has every row
+
+
+def _score(r: Run, batch: Batch) -> dict[str, float]:
+    """(training ranks) Add the reward model's weighted score to each row's (the rollout ranks sent the sum
+    of the other sources) and return the reward metrics of the sum; nothing without a reward model."""
+    if r.rewards is None:
+        return {}
+    with r.timer.phase("reward"):
+        result = r.rewards(batch)
+    batch["scores"] = batch["scores"] + result.scores.to(batch["scores"].device)  # [N]
+    batch["token_rewards"] = place_scores(batch["scores"], batch["response_mask"])  # [N, R]
+    return {**result.metrics, **{k: v for k, v in batch_metrics(batch).items() if k.startswith("reward/")}}
 
 
 def _load_weights(r: Run, ex: Exchange) -> bool:
@@ -339,7 +361,7 @@ def _validation(r: Run, ex: Exchange, held: InFlight, last: bool) -> tuple[dict[
             early = True
         if last or early:  # under staleness 0 the step's weights went out with the request already
             _send_weights(r, ex, validate=True)
-        return ex.recv_validation(), early
+        return _validation_metrics(r, ex), early
 
 
 def _release(r: Run, ex: Exchange, rollout_done: bool) -> None:
@@ -369,7 +391,9 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointMa
         last = info["last"]
         if s == 1 and step >= 2 and not last and not early:  # the rollout generates step + 1 with these
             _send_weights(r, ex, overlap=True)  # sent while the update runs
-        metrics, tokens = learn(r, ex.own_rows(whole), bypass=bypass)
+        batch = ex.own_rows(whole)
+        scored = _score(r, batch)
+        metrics, tokens = learn(r, batch, bypass=bypass)
         val = validates(r) and (step % f == 0 or last)
         if s == 0 and not last:
             _send_weights(r, ex, validate=val)
@@ -377,6 +401,7 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointMa
             val_metrics, early = _validation(r, ex, held, last)
             metrics.update(val_metrics)
         metrics.update(info["metrics"])
+        metrics.update(scored)  # the reward with the reward model's part, over the rows trained on
         metrics["async/staleness"] = float(step - 1 - info["version"])
         r.step = step
         metrics = finish_step(r, metrics, tokens)
@@ -455,7 +480,7 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
             rollout_done = _start(r, ex, held, resumed)
             first = not resumed and cfg.trainer.val_before_train and r.val_loader is not None
             if cfg.trainer.val_only or first:  # the rollout ranks validate the weights they start with
-                sink.log(r.step, ex.recv_validation())
+                sink.log(r.step, _validation_metrics(r, ex))
             r.timer.restart()
             if not cfg.trainer.val_only:
                 rollout_done = train_ranks_loop(r, ex, sink, ckpt, held, preemption) or rollout_done

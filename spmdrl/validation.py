@@ -31,16 +31,21 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
+from spmdrl.batch import Batch
 from spmdrl.experience import VALIDATION_STREAM, sampling_params
+from spmdrl.reward.sources import response_texts
 
 if TYPE_CHECKING:
     from spmdrl.data import ValidationLoader
     from spmdrl.experience import Experience
+    from spmdrl.reward.sources import Rewards
 
 BOOTSTRAP_SAMPLES = 1000
 BOOTSTRAP_SEED = 42  # verl's; the same for every prompt so a prompt's numbers do not depend on its rank
@@ -200,15 +205,81 @@ def all_reduce_sums(sums: dict[Key, list[float]],
     return dict(total)
 
 
-def validation_metrics(exp: "Experience", loader: Optional["ValidationLoader"]) -> dict[str, float]:
-    """``rollout.val_kwargs`` responses to every validation prompt, scored; verl's val-core / val-aux metrics.
-    Collective: every rank calls it; the dict is the same on every rank."""
-    if loader is None:
-        return {}
+@dataclass
+class ValidationRows:
+    """This rank's scored validation responses, a value per row: the data source, the prompt's uid and the
+    numbers (``reward`` and the scorer's extras). ``model_inputs``: what a reward model that scores
+    elsewhere needs of each row (split placement's training ranks: ``chat``, ``text``, ``extra_info``).
+    JSON-able: a split placement's rollout ranks send it to the training ranks."""
+
+    sources: list[str] = field(default_factory=list)
+    uids: list[int] = field(default_factory=list)
+    infos: dict[str, list[Any]] = field(default_factory=lambda: defaultdict(list))
+    model_inputs: Optional[dict[str, list[Any]]] = None
+
+    def add(self, batch: Batch, extras: dict[str, list], texts: Optional[Sequence[str]] = None) -> None:
+        """One scored batch's rows (``texts``: their decoded responses, kept when ``model_inputs`` is)."""
+        before = len(self.sources)
+        self.sources += [str(s) for s in batch["data_source"]]
+        self.uids += batch["index"].tolist()
+        self.infos["reward"] += batch["scores"].tolist()
+        for key, values in extras.items():
+            column = self.infos[key]
+            column += [None] * (before - len(column)) + list(values)  # a key new in this batch: None before
+        if self.model_inputs is not None:
+            for key, values in (("chat", batch["chat"]), ("text", texts),
+                                ("extra_info", batch["extra_info"])):
+                self.model_inputs[key] += list(values)
+
+    def done(self) -> "ValidationRows":
+        for column in self.infos.values():
+            column += [None] * (len(self.sources) - len(column))
+        return self
+
+    def metrics(self, group: Optional[dist.ProcessGroup]) -> dict[str, float]:
+        """verl's val-core / val-aux metrics of every rank's rows in ``group`` (None: of these rows alone)."""
+        sums = local_sums(self.sources, self.uids, self.infos)
+        return name_metrics(all_reduce_sums(sums, group) if group is not None else sums)
+
+    def add_model_scores(self, rewards: "Rewards", group: dist.ProcessGroup) -> None:
+        """(split placement's training ranks, collective over ``group``) The reward model's weighted score
+        added to each row's ``reward``: each rank scores a contiguous share of the rows, and a sum over
+        ``group`` gives every rank all of them."""
+        n, world, rank = len(self.uids), dist.get_world_size(group), dist.get_rank(group)
+        lo, hi = n * rank // world, n * (rank + 1) // world
+        inputs = self.model_inputs or {}
+        share = Batch({}, {"chat": inputs["chat"][lo:hi], "extra_info": inputs["extra_info"][lo:hi]})
+        scores = torch.zeros(n)  # [n] float32
+        scores[lo:hi] = rewards.score_texts(share, inputs["text"][lo:hi]).scores
+        dist.all_reduce(scores, group=group)  # each row is one rank's, the others add 0
+        self.infos["reward"] = (torch.tensor(self.infos["reward"], dtype=torch.float32) + scores).tolist()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sources": self.sources, "uids": self.uids, "infos": dict(self.infos),
+                "model_inputs": self.model_inputs}
+
+    @classmethod
+    def cat(cls, parts: Sequence[dict[str, Any]]) -> "ValidationRows":
+        """Several ranks' ``to_json`` in order as one set of rows (a key one part lacks: None there)."""
+        out = cls(model_inputs=defaultdict(list) if parts and parts[0]["model_inputs"] is not None else None)
+        for part in parts:
+            before = len(out.sources)
+            out.sources += part["sources"]
+            out.uids += part["uids"]
+            for key, values in part["infos"].items():
+                column = out.infos[key]
+                column += [None] * (before - len(column)) + values
+            for key, values in (part["model_inputs"] or {}).items():
+                out.model_inputs[key] += values
+        return out.done()
+
+
+def validation_rows(exp: "Experience", loader: "ValidationLoader") -> ValidationRows:
+    """``rollout.val_kwargs`` responses to every validation prompt of this rank, scored (collective: every
+    rank calls it). Next to a reward model that scores elsewhere (``Rewards.partial``) the rows keep what
+    it needs."""
     sampling = sampling_params(exp.cfg, validation=True)
-    sources: list[str] = []
-    uids: list[int] = []
-    infos: dict[str, list[Any]] = defaultdict(list)
+    rows = ValidationRows(model_inputs=defaultdict(list) if exp.rewards.partial else None)
     with exp.session.awake():  # one wake for every validation batch
         for prompts in loader:
             # A rank with no prompts, or an empty TP share of a last, short batch, still takes part in the
@@ -219,14 +290,14 @@ def validation_metrics(exp: "Experience", loader: Optional["ValidationLoader"]) 
                 continue
             extras: dict[str, list] = {}
             exp.score(batch, extras)
-            before = len(sources)
-            sources += [str(s) for s in batch["data_source"]]
-            uids += batch["index"].tolist()
-            infos["reward"] += batch["scores"].tolist()
-            for key, values in extras.items():
-                column = infos[key]
-                # a key new in this batch: None before
-                column += [None] * (before - len(column)) + list(values)
-    for column in infos.values():
-        column += [None] * (len(sources) - len(column))
-    return name_metrics(all_reduce_sums(local_sums(sources, uids, infos), exp.group))
+            keep = rows.model_inputs is not None
+            rows.add(batch, extras, response_texts(exp.rewards.tokenizer, batch) if keep else None)
+    return rows.done()
+
+
+def validation_metrics(exp: "Experience", loader: Optional["ValidationLoader"]) -> dict[str, float]:
+    """``rollout.val_kwargs`` responses to every validation prompt, scored; verl's val-core / val-aux metrics.
+    Collective: every rank calls it; the dict is the same on every rank."""
+    if loader is None:
+        return {}
+    return validation_rows(exp, loader).metrics(exp.group)

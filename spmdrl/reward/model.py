@@ -121,7 +121,7 @@ class RewardModelScorer:
         texts += [""] * (int(most) - n)  # fillers: one pad token each (encode)
         batch = encode(self.tokenizer, texts, self.max_length, self.pad_token_id)
         scores = self.engine.forward_no_grad(batch, self.micro_batch_size, max_token_len=self.max_token_len)
-        return scores["rm_scores"][:n].float()  # [N]
+        return scores["rm_scores"][:n].float().cpu()  # [N]
 
 
 def check_weights(rm_weight: float, rule_weight: float) -> None:

@@ -20,6 +20,12 @@ order. The sources:
 - ``overlong``: DAPO's soft length penalty (``reward.overlong_buffer``).
 
 A new source is one more entry in ``build_rewards``.
+
+Under split placement (spmdrl/split.py) the sources are divided by role: the
+rollout ranks hold those that need no trained model (``role="rollout"``: their
+sum is the batch's ``scores`` as sent, 0 where the reward model is the only
+source) and the training ranks the reward model (``role="training"``), whose
+weighted score they add to the rows they train on.
 """
 
 from __future__ import annotations
@@ -81,11 +87,13 @@ def combine(terms: Sequence[tuple[float, torch.Tensor]]) -> torch.Tensor:
 class Rewards:
     """The run's reward sources and their combination."""
 
-    def __init__(self, sources: Sequence[RewardSource], tokenizer: Any) -> None:
-        if not sources:
+    def __init__(self, sources: Sequence[RewardSource], tokenizer: Any, partial: bool = False) -> None:
+        """``partial``: the other sources score elsewhere (split placement's rollout ranks, next to a reward
+        model on the training ranks), so none here is allowed (every score 0)."""
+        if not sources and not partial:
             raise ValueError("no reward source is enabled; the reward would be undefined")
         self.sources = list(sources)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.partial = tokenizer, partial
 
     @property
     def collective(self) -> bool:
@@ -93,9 +101,11 @@ class Rewards:
         return any(s.collective for s in self.sources)
 
     def __call__(self, batch: Batch) -> RewardResult:
-        R = batch["response_mask"].shape[1]
-        # The whole response, tool output included (as verl decodes it); the generated tokens single-turn.
-        texts = decode_responses(self.tokenizer, batch["input_ids"][:, -R:], batch["attention_mask"][:, -R:])
+        return self.score_texts(batch, response_texts(self.tokenizer, batch))
+
+    def score_texts(self, batch: Batch, texts: Sequence[str]) -> RewardResult:
+        """``__call__`` with the responses already decoded (``response_texts``): a split placement's
+        validation rows reach the training ranks' reward model as texts."""
         terms, metrics, extra, errors = [], {}, {}, []
         for source in self.sources:
             out = source(batch, texts)
@@ -107,7 +117,8 @@ class Rewards:
             numbers = [float(v) for v in values if isinstance(v, (int, float, bool))]
             if numbers:
                 metrics[f"reward/{key}"] = sum(numbers) / len(numbers)
-        return RewardResult(combine(terms), metrics, extra, errors)
+        scores = combine(terms) if terms else torch.zeros(len(texts))  # [N] (partial, with no source here)
+        return RewardResult(scores, metrics, extra, errors)
 
     def join_collectives(self) -> None:
         """Take part, with no rows, in the collectives of the sources that need every rank (a rank whose
@@ -122,6 +133,13 @@ class Rewards:
             close = getattr(source, "close", None)
             if close is not None:
                 close()
+
+
+def response_texts(tokenizer: Any, batch: Batch) -> list[str]:
+    """Each row's response as text: the whole response, tool output included (as verl decodes it); the
+    generated tokens single-turn."""
+    R = batch["response_mask"].shape[1]
+    return decode_responses(tokenizer, batch["input_ids"][:, -R:], batch["attention_mask"][:, -R:])
 
 
 class RuleReward:
@@ -189,25 +207,36 @@ class OverlongPenalty:
                                              buffer_len=self.buffer_len, penalty_factor=self.penalty_factor))
 
 
-def build_rewards(cfg: "Config", dims: "ParallelDims", device: torch.device, tokenizer: Any) -> Rewards:
-    """The sources the config enables, in the order they are summed (collective: every rank calls it). A
-    reward file that does not import, or names no such function, is a ConfigError."""
+ROLES = ("all", "rollout", "training")
+
+
+def build_rewards(cfg: "Config", dims: "ParallelDims", device: torch.device, tokenizer: Any,
+                  role: str = "all") -> Optional[Rewards]:
+    """The sources the config enables, in the order they are summed (collective over the ranks of
+    ``role``). ``role``: which sources this rank holds: "all" (colocated), "rollout" (split placement's
+    rollout ranks: those that need no trained model) or "training" (its training ranks: the reward model,
+    or None without one). A reward file that does not import, or names no such function, is a
+    ConfigError."""
+    assert role in ROLES, role
+    if role == "training" and not cfg.reward_model.enable:
+        return None
     try:
-        return Rewards(_sources(cfg, dims, device), tokenizer)
+        return Rewards(_sources(cfg, dims, device, role), tokenizer,
+                       partial=role == "rollout" and cfg.reward_model.enable)
     except (ValueError, FileNotFoundError, ImportError, AttributeError) as err:
         raise ConfigError(str(err)) from err
 
 
-def _sources(cfg: "Config", dims: "ParallelDims", device: torch.device) -> list[RewardSource]:
-    sources: list[RewardSource] = []
+def _sources(cfg: "Config", dims: "ParallelDims", device: torch.device, role: str) -> list[RewardSource]:
     rm = cfg.reward_model
+    if role == "training":
+        return [_model_source(cfg, dims, device)]
+    sources: list[RewardSource] = []
     rule_weight = rm.rule_weight if rm.enable else 1.0
     if rule_weight != 0:
         sources.append(RuleReward(RewardManager.from_config(cfg.reward), rule_weight, report_mean=rm.enable))
-    if rm.enable:
-        from spmdrl.reward.model import RewardModelScorer
-
-        sources.append(ModelReward(RewardModelScorer.from_config(cfg, dims, device), rm.rm_weight))
+    if rm.enable and role == "all":
+        sources.append(_model_source(cfg, dims, device))
     if cfg.rollout.multi_turn.enable:
         sources.append(ToolReward())
     ob = cfg.reward.overlong_buffer
@@ -215,3 +244,9 @@ def _sources(cfg: "Config", dims: "ParallelDims", device: torch.device) -> list[
         sources.append(OverlongPenalty(max_response_length=cfg.data.max_response_length, buffer_len=ob.len,
                                        penalty_factor=ob.penalty_factor))
     return sources
+
+
+def _model_source(cfg: "Config", dims: "ParallelDims", device: torch.device) -> ModelReward:
+    from spmdrl.reward.model import RewardModelScorer
+
+    return ModelReward(RewardModelScorer.from_config(cfg, dims, device), cfg.reward_model.rm_weight)

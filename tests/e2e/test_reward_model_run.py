@@ -32,3 +32,44 @@ def test_reward_model_and_rule_score_two_ranks(tmp_path, spmdrl_cache) -> None:
         assert rm != 0.0  # the random head scores every text differently from 0
     assert "val-core/spmdrl/arith/acc/mean@1" in rows[1]  # the rule ran too, so its acc is the core variable
     assert "val-aux/spmdrl/arith/reward/mean@1" in rows[1]
+
+
+def test_reward_model_on_split_placement(tmp_path, spmdrl_cache) -> None:
+    """Under rollout.placement split the training ranks hold the reward model: the rollout rank sends the
+    rule's part of each score, the training ranks add the model's. Staleness 0 on 1 + 1 ranks is the
+    colocated run on one rank, every training metric bitwise (float32, one thread); validation (before
+    training and at the end, its rows scored by the training rank's model) within float32 rounding (the
+    model scores all rows in one call there, batch by batch colocated). On 1 rollout + 2 training ranks
+    at staleness 1 each training rank scores its own rows and a share of the validation rows."""
+    from spmdrl.builtin.tasks import get_task, write_parquet
+
+    val = write_parquet(get_task("arith")("val", 5, 0), tmp_path / "val.parquet")
+    args = [*TINY, "--trainer.total_steps", "2", "--rollout.n", "2", "--reward_model.enable", "true",
+            "--reward_model.model.path", "builtin:tiny-rm", "--reward_model.rule_weight", "0.5",
+            "--reward_model.micro_batch_size_per_gpu", "3", "--data.val_files", str(val),
+            "--data.val_batch_size", "4", "--trainer.test_freq", "2", "--trainer.val_before_train", "true",
+            "--actor.param_dtype", "float32", "--rollout.dtype", "float32"]
+    split = ["--rollout.placement", "split", "--rollout.nnodes", "1", "--rollout.n_gpus_per_node", "1"]
+    runs = {}
+    for name, nproc, extra in (("colocated", 1, []), ("split", 2, [*split, "--rollout.max_staleness", "0"]),
+                               ("split3", 3, split)):
+        out = tmp_path / name
+        train([*args, *extra, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=nproc,
+              env={"OMP_NUM_THREADS": "1"})
+        runs[name] = read_metrics(out)
+    val_key = "val-aux/spmdrl/arith/reward/mean@1"
+    for name in runs:
+        assert [r["step"] for r in runs[name]] == [0, 1, 2], name
+        assert val_key in runs[name][0] and val_key in runs[name][2], name
+        for row in runs[name][1:]:
+            rm, rule = row["reward/rm_score/mean"], row["reward/rule_score/mean"]
+            assert math.isclose(row["reward/mean"], rm + 0.5 * rule, rel_tol=1e-5, abs_tol=1e-6), (name, row)
+            assert rm != 0.0
+    for a, b in zip(runs["colocated"], runs["split"]):
+        for key in ("reward/mean", "reward/rm_score/mean", "reward/rule_score/mean", "actor/pg_loss",
+                    "actor/grad_norm"):
+            assert b.get(key) == a.get(key), (a["step"], key)
+        if val_key in a:
+            assert math.isclose(b[val_key], a[val_key], rel_tol=1e-5, abs_tol=1e-6), a["step"]
+    # The initial weights' validation: the same rows, scored by one training rank or shared by two.
+    assert math.isclose(runs["split3"][0][val_key], runs["split"][0][val_key], rel_tol=1e-5, abs_tol=1e-6)
