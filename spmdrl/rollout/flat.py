@@ -31,3 +31,27 @@ def unflatten(flat: torch.Tensor, parts: list[list]) -> list[tuple[str, torch.Te
         nbytes = math.prod(shape) * dt.itemsize
         out.append((name, flat[offset:offset + nbytes].view(dt).view(shape)))
     return out
+
+
+def cuda_handle(flat: torch.Tensor) -> list:
+    """A CUDA IPC handle of the uint8 buffer ``flat`` as plain values (ints, bytes, a bool), for a process on
+    the same GPU to map (``from_cuda_handle``) without a copy through the host. torch's own sharing
+    (``torch.multiprocessing``) keeps the memory alive until the other process lets go of it; only the
+    values travel, never a pickled object."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(flat)
+    # (tensor class, size, stride, offset, storage class, dtype, device, handle, storage bytes, storage
+    # offset bytes, requires_grad, ref counter handle, ref counter offset, event handle, event sync)
+    return [flat.numel(), args[3], *args[7:10], *args[11:15]]
+
+
+def from_cuda_handle(handle: list) -> torch.Tensor:
+    """The uint8 buffer ``cuda_handle`` shared, mapped on this process's current GPU (the same physical
+    one: the device index of the sender's process need not be this one's)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    numel, offset, ipc, size, storage_offset, counter, counter_offset, event, sync = handle
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size([numel]), (1,), offset, torch.UntypedStorage,
+                               torch.uint8, torch.cuda.current_device(), ipc, size, storage_offset, False,
+                               counter, counter_offset, event, sync)

@@ -15,8 +15,9 @@ ranks draw from different seeds.
 Split placement (``rollout.placement: split``): the external launcher would take torchrun's whole world,
 training ranks included, as vLLM's, so on a split placement's rollout ranks vLLM runs in a process of its
 own instead (its engine core with the worker in it, ``distributed_executor_backend="uni"``, spawned: a torch
-world of its own), at rollout TP 1. The weights go to it bucket by bucket as bytes in vLLM's msgpack
-messages (``spmdrl.rollout.vllm_worker``), then load in one reload. Its sampling is keyed per response
+world of its own, on this rank's GPU), at rollout TP 1. The weights go to it bucket by bucket in vLLM's
+msgpack messages (``spmdrl.rollout.vllm_worker``), then load in one reload: on CUDA as an IPC handle of the
+bucket on the device, on CPU as bytes. Its sampling is keyed per response
 (``rollout.seed_mode``'s default); under ``per_engine`` each request is seeded from this rank's generator,
 as that process's own generator is out of this one's reach.
 
@@ -70,7 +71,7 @@ from spmdrl.rollout.base import (
     eos_ids_from_folder,
     library_missing,
 )
-from spmdrl.rollout.flat import flatten
+from spmdrl.rollout.flat import cuda_handle, flatten
 from spmdrl.rollout.sampling import row_keys, stop_id_tensor, validate_sampling
 from spmdrl.rollout.vllm_worker import refresh_tied_head
 
@@ -132,15 +133,26 @@ def _launch(own_process: bool, tp: int, world: int) -> dict:
                 data_parallel_size=world // tp)
 
 
+def visible_device(device: torch.device) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of this process's ``device`` (its index within this process's own
+    visible devices)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index] if visible else str(index)
+
+
 @contextmanager
-def _own_process_env(own_process: bool) -> Iterator[None]:
+def _own_process_env(own_process: bool, device: torch.device) -> Iterator[None]:
     """While vLLM starts its engine process (split placement): a spawned process, not a fork (a fork would
-    inherit torchrun's process group, which vLLM would take for its own world), and vLLM's engine in it."""
+    inherit torchrun's process group, which vLLM would take for its own world), and vLLM's engine in it, on
+    this rank's GPU (its worker takes the first device it sees: without this, the node's first GPU)."""
     if not own_process:
         yield
         return
     saved = dict(os.environ)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    if device.type == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(device)
     try:
         yield
     finally:
@@ -211,7 +223,7 @@ class VLLMRollout(RolloutEngine):
                                                             o.max_model_len, o.dtype)))
         _quiet_expected_vllm_warnings()
         start = time.perf_counter()
-        with _own_process_env(o.own_process):
+        with _own_process_env(o.own_process, self.device):
             self.llm = LLM(
                 model=str(model_path), dtype=str(o.dtype).removeprefix("torch."), seed=o.seed + self.dp_rank,
                 **_launch(o.own_process, self.tp, world), max_model_len=o.max_model_len,
@@ -308,8 +320,11 @@ class VLLMRollout(RolloutEngine):
             for bucket in buckets(named_tensors, self.options.bucket_bytes):
                 flat, parts = flatten(bucket)
                 sent[0] += flat.numel()
-                self.llm.collective_rpc("spmdrl_stage", args=(parts, flat.cpu().numpy().tobytes()))
-                del bucket, flat
+                if flat.is_cuda:  # the worker is on this GPU: a CUDA IPC handle, the bytes stay on the device
+                    self.llm.collective_rpc("spmdrl_stage_cuda", args=(parts, cuda_handle(flat)))
+                else:
+                    self.llm.collective_rpc("spmdrl_stage", args=(parts, flat.cpu().numpy().tobytes()))
+                del bucket, flat  # the worker has copied it out (collective_rpc returns after the call)
             self.llm.collective_rpc("spmdrl_commit")
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})

@@ -2,17 +2,20 @@
 runs in processes of its own, on split placement's rollout ranks) the methods that take the weights in.
 
 ``WeightIntake`` is vLLM's ``worker_extension_cls``: vLLM adds its methods to its worker, which the rollout
-rank calls by name through ``LLM.collective_rpc``. A bucket arrives as bytes and a JSON-able list of parts
-(``spmdrl.rollout.flat``), which vLLM's msgpack messages carry as they are: nothing is pickled. The buckets
+rank calls by name through ``LLM.collective_rpc``. A bucket arrives as bytes (CPU) or a CUDA IPC handle of
+the rollout rank's buffer on the same GPU, with a JSON-able list of parts (``spmdrl.rollout.flat``), which
+vLLM's msgpack messages carry as they are: nothing is pickled. The buckets
 are held until the last one, then loaded in one ``reload_weights`` (vLLM finalises a layer whose weights
 arrived in part as if the rest were missing).
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
-from spmdrl.rollout.flat import unflatten
+from spmdrl.rollout.flat import from_cuda_handle, unflatten
 
 
 def refresh_tied_head(worker) -> bool:
@@ -41,8 +44,23 @@ class WeightIntake:
         staged = self.__dict__.setdefault("_spmdrl_staged", [])
         staged.extend(unflatten(torch.frombuffer(bytearray(data), dtype=torch.uint8), parts))
 
+    def spmdrl_stage_cuda(self, parts: list[list], handle: list) -> None:
+        """Hold one bucket the rollout rank shares on this GPU (``flat.cuda_handle``): copied out at once, as
+        the sender frees its buffer when this call returns."""
+        staged = self.__dict__.setdefault("_spmdrl_staged", [])
+        staged.extend(unflatten(from_cuda_handle(handle).clone(), parts))
+
     def spmdrl_commit(self) -> bool:
         """Load the held buckets in place, in one reload, then refresh a tied head; returns whether it did."""
         staged = self.__dict__.pop("_spmdrl_staged", [])
         self.reload_weights(weights_iterator=iter(staged))
         return refresh_tied_head(self)
+
+    def spmdrl_digest(self) -> dict[str, str]:
+        """Each of the model's parameters (as vLLM holds them: fused, processed) as a short sha256 of its
+        bytes: whether two ways of loading the same weights left the same model (bench/gpu)."""
+        out = {}
+        for name, param in self.model_runner.get_model().named_parameters():
+            raw = param.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+            out[name] = hashlib.sha256(raw).hexdigest()[:16]
+        return out

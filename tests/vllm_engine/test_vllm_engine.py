@@ -105,6 +105,9 @@ def test_update_weights_in_place(which, request, tiny_model_dir, weights):
     engine = request.getfixturevalue(which)
     prompts = _prompts([5, 9], seed=3)
     sp = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=2)
+    # The engine process's parameters as vLLM holds them (its worker extension's digest, per parameter).
+    digest = (lambda: engine.llm.collective_rpc("spmdrl_digest")[0]) if engine.options.own_process else dict
+    initial = digest()
     before = engine.generate(prompts, sp)
     g = torch.Generator().manual_seed(0)
     new = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
@@ -118,6 +121,7 @@ def test_update_weights_in_place(which, request, tiny_model_dir, weights):
     assert engine.last_sync["bytes"] == sum(v.numel() * 4 for v in new.values())
     engine.update_weights(iter(weights.items()))
     again = engine.generate(prompts, sp)
+    assert digest() == initial  # the model vLLM loaded from the folder, bitwise
     assert torch.equal(again.response_ids, before.response_ids)
     torch.testing.assert_close(again.logprobs, before.logprobs, atol=1e-6, rtol=0)
 
