@@ -43,7 +43,7 @@ from spmdrl.experience import Experience, batch_metrics, rollout_actor_gap, samp
 from spmdrl.metrics import MetricsSink, PhaseTimer, reduce_metrics
 from spmdrl.objectives import actor_loss_fn, critic_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank, rollout_coords
-from spmdrl.plan import Plan, make_plan
+from spmdrl.plan import Plan, make_plans
 from spmdrl.plot import plot_run
 from spmdrl.precision import EMULATED_BF16_SLOWDOWN, precision_summary, resolve_dtype
 from spmdrl.reward.sources import Rewards, build_rewards
@@ -127,8 +127,8 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
     rank = dist.get_rank()
     device = device_for_rank(dims.device_type)
     torch.manual_seed(user_cfg.trainer.seed)
-    plan = plan or make_plan(user_cfg, dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                             dims.device_type)
+    plan = plan or make_plans(user_cfg, dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                              dims.device_type)[dims.role(rank)]
     cfg = resolve_builtins(plan.apply(user_cfg))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     # Under split placement a rank either generates or trains (dims.generates / dims.trains); a training
@@ -138,8 +138,7 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
     train_loader, val_loader = build_loaders(cfg, tokenizer, rank=rollout_rank, world_size=dims.rollout_dp)
     # A user's reward file is imported here, so its errors stop the run before the models load. Under split
     # placement the training ranks hold the reward model (reward.sources).
-    sources = "all" if not dims.split else "rollout" if generates else "training"
-    rewards = build_rewards(cfg, dims, device, tokenizer, sources)
+    rewards = build_rewards(cfg, dims, device, tokenizer, dims.role(rank) or "all")
     total_steps = cfg.trainer.total_steps or cfg.trainer.total_epochs * train_loader.steps_per_epoch
     precision, emulated = precision_summary(cfg.actor.param_dtype, cfg.rollout.dtype, device.type)
     if emulated and rank == 0:
@@ -150,8 +149,8 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
         actor, ref, critic = _engines(cfg, dims, device, total_steps)
     else:  # split placement's rollout ranks: their part in the world-wide steps of the engines' construction
         engine_class(cfg.actor.strategy).join_as_bystander(dims)
-    role = "" if not dims.split else "rollout" if generates else "training"  # named when the watchdog fires
-    watchdog = Watchdog(cfg.trainer.hang_timeout_s, rank, dims.world_size, role)
+    # When it fires it names the stalled rank's role (split placement).
+    watchdog = Watchdog(cfg.trainer.hang_timeout_s, rank, dims.world_size, dims.role(rank))
     timer = PhaseTimer(device, on_phase=watchdog.beat, exact_memory=cfg.trainer.exact_memory)
     # Exported in the rollout's dtype: the cast happens before the gather, half the bytes for bf16.
     rollout_dtype = resolve_dtype(cfg.rollout.dtype, device.type)

@@ -201,6 +201,15 @@ class ParallelDims:
         """Whether ``rank`` holds a rollout engine (every rank when colocated)."""
         return not self.split or rank >= self.train_ranks
 
+    def role(self, rank: int) -> str:
+        """``rank``'s role under split placement ("training" or "rollout"); "" colocated, where a rank has
+        both."""
+        return "" if not self.split else "training" if self.trains(rank) else "rollout"
+
+    def roles(self) -> list[str]:
+        """Every role a rank may have (each its own memory plan): [""] colocated."""
+        return ["training", "rollout"] if self.split else [""]
+
     def build(self) -> "ParallelDims":
         """Create the named meshes (collective: every rank must call it, whatever its role)."""
         train_shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)

@@ -28,8 +28,8 @@ from spmdrl.config import output_dir
 from spmdrl.config.checks import validate_config
 from spmdrl.config.parse import exit_with, parse_config
 from spmdrl.errors import ConfigError
-from spmdrl.parallel import resolve_device_type
-from spmdrl.plan import heap, make_plan
+from spmdrl.parallel import ParallelDims, resolve_device_type
+from spmdrl.plan import heap, make_plans
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -38,23 +38,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg, debug = parse_config(argv)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         validate_config(cfg, world_size)
-        plan = make_plan(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                         resolve_device_type(cfg.trainer.device))
+        # One plan per role (split placement: training and rollout ranks hold different things).
+        plans = make_plans(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                           resolve_device_type(cfg.trainer.device))
         rank0 = os.environ.get("RANK", "0") == "0"
-        if rank0:
-            print(plan.table(), flush=True)
-        if cfg.trainer.plan_only:  # the plan and its verdict, whether or not the run would fit here
-            if rank0:
-                print(plan.verdict(), flush=True)
+        if rank0:  # with plan_only, each plan's verdict under it, whether or not the run would fit here
+            print("\n".join(p.table() + ("\n" + p.verdict() if cfg.trainer.plan_only else "")
+                            for p in plans.values()), flush=True)
+        if cfg.trainer.plan_only:
             return 0
-        plan.check()  # a phase that cannot fit stops the run before any work
+        for p in plans.values():
+            p.check()  # a phase that cannot fit stops the run before any work
+        plan = plans[ParallelDims.of(cfg, world_size).role(int(os.environ.get("RANK", "0")))]
         # Rank 0 (the one writer of metrics and config) claims the folder before any model loads.
         lock = OutputLock.acquire(output_dir(cfg)) if os.environ.get("RANK", "0") == "0" else None
     except ConfigError as err:
         exit_with(err, debug)
 
     from spmdrl.loop import run
-    from spmdrl.parallel import ParallelDims, init_distributed
+    from spmdrl.parallel import init_distributed
     from spmdrl.split import run_split
 
     finished, code, world_size = False, 0, 1

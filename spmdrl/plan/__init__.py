@@ -1,6 +1,7 @@
 """The memory plan: what every phase of a step holds on one rank, decided before any model is built.
 
     plan = make_plan(cfg, world_size=2, local_ranks=2)   # reads config.json, the device, this process
+    plans = make_plans(cfg, 2, 2, "cuda")                # every role's (split placement: two)
     print(plan.table())                                  # rank 0 at start-up; --trainer.plan_only exits here
     plan.check()                                         # ConfigError naming the phase and the key to change
     cfg = plan.apply(cfg)                                # the decisions, into the resolved config
@@ -22,6 +23,10 @@ bytes of each component (``phases.py``), and its decisions, each printed with it
 
 A phase that does not fit even so stops the run before any work, naming the phase and the key that
 would make it fit.
+
+Under split placement each role gets a plan of its own (``role``): a training rank holds the models and
+the bucket it sends, no engine (and no rollout phase, so never offload); a rollout rank the engine alone,
+which on a GPU gets the device for its KV cache.
 """
 
 from __future__ import annotations
@@ -34,14 +39,17 @@ from spmdrl.config.shape import ModelShape
 from spmdrl.errors import ConfigError
 from spmdrl.plan.budget import budget_bytes, device_total, process_bytes
 from spmdrl.plan.estimate import GB, Sizes
-from spmdrl.plan.phases import PHASES, Model, step_phases
+from spmdrl.plan.phases import PHASES, Model, rollout_phases, step_phases
+from spmdrl.rollout.base import EngineMemory
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
-    from spmdrl.rollout.base import EngineMemory
 
 MARGIN = 0.10  # of the budget kept free: allocator fragmentation, and what the estimate leaves out
 MAX_KV_FRACTION = 0.9
+# What a split placement's rollout rank adds to its process on CPU besides its engine (torch.distributed,
+# transformers' model classes; no training backend): measured 0.15 GB (AMD EPYC Zen 4, native engine).
+ROLLOUT_RANK_RUNTIME_BYTES = 150 << 20
 
 
 @dataclass
@@ -54,6 +62,8 @@ class Plan:
     checkpointing: bool
     kv_fraction: float | None  # gpu_memory_utilization for a library engine on a GPU; None: not decided
     decisions: list[str] = field(default_factory=list)
+    role: str = ""  # split placement: the role of the ranks planned for ("training", "rollout")
+    other_roles: dict[str, dict] = field(default_factory=dict)  # split placement: the others' summaries
 
     def peak(self, phase: str) -> float:
         return sum(self.phases[phase].values())
@@ -64,7 +74,8 @@ class Plan:
         for phase in self.phases:
             need = self.peak(phase)
             if need > limit:
-                return (f"the memory plan finds that the {phase} phase needs {need / GB:.1f} GB on each rank "
+                return (f"the memory plan finds that the {phase} phase needs {need / GB:.1f} GB on each "
+                        f"{self.role + ' ' if self.role else ''}rank "
                         f"but a rank has {limit / GB:.1f} GB of this {self.device}'s memory "
                         f"({self.budget / GB:.1f} GB less a {MARGIN:.0%} margin); {_remedy(phase)} "
                         f"(--trainer.plan_only true prints the plan)")
@@ -91,18 +102,21 @@ class Plan:
 
     def summary(self) -> dict:
         """The plan as JSON (plan.json beside metrics.jsonl): GB per component and phase, the decisions."""
-        return {"device": self.device, "budget_gb": self.budget / GB,
+        return {"device": self.device, "role": self.role, "budget_gb": self.budget / GB,
                 "peak_gb": {p: self.peak(p) / GB for p in self.phases},
                 "phases_gb": {p: {k: v / GB for k, v in c.items()} for p, c in self.phases.items()},
                 "decisions": self.decisions, "offload": self.offload,
-                "activation_checkpointing": self.checkpointing, "gpu_memory_utilization": self.kv_fraction}
+                "activation_checkpointing": self.checkpointing, "gpu_memory_utilization": self.kv_fraction,
+                **({"other_roles": self.other_roles} if self.other_roles else {})}
 
     def table(self) -> str:
         """The plan as one table (GB per rank), the decisions below it."""
         components = list(dict.fromkeys(k for p in self.phases.values() for k, v in p.items() if v))
         names = [p for p in PHASES if p in self.phases]
         width = max(len(c) for c in components + ["component"])
-        lines = [f"memory plan, GB per rank on {self.device} ({self.budget / GB:.1f} GB for each rank):",
+        whose = f"each {self.role} rank" if self.role else "each rank"
+        lines = [f"memory plan, GB per {self.role + ' ' if self.role else ''}rank on {self.device} "
+                 f"({self.budget / GB:.1f} GB for {whose}):",
                  f"  {'component':<{width}} " + " ".join(f"{p:>11}" for p in names)]
         for c in components:
             cells = [f"{self.phases[p][c] / GB:11.3f}" if self.phases[p].get(c) else " " * 11 for p in names]
@@ -148,31 +162,58 @@ def models(cfg: "Config", world_size: int) -> list[Model]:
     return out
 
 
-def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str) -> Plan:
+def make_plans(cfg: "Config", world_size: int, local_ranks: int, device_type: str) -> dict[str, Plan]:
+    """Every role's plan (``make_plan``): one colocated ("" ), two under split placement ("training",
+    "rollout"), each carrying the others' summaries (plan.json holds them all)."""
+    from spmdrl.parallel import ParallelDims
+
+    plans = {role: make_plan(cfg, world_size, local_ranks, device_type, role)
+             for role in ParallelDims.of(cfg, world_size).roles()}
+    for role, plan in plans.items():
+        plan.other_roles = {other: p.summary() for other, p in plans.items() if other != role}
+    return plans
+
+
+def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str, role: str = "") -> Plan:
     """The plan of ``cfg`` on ``world_size`` ranks, ``local_ranks`` of them on this node's device (the
-    host's memory on CPU)."""
+    host's memory on CPU), for a rank of ``role`` (``ParallelDims.role``: "" colocated; under split
+    placement "training" or "rollout", each holding only its own part)."""
     from spmdrl.parallel import ParallelDims
     from spmdrl.rollout import rollout_engine_class
 
     dims = ParallelDims.of(cfg, world_size)
+    assert role in dims.roles(), (role, dims.roles())
     sizes = Sizes.of(cfg, device_type)
     run_models = models(cfg, world_size)
     engine = rollout_engine_class(cfg.rollout.engine).memory(cfg, run_models[0].shape, device_type,
                                                               dims.rollout_dp, dims.rollout_tp)
-    runtime = process_bytes() + engine.runtime + run_models[0].layout.runtime_bytes if device_type == "cpu" \
-        else 0.0
+    runtime = 0.0
+    if device_type == "cpu":  # the process, and what the engine and the training backend add to it
+        backend = run_models[0].layout.runtime_bytes if role != "rollout" else ROLLOUT_RANK_RUNTIME_BYTES
+        runtime = process_bytes() + (engine.runtime if role != "training" else 0.0) + backend
     budget = budget_bytes(device_type, local_ranks)
+    # A split placement's training ranks hold no engine, only the bucket they send; while the update runs
+    # under staleness 1, training rank 0 still holds the buckets being sent (up to the whole model).
+    sending = EngineMemory(0.0, 0.0, 0.0, 0.0, sync=engine.sync)
+    in_flight = run_models[0].shape.params * sizes.rollout if cfg.rollout.max_staleness == 1 else 0.0
 
     def phases(offload: bool, checkpointing: bool) -> dict[str, dict[str, float]]:
-        return step_phases(run_models, engine, cfg, sizes, runtime, dims.train_ranks, offload=offload,
-                           checkpointing=checkpointing)
+        if role == "rollout":
+            return rollout_phases(engine, runtime)
+        out = step_phases(run_models, sending if role else engine, cfg, sizes, runtime, dims.train_ranks,
+                          offload=offload, checkpointing=checkpointing)
+        if role:  # no rollout phase, no engine
+            del out["rollout"]
+            out = {name: {k: v for k, v in held.items() if not k.startswith("engine")}
+                   for name, held in out.items()}
+            for name in PHASES[2:]:
+                if name in out and in_flight:
+                    out[name]["weights being sent"] = in_flight
+        return out
 
     from spmdrl.plan.decide import decide
 
     offload, checkpointing, kv_fraction, lines = decide(cfg, phases, budget, device_type, engine,
                                                         device_total(device_type), MARGIN, MAX_KV_FRACTION)
-    if dims.split:  # each role holds only its own part: the table's sum is an upper bound for either
-        lines.append(f"split placement: planned as if one rank held the {dims.train_ranks} training ranks' "
-                     f"share and a rollout engine of the {dims.rollout_ranks} rollout ranks (an upper bound)")
     return Plan(device_type, budget, phases(offload, checkpointing), engine, offload, checkpointing,
-                kv_fraction, lines)
+                kv_fraction, lines, role=role)

@@ -28,6 +28,12 @@ def decide(cfg: "Config", phases: Phases, budget: float, device_type: str, engin
     """(offload, activation checkpointing, gpu_memory_utilization or None, the lines that say why)."""
     limit = budget * (1 - margin)
     lines = []
+    held = phases(False, False)
+    if "update" not in held:  # a split placement's rollout rank: nothing is trained there
+        lines.append("split placement's rollout ranks: the rollout engine alone (no model trained, no "
+                     "optimizer state to move)")
+        return False, False, _kv_fraction(cfg, held["rollout"], engine, device_type, total, margin,
+                                          max_fraction, lines), lines
     ckpt_key = cfg.model.enable_gradient_checkpointing
     checkpointing = ckpt_key is True
     if ckpt_key == "auto":
@@ -39,6 +45,10 @@ def decide(cfg: "Config", phases: Phases, budget: float, device_type: str, engin
         lines.append(f"activation checkpointing {'on' if checkpointing else 'off'}: "
                      f"model.enable_gradient_checkpointing is {ckpt_key}")
     offload = cfg.trainer.offload == "always"
+    if "rollout" not in held:  # a split placement's training rank
+        lines.append(f"offload off: split placement's training ranks run no rollout to make room for "
+                     f"(trainer.offload {cfg.trainer.offload})")
+        return False, checkpointing, None, lines
     if cfg.trainer.offload == "auto":
         rollout = _peak(phases(False, checkpointing)["rollout"])
         if device_type == "cpu":

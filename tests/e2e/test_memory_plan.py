@@ -39,6 +39,9 @@ RUNS = {
         "--ref.log_prob_max_token_len_per_gpu", "2048"]),
     "megatron tp2": (2, ["--config", "configs/grpo.yaml", "--actor.strategy", "megatron",
                          "--parallel.tp", "2"]),
+    # 1 rollout + 1 training rank, one-step off-policy (3 steps: step 2 sends weights, measured).
+    "split": (2, ["--config", "configs/grpo.yaml", "--rollout.placement", "split",
+                  "--rollout.n_gpus_per_node", "1"]),
     "0.5B shape": (1, ["--config", "configs/grpo.yaml", "--model.path", "builtin:qwen2.5-0.5b-shape",
                        *SMALL_BATCH]),
     "0.5B shape, LoRA": (1, ["--config", "configs/grpo.yaml", "--model.path", "builtin:qwen2.5-0.5b-shape",
@@ -47,19 +50,34 @@ RUNS = {
 
 
 def planned_vs_measured(out: Path) -> dict[str, tuple[float, float]]:
-    """phase -> (planned GB, measured GB on the last step, the largest over ranks)."""
+    """phase -> (planned GB, measured GB on the last step, the largest over ranks). Split placement: each
+    role's phases (the rollout ranks' as "rollout ranks: <phase>"; the training ranks' weight_sync is their
+    timed weight_send)."""
     plan = json.loads((out / "plan.json").read_text())
-    last = read_metrics(out)[-1]
-    return {p: (gb, last[f"memory/{p}_peak_gb"]) for p, gb in plan["peak_gb"].items()}
+    rows = read_metrics(out)
+
+    def last(key: str) -> float:  # the last step that measured it (the last step sends no weights)
+        return next(r[key] for r in reversed(rows) if key in r)
+
+    if plan["role"] == "":
+        return {p: (gb, last(f"memory/{p}_peak_gb")) for p, gb in plan["peak_gb"].items()}
+    pairs = {p: (gb, last(f"memory/{'weight_send' if p == 'weight_sync' else p}_peak_gb"))
+             for p, gb in plan["peak_gb"].items()}
+    rollout = plan["other_roles"]["rollout"]["peak_gb"]
+    return {**pairs, **{f"rollout ranks: {p}": (gb, last(f"rollout_ranks/memory/{p}_peak_gb"))
+                        for p, gb in rollout.items()}}
 
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_planned_peaks_are_within_15_percent_of_the_measured_ones(name, tmp_path, spmdrl_cache):
     nproc, argv = RUNS[name]
     out = tmp_path / "run"
-    train([*argv, *MEASURED, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=nproc)
+    steps = ["--trainer.total_steps", "3"] if name == "split" else []
+    train([*argv, *MEASURED, *steps, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=nproc)
     pairs = planned_vs_measured(out)
-    assert {"rollout", "weight_sync", "update"} <= set(pairs)
+    want = {"weight_sync", "update", "rollout ranks: rollout"} if "split" in name else \
+        {"rollout", "weight_sync", "update"}
+    assert want <= set(pairs), set(pairs)
     off = {p: (round(a, 3), round(b, 3)) for p, (a, b) in pairs.items() if abs(a - b) > TOLERANCE * b}
     assert not off, f"{name}: planned vs measured GB outside {TOLERANCE:.0%}: {off}"
 

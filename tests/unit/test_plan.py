@@ -28,3 +28,29 @@ def test_sleep_level_null_frees_the_engine_weights_on_cpu_and_keeps_them_on_a_gp
     assert not freed.phases["update"].get("engine asleep")
     assert any(d.startswith("rollout sleep level 2: on CPU level 1 would keep") for d in freed.decisions)
     assert "rollout sleep level 1: rollout.sleep_level is 1" in kept.decisions
+
+
+def test_split_placement_plans_each_role_for_what_it_holds(monkeypatch):
+    """Under split a training rank holds no engine (only the bucket it sends; under staleness 1 rank 0 keeps
+    the buckets being sent through the update), a rollout rank only the engine: on a GPU its KV cache gets
+    the device share that colocated training would take."""
+    import spmdrl.plan as plan
+
+    gpu = 80.0 * 1024**3
+    monkeypatch.setattr(plan, "device_total", lambda device_type: gpu)
+    monkeypatch.setattr(plan, "budget_bytes", lambda device_type, local_ranks: gpu)
+    split = ["--rollout.engine", "vllm", "--model.path", "builtin:qwen2.5-1.5b-shape", "--rollout.placement",
+             "split", "--rollout.n_gpus_per_node", "1", "--data.train_batch_size", "4",
+             "--actor.ppo_mini_batch_size", "4"]
+    colocated = make_plan(_cfg(*split[:4]), 2, 2, "cuda")
+    training = make_plan(_cfg(*split), 2, 2, "cuda", "training")
+    rollout = make_plan(_cfg(*split), 2, 2, "cuda", "rollout")
+    fresh = make_plan(_cfg(*split, "--rollout.max_staleness", "0"), 2, 2, "cuda", "training")
+    assert "rollout" not in training.phases and set(rollout.phases) == {"rollout", "weight_sync"}
+    assert not any(k.startswith("engine") for p in training.phases.values() for k in p)
+    assert not any(k.startswith(("actor", "ref")) for p in rollout.phases.values() for k in p)
+    sent = training.phases["update"]["weights being sent"]
+    assert sent == rollout.engine.weights > 0 and "weights being sent" not in fresh.phases["update"]
+    assert not training.offload and training.kv_fraction is None
+    assert rollout.kv_fraction == 0.9 > colocated.kv_fraction
+    assert "GB per training rank" in training.table() and "GB per rollout rank" in rollout.table()
