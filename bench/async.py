@@ -2,6 +2,7 @@
 
     python bench/async.py                          # 2 ranks: colocated on both, split 1 rollout + 1 train
     python bench/async.py --ranks 3 --rounds 3     # 3 ranks: colocated on 3, split 1 + 2
+    python bench/async.py --staleness 1 2          # split at rollout.max_staleness 1 and 2
 
 The workload is the one asynchronous rollout exists for: most responses stop early, a few run to the
 maximum, so a synchronous step waits for its longest response while the other rows are done. It is built
@@ -100,6 +101,7 @@ def main() -> None:
     p.add_argument("--stop-ids", type=int, default=20, help="token ids that end a response")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--staleness", type=int, nargs="+", default=[1], help="split rows' rollout.max_staleness")
     args = p.parse_args()
 
     cache = os.environ.get("SPMDRL_CACHE") or str(Path.home() / ".cache" / "spmdrl")
@@ -115,11 +117,12 @@ def main() -> None:
               "--rollout.dtype", args.dtype, "--model.use_remove_padding", "true",
               "--actor.use_dynamic_bsz", "true", "--ref.log_prob_use_dynamic_bsz", "true",
               "--trainer.seed", str(args.seed)]
-    configs = {
-        f"colocated sync, {args.ranks} ranks": (args.ranks, []),
-        f"split async, {args.rollout_ranks} rollout + {train} train": (args.ranks, [
-            "--rollout.placement", "split", "--rollout.n_gpus_per_node", str(args.rollout_ranks)]),
-    }
+    configs = {f"colocated sync, {args.ranks} ranks": (args.ranks, [])}
+    for s in args.staleness:
+        name = f"split async, {args.rollout_ranks} rollout + {train} train"
+        name += f", staleness {s}" if s != 1 else ""
+        configs[name] = (args.ranks, ["--rollout.placement", "split", "--rollout.n_gpus_per_node",
+                                      str(args.rollout_ranks), "--rollout.max_staleness", str(s)])
     results: dict[str, list[dict]] = {name: [] for name in configs}
     for round_ in range(args.rounds):
         for i, (name, (nproc, extra)) in enumerate(configs.items()):

@@ -11,7 +11,9 @@ is one update old when it is trained on (``async/staleness``), and the PPO ratio
 log-probs as the old ones (verl's bypass mode) unless a rollout correction is asked for (or
 ``rollout.calculate_log_probs`` is false, verl's default: the actor computes them then). With
 ``max_staleness`` 0 the rollout ranks wait for each update: the same samples and updates as a colocated
-run, which is how a split run is checked.
+run, which is how a split run is checked. With s >= 2 batch k is generated with the weights of update
+k-1-s: the rollout ranks take update j only after sending batch j+s, and send their batches in the
+background, so they run up to s batches ahead of the update.
 
 The two roles meet only in these exchanges, in the same order on both sides (batch k, then weights), each
 a broadcast on a group of its own (``ParallelDims.build``): every rollout rank sends its share of the
@@ -23,10 +25,10 @@ is pickled. Training rank 0 also starts the rollout ranks (where a resumed run s
 preemption) on the weights' group.
 
 Checkpoints, preemption and resume are the training ranks' (``CheckpointManager`` on their group). A
-checkpoint after step k holds the batch of step k+1, which is in flight then (generated with weights the
-checkpoint no longer holds under staleness 1), and the loader's position after it; a resumed run trains on
-that batch first and the rollout ranks start past it, so it continues as the uninterrupted run does. A
-SIGTERM/SIGUSR1 on a rollout rank reaches the training ranks with its next batch.
+checkpoint after step k holds the batches of steps k+1 .. k+s, which are in flight then (generated with
+weights the checkpoint no longer holds), and the loader's position after them; a resumed run trains on
+those batches first and the rollout ranks start past them, so it continues as the uninterrupted run does.
+A SIGTERM/SIGUSR1 on a rollout rank reaches the training ranks with its next batch.
 """
 
 from __future__ import annotations
@@ -130,19 +132,30 @@ class Exchange:
         self.dims, self.rank, self.n = dims, rank, n  # n: responses per prompt, kept together
         self.device = device  # where the tensors travel: NCCL's on CUDA (the headers go over gloo)
         self._in_flight: list = []  # (work, tensor) of weight broadcasts still running (send_weights)
+        self._batch_in_flight: list = []  # (work, tensor) of a batch's broadcasts still running (send_batch)
         self.bucket_bytes = bucket_bytes  # rollout.update_weights_bucket_megabytes: one broadcast each
         self.rollout_ranks = list(range(dims.train_ranks, dims.world_size))
 
     # ---- batch: every rollout rank -> every training rank ------------------------------------------
 
-    def send_batch(self, batch: Batch, info: dict[str, Any]) -> None:
+    def send_batch(self, batch: Batch, info: dict[str, Any], overlap: bool = False) -> None:
         """(rollout rank) This rank's share of the step's batch, with ``info`` (JSON: step, weights version,
-        whether it is the last, the loader's position after it, a stop signal, the rollout's metrics)."""
+        whether it is the last, the loader's position after it, a stop signal, the rollout's metrics).
+        ``overlap``: the broadcasts run in the background (the tensors stay alive until sent); the next
+        batch waits for them (``settle_batches``), so at most one batch is on its way."""
+        self.settle_batches()
         names = list(batch.tensors)
         tensors = [batch.tensors[k].contiguous() for k in names]
         header = {"names": names, "tensors": _described(tensors), "non_tensor": batch.non_tensor,
                   "info": info}
-        _send(header, tensors, self.rank, self.dims.group(f"batch{self.rank}"), self.device)
+        _send(header, tensors, self.rank, self.dims.group(f"batch{self.rank}"), self.device,
+              self._batch_in_flight if overlap else None)
+
+    def settle_batches(self) -> None:
+        """(rollout rank) Wait for a batch still being sent (``send_batch(overlap=True)``)."""
+        for work, _ in self._batch_in_flight:
+            work.wait()
+        self._batch_in_flight = []
 
     def recv_batch(self) -> tuple[Batch, dict[str, Any]]:
         """(training rank) The step's whole batch, every rollout rank's share in rollout order, and the first
@@ -321,8 +334,8 @@ def rollout_ranks_loop(r: Run, ex: Exchange, preemption: Preemption) -> None:
         metrics["async/weights_version"] = float(version)
         info = {"step": step, "version": version, "last": last, "metrics": metrics,
                 "data": r.train_loader.state_dict(), "stop": preemption.signalled}
-        with t.phase("send_batch"):
-            ex.send_batch(batch, info)
+        with t.phase("send_batch"):  # under staleness 2+ in the background: the next batch starts at once
+            ex.send_batch(batch, info, overlap=s >= 2)
         sent = step
         if not last and sent - s >= 1:  # the update the next batch is generated with
             version = sent - s
@@ -330,16 +343,34 @@ def rollout_ranks_loop(r: Run, ex: Exchange, preemption: Preemption) -> None:
                 return
     # The last batch is sent; the final weights (and those of a validation the training ranks ask for
     # while they train on the batch in flight) still come to be validated, until the training ranks stop us.
-    while validates(r) and _load_weights(r, ex):
+    # Under staleness 2+ weights sent before the last batch was trained on come too.
+    while (validates(r) or s >= 2) and _load_weights(r, ex):
         pass
+    ex.settle_batches()
 
 
 def _next_batch(r: Run, ex: Exchange, held: InFlight) -> tuple[Batch, dict[str, Any]]:
-    """(training rank) The next step's whole batch: the one a checkpoint held, or the rollout's next; the
-    data part of a checkpoint follows the rollout's loader (it saves the position after the last batch)."""
-    batch, info = held.take() or ex.recv_batch()
+    """(training rank) The next step's whole batch: the first one held (by a checkpoint, or received ahead),
+    or the rollout's next."""
+    batch, info = held.take() or _receive(r, ex)
+    return batch.to(ex.device), info  # a held batch waits on the CPU
+
+
+def _receive(r: Run, ex: Exchange) -> tuple[Batch, dict[str, Any]]:
+    """(training rank) The rollout's next batch; the data part of a checkpoint follows the rollout's loader
+    (it saves the position after the last batch received)."""
+    batch, info = ex.recv_batch()
     r.train_loader.load_state_dict(info["data"])
-    return batch.to(ex.device), info  # a checkpoint's batch is read to the CPU
+    return batch, info
+
+
+def _hold_ahead(r: Run, ex: Exchange, held: InFlight, last: bool) -> None:
+    """(training ranks) Receive and hold the batches the rollout ranks generate before they take the weights
+    of the update just made: the next ``max_staleness`` steps' (up to the last one). A checkpoint saves them
+    (they were generated with weights it no longer holds); a validation request waits behind them."""
+    while not last and len(held) < r.cfg.rollout.max_staleness and not held.ends:
+        batch, info = _receive(r, ex)
+        held.hold(batch.to(torch.device("cpu")), info)  # as a checkpoint's batches are read back
 
 
 def _send_weights(r: Run, ex: Exchange, validate: bool = False, overlap: bool = False) -> None:
@@ -350,14 +381,13 @@ def _send_weights(r: Run, ex: Exchange, validate: bool = False, overlap: bool = 
 
 def _validation(r: Run, ex: Exchange, held: InFlight, last: bool) -> tuple[dict[str, float], bool]:
     """(training ranks) Validate the weights of the update just made, on the rollout ranks: send them with a
-    request and wait for the metrics. Under staleness 1 the rollout ranks take weights only after their
-    next batch, which is then held (trained next step, as always); returns (the metrics, whether these
-    weights went out ahead of the point where the next step would send them)."""
+    request and wait for the metrics. Under staleness s >= 1 the rollout ranks take weights only after their
+    next s batches, which are then held (trained in the next steps, as always); returns (the metrics,
+    whether these weights went out ahead of the point where the next step would send them)."""
     early = False
     with r.timer.phase("validation"):
-        if not last and r.cfg.rollout.max_staleness == 1:
-            if held.batch is None:
-                held.hold(*_next_batch(r, ex, held))
+        if not last and r.cfg.rollout.max_staleness >= 1:
+            _hold_ahead(r, ex, held, last)
             early = True
         if last or early:  # under staleness 0 the step's weights went out with the request already
             _send_weights(r, ex, validate=True)
@@ -367,7 +397,9 @@ def _validation(r: Run, ex: Exchange, held: InFlight, last: bool) -> tuple[dict[
 def _release(r: Run, ex: Exchange, rollout_done: bool) -> None:
     """(training ranks) The run ends here: rollout ranks still waiting for weights (a preemption before
     their last batch, or waiting for validations) are told to stop."""
-    if validates(r) or not rollout_done:
+    # Under staleness 2+ the rollout ranks may have sent their last batch before taking weights already
+    # sent: they take weights until this stop.
+    if validates(r) or not rollout_done or r.cfg.rollout.max_staleness >= 2:
         ex.send_control({"stop": True})
     ex.settle()
 
@@ -383,14 +415,16 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointMa
     # Off-policy batches take the rollout's log-probs as the old ones unless a correction recomputes them,
     # or the rollout does not return them (verl's default: the actor computes them, as its recipe does).
     bypass = rc.bypass_mode or (s > 0 and not rc.corrects and cfg.rollout.calculate_log_probs)
-    early = False  # the last update's weights went out already, with a validation request
+    early = False  # the last update's weights went out already, with a validation request (once)
     while r.step < r.total_steps:
         step = r.step + 1
         with t.phase("wait_rollout"):  # verl's wait_prev_gen
             whole, info = _next_batch(r, ex, held)
         last = info["last"]
-        if s == 1 and step >= 2 and not last and not early:  # the rollout generates step + 1 with these
-            _send_weights(r, ex, overlap=True)  # sent while the update runs
+        if s >= 1 and step >= 2 and not last:  # the rollout generates step + s with these weights
+            if not early:  # (unless they went out with the last step's validation request)
+                _send_weights(r, ex, overlap=True)  # sent while the update runs
+            early = False
         batch = ex.own_rows(whole)
         scored = _score(r, batch)
         metrics, tokens = learn(r, batch, bypass=bypass)
@@ -410,13 +444,12 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointMa
         stop = preemption.stop_requested(step, elsewhere=info["stop"])
         if ckpt.due(step, last) or stop:
             with t.phase("checkpoint"):
-                if not last and held.batch is None:  # the next batch is in flight: the checkpoint holds it
-                    held.hold(*_next_batch(r, ex, held))
+                _hold_ahead(r, ex, held, last)  # the batches in flight: the checkpoint holds them
                 ckpt.save(step)
         plot_due(r, last or stop)
         if stop:
             log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
-            return last or held.info["last"]
+            return last or held.ends
         if last:
             warn_epochs_used(r)
             return True
@@ -437,13 +470,12 @@ def _start(r: Run, ex: Exchange, held: InFlight, resumed: bool) -> bool:
     """(training ranks) Tell the rollout ranks where the run stands (``rollout_ranks_loop``'s start), and
     send the resumed weights when they are to generate (or, under ``trainer.val_only``, validate) with them
     first; whether the rollout ranks have sent their last batch."""
-    # The checkpoint's batch in flight is trained first; with none (the run's last step), the rollout
+    # The checkpoint's batches in flight are trained first; with none (the run's last step), the rollout
     # starts from the trained weights.
-    pending = held.info
-    last = pending["last"] if pending else r.step >= r.total_steps
+    last = held.ends if len(held) else r.step >= r.total_steps
     val_only = r.cfg.trainer.val_only
-    weights_now = resumed and (val_only or (pending is None and not last))
-    ex.send_control({"sent": r.step + (pending is not None), "last": last, "weights_now": weights_now,
+    weights_now = resumed and (val_only or (not len(held) and not last))
+    ex.send_control({"sent": r.step + len(held), "last": last, "weights_now": weights_now,
                      "data": r.train_loader.state_dict() if resumed else None, "val_only": val_only})
     if weights_now:
         _send_weights(r, ex, validate=val_only)

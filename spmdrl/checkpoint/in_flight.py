@@ -1,15 +1,17 @@
-"""Split placement's batch in flight, as a checkpoint part: the batch the rollout ranks generated for the step
-after the checkpoint, with its info (step, weights version, last, the rollout's metrics).
+"""Split placement's batches in flight, as a checkpoint part: the batches the rollout ranks generated for the
+steps after the checkpoint (``rollout.max_staleness`` of them at most), each with its info (step, weights
+version, last, the rollout's metrics).
 
-Under ``rollout.max_staleness`` 1 that batch was generated with weights the checkpoint no longer holds (one
-update older), so it cannot be regenerated from the checkpoint: it is saved with it, and the resumed run
-trains on it first, as the uninterrupted run did (spmdrl/split.py).
+Under staleness s >= 1 the batches of steps k+1 .. k+s after a checkpoint at step k were generated with
+weights the checkpoint no longer holds (updates k-s .. k-1), so they cannot be regenerated from it: they are
+saved with it, and the resumed run trains on them first, as the uninterrupted run did (spmdrl/split.py).
 
-    in_flight/batch.safetensors   the batch's tensors (every training rank's rows, in rollout order)
-    in_flight/batch.json          its lists (prompts' extra info, ...) and the info; {"batch": null} if none
+    in_flight/batch.json          {"batches": [{"non_tensor": its lists, "info": its info}, ...]}
+    in_flight/batch{i}.safetensors  batch i's tensors (every training rank's rows, in rollout order)
 
-Layout "files" (spmdrl/checkpoint/manager.py): rank 0 writes, every rank reads. Safetensors and JSON only:
-nothing a file holds is unpickled.
+A checkpoint written before batches were queued (one batch: ``batch.safetensors`` and ``{"batch": ...,
+"info": ...}``) loads as a queue of one. Layout "files" (spmdrl/checkpoint/manager.py): rank 0 writes, every
+rank reads. Safetensors and JSON only: nothing a file holds is unpickled.
 """
 
 from __future__ import annotations
@@ -24,39 +26,48 @@ from spmdrl.batch import Batch
 
 
 class InFlight:
-    """The next step's batch, kept from the exchange until the checkpoint is written (or None)."""
+    """The next steps' batches in order, kept from the exchange until trained on (and checkpointed)."""
 
     checkpoint_layout = "files"
 
     def __init__(self) -> None:
-        self.batch: Optional[Batch] = None
-        self.info: Optional[dict[str, Any]] = None
+        self.queue: list[tuple[Batch, dict[str, Any]]] = []
+
+    def __len__(self) -> int:
+        return len(self.queue)
 
     def hold(self, batch: Batch, info: dict[str, Any]) -> None:
-        self.batch, self.info = batch, info
+        self.queue.append((batch, info))
 
     def take(self) -> Optional[tuple[Batch, dict[str, Any]]]:
-        """The held batch and its info, once (None when nothing is held)."""
-        if self.batch is None:
-            return None
-        held, self.batch, self.info = (self.batch, self.info), None, None
-        return held
+        """The first held batch and its info, once (None when nothing is held)."""
+        return self.queue.pop(0) if self.queue else None
+
+    @property
+    def first_info(self) -> Optional[dict[str, Any]]:
+        return self.queue[0][1] if self.queue else None
+
+    @property
+    def ends(self) -> bool:
+        """Whether the run's last batch is held."""
+        return any(info["last"] for _, info in self.queue)
 
     def save_files(self, folder: Path) -> None:
-        if self.batch is None:
-            (folder / "batch.json").write_text(json.dumps({"batch": None}))
-            return
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.batch.tensors.items()}
-        save_file(tensors, str(folder / "batch.safetensors"))
+        saved = []
+        for i, (batch, info) in enumerate(self.queue):
+            tensors = {k: v.detach().cpu().contiguous() for k, v in batch.tensors.items()}
+            save_file(tensors, str(folder / f"batch{i}.safetensors"))
+            saved.append({"non_tensor": batch.non_tensor, "info": info})
         # default=str: a list item JSON lacks (a numpy scalar in extra_info) keeps its text, as in the
         # exchange.
-        (folder / "batch.json").write_text(json.dumps(
-            {"batch": {"non_tensor": self.batch.non_tensor}, "info": self.info}, default=str))
+        (folder / "batch.json").write_text(json.dumps({"batches": saved}, default=str))
 
     def load_files(self, folder: Path) -> None:
         saved = json.loads((folder / "batch.json").read_text())
-        if saved["batch"] is None:
-            self.batch, self.info = None, None
+        if "batches" not in saved:  # one batch or none, as checkpoints before the queue wrote it
+            one = saved["batch"]
+            self.queue = [] if one is None else [
+                (Batch(load_file(str(folder / "batch.safetensors")), one["non_tensor"]), saved["info"])]
             return
-        tensors = load_file(str(folder / "batch.safetensors"))
-        self.batch, self.info = Batch(tensors, saved["batch"]["non_tensor"]), saved["info"]
+        self.queue = [(Batch(load_file(str(folder / f"batch{i}.safetensors")), part["non_tensor"]),
+                       part["info"]) for i, part in enumerate(saved["batches"])]

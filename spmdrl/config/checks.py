@@ -298,9 +298,9 @@ def _check_split(cfg: Config) -> None:
     _check(r.n_gpus_per_node is not None and r.n_gpus_per_node >= 1 and r.nnodes >= 1,
            f"rollout.placement is split but rollout.nnodes x rollout.n_gpus_per_node is {r.nnodes} x "
            f"{r.n_gpus_per_node}; give the rollout ranks (verl: rollout.nnodes=1 rollout.n_gpus_per_node=1)")
-    _check(r.max_staleness in (0, 1),
-           f"rollout.max_staleness is {r.max_staleness}; split placement runs 0 (the rollout waits for each "
-           f"update) or 1 (one-step off-policy)")
+    _check(r.max_staleness >= 0,
+           f"rollout.max_staleness is {r.max_staleness}; it must be >= 0 (0: the rollout waits for each "
+           f"update; 1: one-step off-policy; s: batches generated with weights s updates old)")
     from spmdrl.algos.registry import ADVANTAGES
     from spmdrl.rollout import ROLLOUT_ENGINES, rollout_engine_class
 

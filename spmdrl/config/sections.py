@@ -226,9 +226,11 @@ class RolloutConfig:
     n_gpus_per_node: Optional[int] = None
     """Split placement: rollout ranks per node (verl's rollout.n_gpus_per_node); required with split."""
     max_staleness: int = 1
-    """Split placement: how many updates old the weights a batch is generated with may be. 1: one-step
-    off-policy, rollout and training overlap; 0: the rollout waits for each update (no overlap; the same
-    samples and updates as colocated, for checking a split run)."""
+    """Split placement: how many updates old the weights a batch is generated with are. 1: one-step
+    off-policy, rollout and training overlap; s >= 2: the rollout runs up to s batches ahead (its batch
+    sends in the background), which evens out slow batches at the price of staler samples; 0: the rollout
+    waits for each update (no overlap; the same samples and updates as colocated, for checking a split
+    run)."""
     val_kwargs: ValKwargsConfig = field(default_factory=lambda: ValKwargsConfig())
     multi_turn: MultiTurnConfig = field(default_factory=lambda: MultiTurnConfig())
 

@@ -193,9 +193,9 @@ def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str
         runtime = process_bytes() + (engine.runtime if role != "training" else 0.0) + backend
     budget = budget_bytes(device_type, local_ranks)
     # A split placement's training ranks hold no engine, only the bucket they send; while the update runs
-    # under staleness 1, training rank 0 still holds the buckets being sent (up to the whole model).
+    # under staleness 1+, training rank 0 still holds the buckets being sent (up to the whole model).
     sending = EngineMemory(0.0, 0.0, 0.0, 0.0, sync=engine.sync)
-    in_flight = run_models[0].shape.params * sizes.rollout if cfg.rollout.max_staleness == 1 else 0.0
+    in_flight = run_models[0].shape.params * sizes.rollout if cfg.rollout.max_staleness >= 1 else 0.0
 
     def phases(offload: bool, checkpointing: bool) -> dict[str, dict[str, float]]:
         if role == "rollout":

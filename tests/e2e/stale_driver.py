@@ -1,10 +1,10 @@
-"""A scripted one-step-stale run on one process: what split placement with rollout.max_staleness 1 must train
-on, written out step by step with the loop's own parts (tests/e2e/test_split.py).
+"""A scripted s-step-stale run on one process: what split placement with rollout.max_staleness s (1 or more)
+must train on, written out step by step with the loop's own parts (tests/e2e/test_split.py).
 
     python tests/e2e/stale_driver.py RESULTS.json -- TRAINER ARGS...
 
 Colocated, one rank: before generating step k's batch, the rollout engine is given the actor's weights of
-update k-2 (the initial weights for steps 1 and 2), kept aside as the actor exported them; then the step
+update k-1-s (the initial weights for steps 1 to s+1), kept aside as the actor exported them; then the step
 learns on that batch with the rollout's log-probs as the old ones (bypass). Each step's batch and update
 metrics go to RESULTS.json, one row per step, to compare with the split run's metrics.jsonl.
 """
@@ -34,7 +34,7 @@ def main(results: str, argv: list[str]) -> None:
     versions = [[(k, v.clone()) for k, v in r.actor.export_weights(dtype)]]  # versions[u]: after update u
     rows = []
     for step in range(1, r.total_steps + 1):
-        weights = versions[max(0, step - 2)]
+        weights = versions[max(0, step - 1 - cfg.rollout.max_staleness)]
         r.experience.session.actor_changed(lambda w=weights: iter(w))
         r.experience.step = step
         batch, metrics = r.experience.produce(next(r.train_loader), more_prompts=r.train_loader)

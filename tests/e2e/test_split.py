@@ -5,8 +5,9 @@
   validation included (sampled, before training and every 2 steps: the rollout rank validates the
   weights the training rank sends with the request), and the same generation dumps; trainer.val_only
   validates alike.
-- max_staleness 1 on 1 rollout + 1 training rank trains on the batches a scripted one-step-stale run on one
-  process produces (stale_driver.py: step k generated with the weights of update k-2), every metric equal.
+- max_staleness 1 and 2 on 1 rollout + 1 training rank train on the batches a scripted stale run on one
+  process produces (stale_driver.py: step k generated with the weights of update k-1-s), every metric
+  equal.
 - max_staleness 1 on 1 rollout + 2 training ranks, with DAPO's dynamic sampling, takes its steps one
   update apart: batch k+1 is generated with the weights of update k-1; validating after update 2 holds
   batch 3 (the last) while the rollout rank validates, and the final weights are validated too.
@@ -93,11 +94,17 @@ def test_one_step_off_policy_on_one_rollout_and_two_training_ranks(tmp_path, spm
     assert "timing/weight_send" in rows[1] and "rollout_ranks/timing/wait_weights" in rows[2]
 
 
-def test_one_step_off_policy_trains_on_what_a_scripted_stale_run_produces(tmp_path, spmdrl_cache):
-    args = ["--config", "configs/grpo.yaml", *SHORT, "--trainer.total_steps", "4", *FLOAT32]
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_off_policy_trains_on_what_a_scripted_stale_run_produces(staleness, tmp_path, spmdrl_cache):
+    """The split run also validates every 2 steps (its training is the same with or without: validation
+    samples on a stream of its own): the weights of update 2 go out with the request, ahead of the rollout's
+    batches 3 .. 2 + staleness, which the training rank holds meanwhile; update 4's go out as usual."""
+    steps = 4 + staleness
+    args = ["--config", "configs/grpo.yaml", *SHORT, "--trainer.total_steps", str(steps), *FLOAT32,
+            "--rollout.max_staleness", str(staleness)]
     out = tmp_path / "split"
-    train([*args, *SPLIT, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2,
-          env={"OMP_NUM_THREADS": "1"})
+    train([*args, *SPLIT, "--trainer.test_freq", "2", "--trainer.output_dir", str(out)], cache=spmdrl_cache,
+          nproc=2, env={"OMP_NUM_THREADS": "1"})
     split = read_metrics(out)
     results = tmp_path / "scripted.json"
     env = {**os.environ, "SPMDRL_CACHE": spmdrl_cache, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -105,8 +112,11 @@ def test_one_step_off_policy_trains_on_what_a_scripted_stale_run_produces(tmp_pa
     subprocess.run([sys.executable, str(driver), str(results), "--", *args, "--trainer.output_dir",
                     str(tmp_path / "scripted")], cwd=REPO, env=env, check=True, timeout=600)
     scripted = json.loads(results.read_text())
-    assert [r["async/weights_version"] for r in split] == [0.0, 0.0, 1.0, 2.0]
-    assert [r["step"] for r in scripted] == [r["step"] for r in split] == [1, 2, 3, 4]
+    # Batch k is generated with the weights of update k - 1 - staleness (the initial ones before that).
+    ks = list(range(1, steps + 1))
+    assert [r["async/weights_version"] for r in split] == [max(0, k - 1 - staleness) for k in ks]
+    assert [r["step"] for r in scripted] == [r["step"] for r in split] == ks
+    assert [k for k, r in zip(ks, split) if any(m.startswith("val-core/") for m in r)] == [2, 4, steps]
     for a, b in zip(scripted, split):
         for key in COMPARED + ["actor/ppo_kl", "batch/responses"]:
             assert b[key] == a[key], (a["step"], key)

@@ -1,10 +1,12 @@
 """Split placement's checkpoints end to end (spmdrl/split.py): 1 rollout + 1 training rank under torchrun,
-one-step off-policy, the tiny GRPO config.
+off-policy by one update and by two, the tiny GRPO config.
 
     full       4 steps, checkpoints at 2 and 4                                     (the reference)
     stopped    the same, with a SIGTERM on the training rank at step 1 -> checkpoint at step 2, exit 0;
-               batch 3 is in flight then (generated with the weights of update 1)
-    resumed    ``stopped``'s folder again: auto-resume from step 2 to 4, batch 3 from the checkpoint
+               batch 3 is in flight then (generated with the weights of update 1), and under staleness 2
+               batch 4 too (batch 3 with the initial weights, 4 with update 1's)
+    resumed    ``stopped``'s folder again: auto-resume from step 2 to 4, the batches in flight from the
+               checkpoint
 
 The resumed run must equal the uninterrupted one: every metric that is not a time or a size, and the final
 parameters, bitwise.
@@ -34,13 +36,14 @@ def metrics(out: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in read_metrics(out)]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, spmdrl_cache: str) -> dict:
+@pytest.fixture(scope="module", params=[1, 2], ids=["staleness1", "staleness2"])
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, spmdrl_cache: str) -> dict:
     base = tmp_path_factory.mktemp("split_resume")
     procs = {}
+    args = [*ARGS, "--rollout.max_staleness", str(request.param)]
 
     def torchrun(name: str, out: Path, env: dict | None = None) -> None:
-        procs[name] = proc = train([*ARGS, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2,
+        procs[name] = proc = train([*args, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2,
                                    env=env, check=False)
         (base / f"{name}.log").write_text(proc.stdout + proc.stderr)
         assert proc.returncode == 0, f"{name} run failed:\n{proc.stderr[-4000:]}"
@@ -52,17 +55,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory, spmdrl_cache: str) -> dict:
     stopped = {"steps": [row["step"] for row in metrics(base / "stopped")],
                "checkpoints": sorted(p.name for p in (base / "stopped" / "checkpoints").iterdir())}
     torchrun("resumed", base / "stopped")
-    return {"base": base, "procs": procs, "stopped": stopped}
+    return {"base": base, "procs": procs, "stopped": stopped, "staleness": request.param}
 
 
-def test_a_sigterm_on_the_training_rank_checkpoints_the_batch_in_flight(runs):
+def test_a_sigterm_on_the_training_rank_checkpoints_the_batches_in_flight(runs):
     assert runs["stopped"] == {"steps": [1, 2], "checkpoints": ["global_step_2", "latest"]}
     saved = runs["base"] / "stopped" / "checkpoints" / "global_step_2" / "in_flight"
-    held = json.loads((saved / "batch.json").read_text())
-    # Batch 3, generated with the weights of update 1 while update 2 ran, and the loader past it.
-    assert held["info"]["step"] == 3 and held["info"]["version"] == 1 and not held["info"]["last"]
-    assert held["info"]["data"]["position"] == 3
-    assert (saved / "batch.safetensors").stat().st_size > 0
+    held = [part["info"] for part in json.loads((saved / "batch.json").read_text())["batches"]]
+    # Staleness 1: batch 3, generated with the weights of update 1 while update 2 ran. Staleness 2: batch 3
+    # with the initial weights and batch 4 (the last) with update 1's. The loader past the last one held.
+    want = [(3, 1, False)] if runs["staleness"] == 1 else [(3, 0, False), (4, 1, True)]
+    assert [(i["step"], i["version"], i["last"]) for i in held] == want
+    assert held[-1]["data"]["position"] == 2 + len(want)
+    assert all((saved / f"batch{i}.safetensors").stat().st_size > 0 for i in range(len(want)))
     assert "SIGTERM: checkpoint and stop" in runs["procs"]["stopped"].stderr
 
 
@@ -72,7 +77,8 @@ def test_the_resumed_split_run_equals_the_uninterrupted_one(runs):
     assert "resumed from" in runs["procs"]["resumed"].stdout
     full, resumed = metrics(runs["base"] / "full"), metrics(runs["base"] / "stopped")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    assert [r["async/staleness"] for r in resumed] == [0.0, 1.0, 1.0, 1.0]
+    s = runs["staleness"]
+    assert [r["async/staleness"] for r in resumed] == [float(min(k - 1, s)) for k in (1, 2, 3, 4)]
     assert resumed == full
     a = read_model_state(runs["base"] / "full" / "checkpoints" / "global_step_4")
     b = read_model_state(runs["base"] / "stopped" / "checkpoints" / "global_step_4")
