@@ -285,7 +285,10 @@ def _load_weights(r: Run, ex: Exchange) -> bool:
         weights, validate = ex.recv_weights()
     if weights is None:
         return False
-    r.experience.session.actor_changed(lambda w=weights: iter(w))
+    # Once: the engine's load is their last use, so they are freed after it instead of being held through
+    # the next batch (and next to the next weights as they arrive).
+    pending = [weights]
+    r.experience.session.actor_changed(lambda: iter(pending.pop()))
     if validate:
         _validate(r, ex)
     return True

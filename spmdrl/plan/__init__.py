@@ -199,7 +199,7 @@ def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str
 
     def phases(offload: bool, checkpointing: bool) -> dict[str, dict[str, float]]:
         if role == "rollout":
-            return rollout_phases(engine, runtime)
+            return rollout_phases(engine, runtime, run_models[0].shape.params * sizes.rollout)
         out = step_phases(run_models, sending if role else engine, cfg, sizes, runtime, dims.train_ranks,
                           offload=offload, checkpointing=checkpointing)
         if role:  # no rollout phase, no engine

@@ -32,8 +32,9 @@ def decide(cfg: "Config", phases: Phases, budget: float, device_type: str, engin
     if "update" not in held:  # a split placement's rollout rank: nothing is trained there
         lines.append("split placement's rollout ranks: the rollout engine alone (no model trained, no "
                      "optimizer state to move)")
-        return False, False, _kv_fraction(cfg, held["rollout"], engine, device_type, total, margin,
-                                          max_fraction, lines), lines
+        busiest = max(held.values(), key=_beside_engine)  # loading weights: the received ones beside it
+        return False, False, _kv_fraction(cfg, busiest, engine, device_type, total, margin, max_fraction,
+                                          lines, "the received weights leave free while they load"), lines
     ckpt_key = cfg.model.enable_gradient_checkpointing
     checkpointing = ckpt_key is True
     if ckpt_key == "auto":
@@ -67,6 +68,11 @@ def decide(cfg: "Config", phases: Phases, budget: float, device_type: str, engin
     return offload, checkpointing, kv_fraction, lines
 
 
+def _beside_engine(phase: dict[str, float]) -> float:
+    """What a phase holds besides the rollout engine's own memory."""
+    return sum(v for k, v in phase.items() if not k.startswith("engine "))
+
+
 def _sleep_line(cfg: "Config", device_type: str) -> str:
     from spmdrl.rollout.base import sleep_level
 
@@ -80,9 +86,10 @@ def _sleep_line(cfg: "Config", device_type: str) -> str:
 
 
 def _kv_fraction(cfg: "Config", rollout: dict[str, float], engine: "EngineMemory", device_type: str,
-                 total: float, margin: float, max_fraction: float, lines: list[str]) -> Optional[float]:
-    """vLLM's gpu_memory_utilization (SGLang's mem_fraction_static): the device share that training leaves
-    free while rollout runs."""
+                 total: float, margin: float, max_fraction: float, lines: list[str],
+                 beside: str = "training leaves free while rollout runs") -> Optional[float]:
+    """vLLM's gpu_memory_utilization (SGLang's mem_fraction_static): the device share that the rest of
+    ``rollout`` (a phase: what it holds besides the engine) leaves free; ``beside`` says what that is."""
     given = cfg.rollout.gpu_memory_utilization
     if cfg.rollout.engine not in ("vllm", "sglang"):
         return None
@@ -93,9 +100,9 @@ def _kv_fraction(cfg: "Config", rollout: dict[str, float], engine: "EngineMemory
         lines.append("rollout engine memory: on CPU the engine's KV cache is sized from rollout.max_num_seqs "
                      "x the longest prompt + response")
         return None
-    others = sum(v for k, v in rollout.items() if not k.startswith("engine "))
+    others = _beside_engine(rollout)
     fraction = min(max_fraction, (total * (1 - margin) - others) / total)
     need = (engine.weights + engine.temporaries) / total
-    lines.append(f"rollout engine memory: gpu_memory_utilization {fraction:.2f}, what training leaves free "
-                 f"while rollout runs ({others / GB:.1f} GB of {total / GB:.1f} GB held by it)")
+    lines.append(f"rollout engine memory: gpu_memory_utilization {fraction:.2f}, what {beside} "
+                 f"({others / GB:.1f} GB of {total / GB:.1f} GB held by it)")
     return round(max(fraction, need), 3)

@@ -130,12 +130,14 @@ def step_phases(models: list[Model], engine: "EngineMemory", cfg: "Config", s: S
     return phases
 
 
-def rollout_phases(engine: "EngineMemory", runtime: float) -> dict[str, dict[str, float]]:
-    """A split placement's rollout rank: the engine alone, generating or taking a bucket of weights in."""
+def rollout_phases(engine: "EngineMemory", runtime: float, received: float) -> dict[str, dict[str, float]]:
+    """A split placement's rollout rank: the engine alone, generating, or loading the weights the training
+    ranks sent (``received``: all of them, held until the engine has read them) as its KV cache stays."""
     awake = {"runtime": runtime, "engine weights": engine.weights}
     return {"rollout": {**awake, "engine repacked": engine.repacked, "engine KV cache": engine.kv_cache,
                         "engine temporaries": engine.temporaries},
-            "weight_sync": {**awake, "engine KV cache": engine.kv_cache, "sync transfer": engine.sync}}
+            "weight_sync": {**awake, "engine KV cache": engine.kv_cache, "weights received": received,
+                            "sync transfer": engine.sync}}
 
 
 def _old_logp_pass(cfg: "Config", mini: int, held: int) -> bool:

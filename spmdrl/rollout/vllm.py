@@ -286,7 +286,8 @@ class VLLMRollout(RolloutEngine):
         weights to the host. A weight update holds one bucket."""
         base = super().memory(cfg, shape, device_type, rollout_dp, rollout_tp)
         o = VLLMOptions.from_config(cfg, torch.device(device_type))
-        sync = min(float(o.bucket_bytes), base.weights)
+        # In a process of its own (split placement) the worker holds every bucket until the last one.
+        sync = base.weights if o.own_process else min(float(o.bucket_bytes), base.weights)
         if device_type != "cuda":
             rows = min(o.max_num_seqs, engine_rows(cfg, rollout_dp))
             kv = kv_cache_bytes(shape, rows, o.max_model_len, o.dtype) / rollout_tp

@@ -31,9 +31,9 @@ def test_sleep_level_null_frees_the_engine_weights_on_cpu_and_keeps_them_on_a_gp
 
 
 def test_split_placement_plans_each_role_for_what_it_holds(monkeypatch):
-    """Under split a training rank holds no engine (only the bucket it sends; under staleness 1 rank 0 keeps
-    the buckets being sent through the update), a rollout rank only the engine: on a GPU its KV cache gets
-    the device share that colocated training would take."""
+    """Under split a training rank holds no engine (only the bucket it sends; off-policy rank 0 keeps the
+    buckets being sent through the update), a rollout rank only the engine and, while they load, the
+    weights it received: on a GPU its KV cache gets what those leave."""
     import spmdrl.plan as plan
 
     gpu = 80.0 * 1024**3
@@ -52,5 +52,11 @@ def test_split_placement_plans_each_role_for_what_it_holds(monkeypatch):
     sent = training.phases["update"]["weights being sent"]
     assert sent == rollout.engine.weights > 0 and "weights being sent" not in fresh.phases["update"]
     assert not training.offload and training.kv_fraction is None
-    assert rollout.kv_fraction == 0.9 > colocated.kv_fraction
+    # What the rollout rank's KV cache gives way to: the weights received (all of them, until loaded) and
+    # the own-process vLLM worker's staged copy of them, not the training state.
+    whole = rollout.engine.weights
+    assert rollout.phases["weight_sync"]["weights received"] == rollout.phases["weight_sync"]["sync transfer"]
+    assert rollout.phases["weight_sync"]["sync transfer"] == whole
+    assert rollout.kv_fraction == round((0.9 * gpu - 2 * whole) / gpu, 3) and colocated.kv_fraction
+    assert any("what the received weights leave free" in d for d in rollout.decisions)
     assert "GB per training rank" in training.table() and "GB per rollout rank" in rollout.table()
