@@ -223,13 +223,17 @@ class ValidationRows:
         self.sources += [str(s) for s in batch["data_source"]]
         self.uids += batch["index"].tolist()
         self.infos["reward"] += batch["scores"].tolist()
-        for key, values in extras.items():
-            column = self.infos[key]
-            column += [None] * (before - len(column)) + list(values)  # a key new in this batch: None before
+        self._extend(extras, before)
         if self.model_inputs is not None:
             for key, values in (("chat", batch["chat"]), ("text", texts),
                                 ("extra_info", batch["extra_info"])):
                 self.model_inputs[key] += list(values)
+
+    def _extend(self, columns: dict[str, list], before: int) -> None:
+        """``columns``' values after the first ``before`` rows (a key new here: None in those rows)."""
+        for key, values in columns.items():
+            column = self.infos[key]
+            column += [None] * (before - len(column)) + list(values)
 
     def done(self) -> "ValidationRows":
         for column in self.infos.values():
@@ -247,7 +251,8 @@ class ValidationRows:
         ``group`` gives every rank all of them."""
         n, world, rank = len(self.uids), dist.get_world_size(group), dist.get_rank(group)
         lo, hi = n * rank // world, n * (rank + 1) // world
-        inputs = self.model_inputs or {}
+        inputs = self.model_inputs
+        assert inputs is not None  # kept by the rollout ranks next to a reward model (validation_rows)
         share = Batch({}, {"chat": inputs["chat"][lo:hi], "extra_info": inputs["extra_info"][lo:hi]})
         scores = torch.zeros(n)  # [n] float32
         scores[lo:hi] = rewards.score_texts(share, inputs["text"][lo:hi]).scores
@@ -266,9 +271,7 @@ class ValidationRows:
             before = len(out.sources)
             out.sources += part["sources"]
             out.uids += part["uids"]
-            for key, values in part["infos"].items():
-                column = out.infos[key]
-                column += [None] * (before - len(column)) + values
+            out._extend(part["infos"], before)
             for key, values in (part["model_inputs"] or {}).items():
                 out.model_inputs[key] += values
         return out.done()

@@ -44,10 +44,6 @@ class InFlight:
         return self.queue.pop(0) if self.queue else None
 
     @property
-    def first_info(self) -> Optional[dict[str, Any]]:
-        return self.queue[0][1] if self.queue else None
-
-    @property
     def ends(self) -> bool:
         """Whether the run's last batch is held."""
         return any(info["last"] for _, info in self.queue)

@@ -25,8 +25,8 @@ A phase that does not fit even so stops the run before any work, naming the phas
 would make it fit.
 
 Under split placement each role gets a plan of its own (``role``): a training rank holds the models and
-the bucket it sends, no engine (and no rollout phase, so never offload); a rollout rank the engine alone,
-which on a GPU gets the device for its KV cache.
+the buckets it sends, no engine (and no rollout phase, so never offload); a rollout rank the engine and,
+while they load, the weights it received, which on a GPU leave the rest of the device to its KV cache.
 """
 
 from __future__ import annotations
@@ -195,11 +195,12 @@ def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str
     # A split placement's training ranks hold no engine, only the bucket they send; while the update runs
     # under staleness 1+, training rank 0 still holds the buckets being sent (up to the whole model).
     sending = EngineMemory(0.0, 0.0, 0.0, 0.0, sync=engine.sync)
-    in_flight = run_models[0].shape.params * sizes.rollout if cfg.rollout.max_staleness >= 1 else 0.0
+    whole = run_models[0].shape.params * sizes.rollout  # the policy in the rollout dtype, as it travels
+    in_flight = whole if cfg.rollout.max_staleness >= 1 else 0.0
 
     def phases(offload: bool, checkpointing: bool) -> dict[str, dict[str, float]]:
         if role == "rollout":
-            return rollout_phases(engine, runtime, run_models[0].shape.params * sizes.rollout)
+            return rollout_phases(engine, runtime, whole)
         out = step_phases(run_models, sending if role else engine, cfg, sizes, runtime, dims.train_ranks,
                           offload=offload, checkpointing=checkpointing)
         if role:  # no rollout phase, no engine

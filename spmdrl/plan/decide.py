@@ -38,7 +38,7 @@ def decide(cfg: "Config", phases: Phases, budget: float, device_type: str, engin
     ckpt_key = cfg.model.enable_gradient_checkpointing
     checkpointing = ckpt_key is True
     if ckpt_key == "auto":
-        update = _peak(phases(False, False)["update"])
+        update = _peak(held["update"])
         checkpointing = update > limit and _peak(phases(False, True)["update"]) < update
         lines.append(f"activation checkpointing {'on' if checkpointing else 'off'}: the update needs "
                      f"{update / GB:.2f} GB without it, {limit / GB:.2f} GB fit")
