@@ -109,6 +109,16 @@ def rollout_tp_rank(mesh: Optional[DeviceMesh]) -> int:
     return mesh.get_local_rank(tp_dim)
 
 
+def rollout_tp_group(mesh: Optional[DeviceMesh]) -> tuple[Optional[dist.ProcessGroup], Optional[int]]:
+    """This rank's rollout TP group and the global rank of its first rank, the group's leader (an engine
+    whose TP ranks are processes of its own is started by the leader alone); (None, None) at TP 1."""
+    if rollout_coords(mesh)[1] == 1:
+        return None, None
+    names = tuple(mesh.mesh_dim_names or ())
+    group = mesh.get_group(next((i for i, n in enumerate(names) if n.endswith("tp")), 1))
+    return group, dist.get_global_rank(group, 0)
+
+
 @dataclass
 class ParallelDims:
     """The parallel degrees of one run, checked against the world size.

@@ -17,8 +17,9 @@ LOGP_TOL = 1e-4
 
 
 def check_grpo_through_loop(engine: str, tp: int, out_dir: Path, split: bool = False) -> None:
-    """``split``: rollout.placement split, 1 rollout + 1 training rank, staleness 0 (each batch generated with
-    the weights the training rank sent after the previous update, so the gap to the actor is a transfer's)."""
+    """``split``: rollout.placement split, ``tp`` rollout ranks (one TP group) + 1 training rank, staleness 0
+    (each batch generated with the weights the training rank sent after the previous update, so the gap to
+    the actor is a transfer's)."""
     # ppo_mini_batch_size 4 of 8 prompts: two optimizer steps, so the actor recomputes old log-probs and the
     # loop reports training/rollout_logp_diff (the rollout against the actor, after the step's weight sync).
     args = ["--config", "configs/grpo.yaml", "--rollout.engine", engine, "--trainer.total_steps", "3",
@@ -28,28 +29,28 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path, split: bool = F
             "--rollout.dtype", "float32", "--actor.param_dtype", "float32",
             # each phase's own RSS peak, to hold the plan against; the longest arith prompt
             "--trainer.exact_memory", "true", "--data.max_prompt_length", "27"]
-    if split:
-        args += ["--rollout.placement", "split", "--rollout.n_gpus_per_node", "1",
+    if split:  # one rollout TP group (tp ranks) and one training rank
+        args += ["--rollout.placement", "split", "--rollout.n_gpus_per_node", str(tp),
                  "--rollout.max_staleness", "0"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "spmdrl.train", *args, "--parallel.rollout_tp", str(tp),
-           "--trainer.output_dir", str(out_dir)]
+    ranks = tp + 1 if split else 2
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
+           "spmdrl.train", *args, "--parallel.rollout_tp", str(tp), "--trainer.output_dir", str(out_dir)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        # 8 prompts x 8 responses over 2 ranks: 32 rows each, whatever the rollout TP (split: 64 on the one
-        # training rank).
-        assert r["batch/responses"] == (64 if split else 32)
+        # 8 prompts x 8 responses over 2 ranks: 32 rows each, whatever the rollout TP (split: the rollout
+        # ranks count them, each keeping its 1/tp share of its TP group's 64).
+        assert r["batch/responses"] == (64 // tp if split else 32)
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["response_length/mean"] > 0
         assert r["training/rollout_logp_diff/max"] < LOGP_TOL, r
     # Step 1 generates from the folder's weights; later steps sync the trained ones in first.
     sync = "rollout_ranks/timing/weight_sync" if split else "timing/weight_sync"
     assert all(r[sync] > 1e-3 for r in rows[1:])
     assert rows[-1]["actor/pg_loss"] == rows[-1]["actor/pg_loss"]  # finite
-    if split:  # the plan plans a split run as if one rank held both roles: an upper bound, not held to 15%
+    if split:  # each role's plan is held to its measured peaks by tests/e2e/test_memory_plan.py's split case
         return
     planned = json.loads((out_dir / "plan.json").read_text())["peak_gb"]
     off = {p: (round(gb, 3), round(rows[-1][f"memory/{p}_peak_gb"], 3)) for p, gb in planned.items()

@@ -2,6 +2,7 @@
 
     python bench/gpu/vllm_own_process.py --size qwen2.5-0.5b-shape --device cuda
     python bench/gpu/vllm_own_process.py --size tiny --device cpu --new-tokens 8   # the CPU dry run
+    python bench/gpu/vllm_own_process.py --executor mp   # the worker in a process of its own (TP > 1's path)
 
 Builds spmdrl's ``VLLMRollout`` with ``own_process`` (its engine core spawned, a torch world of its own;
 on CUDA with graphs captured, as ``rollout.enforce_eager`` null gives there) on a built-in model, then:
@@ -63,6 +64,9 @@ def main() -> None:
     p.add_argument("--bucket-mib", type=int, default=512)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (vLLM's enforce_eager)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of device and host pushes")
+    p.add_argument("--executor", default=None, choices=["uni", "mp"],
+                   help="vLLM's executor: uni (the worker in the engine core, as at rollout TP 1) or mp (a "
+                        "worker process, as every worker at rollout TP > 1)")
     a = p.parse_args()
 
     from safetensors.torch import load_file
@@ -82,13 +86,14 @@ def main() -> None:
     engine = build_rollout("vllm", str(folder), device=dev, eos_token_ids=[0], pad_token_id=0, dtype=dtype,
                            max_num_seqs=a.prompts * a.n, max_model_len=64 + a.new_tokens, seed=0,
                            enforce_eager=a.eager or a.device != "cuda", own_process=True,
-                           gpu_memory_utilization=0.4, bucket_bytes=a.bucket_mib << 20)
+                           gpu_memory_utilization=0.4, bucket_bytes=a.bucket_mib << 20, executor=a.executor)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 1000, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g).tolist()
                for _ in range(a.prompts)]
     sp = SamplingParams(n=a.n, max_tokens=a.new_tokens, temperature=1.0, seed=5, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
     result: dict = {"size": a.size, "device": a.device, "dtype": a.dtype, "eager": a.eager,
+                    "executor": a.executor or "uni",
                     "model_gb": nbytes / 1e9,
                     "init_s": engine.init_seconds, "pushes": []}
 

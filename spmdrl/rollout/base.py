@@ -20,15 +20,19 @@ from __future__ import annotations
 import abc
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
 from spmdrl.precision import resolve_dtype
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
     from spmdrl.config import Config
@@ -191,6 +195,35 @@ def sleep_level(cfg: "Config", device_type: str) -> int:
 # Engines that run one whole model per rank refuse rollout TP with this sentence.
 TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the native and hf rollout engines run one engine per "
                   "rank; rollout tensor parallelism needs an engine that shards (set parallel.rollout_tp: 1)")
+
+
+def cpu_threads_bind(tp: int) -> str:
+    """This process's CPUs cut into ``tp`` contiguous parts, one per TP rank of an engine whose TP ranks are
+    processes of its own ("0|1" on 2 cores; a CPU shared when there are fewer CPUs than TP ranks), as
+    SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` take them: both refuse
+    to bind more CPU workers than NUMA nodes by themselves."""
+    cpus = sorted(os.sched_getaffinity(0))
+    parts = [cpus[i * len(cpus) // tp:(i + 1) * len(cpus) // tp] or [cpus[i % len(cpus)]] for i in range(tp)]
+    return "|".join(",".join(map(str, p)) for p in parts)
+
+
+def from_leader(group: Optional["ProcessGroup"], leader: Optional[int], make: Callable[[], T],
+                engine: str) -> T:
+    """``make()`` on the rollout TP group's leader, which owns the engine, its result broadcast to the
+    group (or its error, raised on every rank of the group so that none waits for the others); ``make()``
+    alone without a group."""
+    if group is None:
+        return make()
+    box: list = [None]
+    if torch.distributed.get_rank() == leader:
+        try:
+            box[0] = make()
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank of the group
+            box[0] = f"{type(err).__name__}: {err}"
+    torch.distributed.broadcast_object_list(box, src=leader, group=group)
+    if isinstance(box[0], str):
+        raise RuntimeError(f"{engine} rollout: the TP group's leader (rank {leader}) failed: {box[0]}")
+    return box[0]
 
 
 @dataclass(frozen=True)

@@ -46,12 +46,12 @@ def cuda_handle(flat: torch.Tensor) -> list:
     return [flat.numel(), args[3], *args[7:10], *args[11:15]]
 
 
-def from_cuda_handle(handle: list) -> torch.Tensor:
-    """The uint8 buffer ``cuda_handle`` shared, mapped on this process's current GPU (the same physical
-    one: the device index of the sender's process need not be this one's)."""
+def from_cuda_handle(handle: list, device: int) -> torch.Tensor:
+    """The uint8 buffer ``cuda_handle`` shared, mapped on the GPU where the sender holds it: ``device``, its
+    index among this process's visible devices (the sender's process may number it otherwise)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     numel, offset, ipc, size, storage_offset, counter, counter_offset, event, sync = handle
     return rebuild_cuda_tensor(torch.Tensor, torch.Size([numel]), (1,), offset, torch.UntypedStorage,
-                               torch.uint8, torch.cuda.current_device(), ipc, size, storage_offset, False,
+                               torch.uint8, device, ipc, size, storage_offset, False,
                                counter, counter_offset, event, sync)

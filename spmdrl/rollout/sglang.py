@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from spmdrl.parallel import rollout_coords, rollout_tp_rank
+from spmdrl.parallel import rollout_coords, rollout_tp_group, rollout_tp_rank
 from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
     SLEEP_TAGS,
@@ -79,7 +79,9 @@ from spmdrl.rollout.base import (
     buckets,
     check_sleep_level,
     check_wake_tags,
+    cpu_threads_bind,
     eos_ids_from_folder,
+    from_leader,
     library_missing,
 )
 from spmdrl.rollout.sampling import row_keys, stop_id_tensor, validate_sampling
@@ -128,14 +130,6 @@ def _select_platform(device: torch.device) -> None:
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 
 
-def _threads_bind(tp: int) -> str:
-    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp`` scheduler processes: this process's CPUs cut into tp
-    contiguous parts ("0|1" on 2 cores), a CPU shared when there are fewer CPUs than TP ranks."""
-    cpus = sorted(os.sched_getaffinity(0))
-    parts = [cpus[i * len(cpus) // tp:(i + 1) * len(cpus) // tp] or [cpus[i % len(cpus)]] for i in range(tp)]
-    return "|".join(",".join(map(str, p)) for p in parts)
-
-
 @contextlib.contextmanager
 def _engine_start_env(tp: int, device: torch.device) -> Iterator[None]:
     """While SGLang starts: torchrun's variables hidden from its children (and the CPU binding set at
@@ -147,7 +141,7 @@ def _engine_start_env(tp: int, device: torch.device) -> Iterator[None]:
         if k in _TORCHRUN_VARS or k.startswith("TORCHELASTIC_"):
             del os.environ[k]
     if tp > 1 and device.type == "cpu":
-        os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", _threads_bind(tp))
+        os.environ.setdefault("SGLANG_CPU_OMP_THREADS_BIND", cpu_threads_bind(tp))
     try:
         yield
     finally:
@@ -181,11 +175,7 @@ class SGLangRollout(RolloutEngine):
         self.options, self.device = o, torch.device(device)
         self.dp_rank, self.tp = rollout_coords(mesh)
         # At TP > 1: the group's gloo/NCCL group and its leader's global rank, which owns the engine.
-        self.group, self.leader = None, None
-        if self.tp > 1:
-            tp_dim = next(i for i, name in enumerate(mesh.mesh_dim_names) if name.endswith("tp"))
-            self.group = mesh.get_group(tp_dim)
-            self.leader = torch.distributed.get_global_rank(self.group, 0)
+        self.group, self.leader = rollout_tp_group(mesh)
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
         self.sleep_mode = self.device.type == "cuda"
@@ -356,19 +346,9 @@ class SGLangRollout(RolloutEngine):
         truncated = not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0)
         if truncated and sampling.top_k <= 0:
             raise ValueError(TOP_P_NEEDS_TOP_K.format(key="SamplingParams", top_p=sampling.top_p))
-        if self.group is None:
-            return self._generate_here(prompts, sampling, stops, truncated)
-        # The leader generates the group's prompts and broadcasts them (or its error, so no rank waits).
-        box: list = [None]
-        if self.engine is not None:
-            try:
-                box[0] = self._generate_here(prompts, sampling, stops, truncated)
-            except Exception as err:  # noqa: BLE001 - re-raised below, on every rank of the group
-                box[0] = f"{type(err).__name__}: {err}"
-        torch.distributed.broadcast_object_list(box, src=self.leader, group=self.group)
-        if isinstance(box[0], str):
-            raise RuntimeError(f"sglang rollout: the TP group's leader (rank {self.leader}) failed: {box[0]}")
-        return box[0]
+        # At TP > 1 the leader generates the group's prompts and broadcasts the outputs.
+        return from_leader(self.group, self.leader,
+                           lambda: self._generate_here(prompts, sampling, stops, truncated), "sglang")
 
     def _generate_here(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, stops: list[int],
                        truncated: bool) -> GenerationOutput:

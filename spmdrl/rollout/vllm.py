@@ -13,13 +13,17 @@ the same outputs; ``RolloutSession.generate`` then keeps each rank's 1/tp share.
 ranks draw from different seeds.
 
 Split placement (``rollout.placement: split``): the external launcher would take torchrun's whole world,
-training ranks included, as vLLM's, so on a split placement's rollout ranks vLLM runs in a process of its
-own instead (its engine core with the worker in it, ``distributed_executor_backend="uni"``, spawned: a torch
-world of its own, on this rank's GPU), at rollout TP 1. The weights go to it bucket by bucket in vLLM's
-msgpack messages (``spmdrl.rollout.vllm_worker``), then load in one reload: on CUDA as an IPC handle of the
-bucket on the device, on CPU as bytes. Its sampling is keyed per response
-(``rollout.seed_mode``'s default); under ``per_engine`` each request is seeded from this rank's generator,
-as that process's own generator is out of this one's reach.
+training ranks included, as vLLM's, so on a split placement's rollout ranks vLLM runs in processes of its
+own instead (spawned: a torch world of their own). At rollout TP 1 that is one process, its engine core
+with the worker in it (``distributed_executor_backend="uni"``), on this rank's GPU. At TP > 1 the first
+rank of each rollout TP group (its leader) starts vLLM at TP tp with its multiprocess executor (``mp``: the
+engine core and one worker per TP rank, on the group's GPUs, the leader's first), generates the group's
+prompts and broadcasts the outputs over the group, as the SGLang engine does; the other ranks of the group
+receive the weights (a collective) and hand nothing on. The weights go to the workers bucket by bucket in
+vLLM's messages (``spmdrl.rollout.vllm_worker``), then load in one reload, each worker cutting its own TP
+shard: on CUDA as an IPC handle of the bucket on the leader's device, on CPU as bytes. Its sampling is
+keyed per response (``rollout.seed_mode``'s default); under ``per_engine`` each request is seeded from
+the leader's generator, as the engine process's own generator is out of this one's reach.
 
 Weights: ``update_weights`` streams (hf_name, full tensor) pairs into one
 ``collective_rpc("reload_weights")`` per sync. vLLM cuts each full tensor into this rank's TP shard and
@@ -55,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 import torch
 
 from spmdrl.config.shape import ModelShape
-from spmdrl.parallel import rollout_coords
+from spmdrl.parallel import rollout_coords, rollout_tp_group
 from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
     SLEEP_TAGS,
@@ -67,8 +71,10 @@ from spmdrl.rollout.base import (
     buckets,
     check_sleep_level,
     check_wake_tags,
+    cpu_threads_bind,
     engine_rows,
     eos_ids_from_folder,
+    from_leader,
     library_missing,
 )
 from spmdrl.rollout.flat import cuda_handle, flatten
@@ -107,6 +113,9 @@ class VLLMOptions(LibraryOptions):
     logprobs: bool = True
     # rollout.placement split: vLLM in processes of its own (see the module's docstring), not in this one
     own_process: bool = False
+    # own_process: vLLM's executor; None: "uni" at TP 1 (the worker in the engine core), "mp" above (a
+    # process per worker). bench/gpu/vllm_own_process.py runs "mp" at TP 1: TP > 1's worker path on one GPU.
+    executor: Optional[str] = None
 
     @classmethod
     def from_config(cls, cfg: "Config", device: torch.device) -> "VLLMOptions":
@@ -123,36 +132,45 @@ class VLLMOptions(LibraryOptions):
                                    kv_rows=engine_rows(cfg, max(1, world // cfg.parallel.rollout_tp)))
 
 
-def _launch(own_process: bool, tp: int, world: int) -> dict:
-    """How vLLM runs: in this process under torchrun's world (its external launcher; colocated), or in a
-    process of its own with a torch world of its own (split placement: see the module's docstring)."""
-    if own_process:
-        return dict(distributed_executor_backend="uni", tensor_parallel_size=1,
-                    worker_extension_cls="spmdrl.rollout.vllm_worker.WeightIntake")
+def _launch(o: VLLMOptions, tp: int, world: int) -> dict:
+    """How vLLM runs: in this process under torchrun's world (its external launcher; colocated), or in
+    processes of its own with a torch world of their own (split placement: see the module's docstring)."""
+    if o.own_process:
+        return dict(distributed_executor_backend=o.executor or ("uni" if tp == 1 else "mp"),
+                    tensor_parallel_size=tp, worker_extension_cls="spmdrl.rollout.vllm_worker.WeightIntake")
     return dict(distributed_executor_backend="external_launcher", tensor_parallel_size=tp,
                 data_parallel_size=world // tp)
 
 
-def visible_device(device: torch.device) -> str:
-    """The ``CUDA_VISIBLE_DEVICES`` entry of this process's ``device`` (its index within this process's own
-    visible devices)."""
+def visible_devices(device: torch.device, count: int = 1) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entries of this process's ``device`` and the ``count - 1`` devices after
+    it (indices within this process's own visible devices: a rollout TP group's ranks, one GPU each, in
+    order on one node), comma-separated."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",")[index] if visible else str(index)
+    entries = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if index + count > len(entries):
+        raise ValueError(f"vllm rollout: a rollout TP group of {count} ranks from GPU {index} needs GPUs "
+                         f"{index}..{index + count - 1} on this node, which has {len(entries)}; make "
+                         f"parallel.rollout_tp divide rollout.n_gpus_per_node")
+    return ",".join(entries[index:index + count])
 
 
 @contextmanager
-def _own_process_env(own_process: bool, device: torch.device) -> Iterator[None]:
-    """While vLLM starts its engine process (split placement): a spawned process, not a fork (a fork would
-    inherit torchrun's process group, which vLLM would take for its own world), and vLLM's engine in it, on
-    this rank's GPU (its worker takes the first device it sees: without this, the node's first GPU)."""
+def _own_process_env(own_process: bool, device: torch.device, tp: int) -> Iterator[None]:
+    """While vLLM starts its engine processes (split placement): spawned processes, not forks (a fork
+    would inherit torchrun's process group, which vLLM would take for its own world), on this rank's GPU
+    and, at TP > 1, its group's next ones (a worker takes the first device it sees: without this, the
+    node's first GPU); on CPU with TP > 1, each worker bound to its share of this process's CPUs."""
     if not own_process:
         yield
         return
     saved = dict(os.environ)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
     if device.type == "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(device)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(device, tp)
+    elif tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_bind(tp))
     try:
         yield
     finally:
@@ -199,7 +217,7 @@ class VLLMRollout(RolloutEngine):
         options: VLLMOptions (dtype, seed, sizes, memory).
     """
 
-    runs_split = True  # in a process of its own, at rollout TP 1
+    runs_split = True  # in processes of its own (at rollout TP > 1 the TP group's leader's)
 
     def __init__(self, model_path: str, *, mesh: Optional["DeviceMesh"] = None,
                  device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
@@ -210,6 +228,9 @@ class VLLMRollout(RolloutEngine):
                                       for k, v in option_kwargs.items()})
         self.options, self.device = o, torch.device(device)
         self.dp_rank, self.tp = rollout_coords(mesh)
+        # In processes of its own at TP > 1: the TP group and its leader's global rank, which owns the engine
+        # (colocated, every rank of the group runs a worker of its own: the external launcher).
+        self.group, self.leader = rollout_tp_group(mesh) if o.own_process else (None, None)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
@@ -223,10 +244,18 @@ class VLLMRollout(RolloutEngine):
                                                             o.max_model_len, o.dtype)))
         _quiet_expected_vllm_warnings()
         start = time.perf_counter()
-        with _own_process_env(o.own_process, self.device):
-            self.llm = LLM(
+        self.llm = None  # at TP > 1 in processes of its own, only the leader holds the engine
+        if self.group is None or torch.distributed.get_rank() == self.leader:
+            self.llm = self._start(LLM, str(model_path), o, world, memory)
+        self.init_seconds = time.perf_counter() - start
+        self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
+        self._asleep: set[str] = set()
+
+    def _start(self, LLM: type, model_path: str, o: VLLMOptions, world: int, memory: dict) -> Any:
+        with _own_process_env(o.own_process, self.device, self.tp):
+            return LLM(
                 model=str(model_path), dtype=str(o.dtype).removeprefix("torch."), seed=o.seed + self.dp_rank,
-                **_launch(o.own_process, self.tp, world), max_model_len=o.max_model_len,
+                **_launch(o, self.tp, world), max_model_len=o.max_model_len,
                 max_num_seqs=o.max_num_seqs,
                 max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
                 enforce_eager=o.enforce_eager, **_graph_sizes(o),
@@ -236,9 +265,6 @@ class VLLMRollout(RolloutEngine):
                 # ...) from the folder's generation_config.json, as the hf engine does too.
                 generation_config="vllm",
             )
-        self.init_seconds = time.perf_counter() - start
-        self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
-        self._asleep: set[str] = set()
 
     @classmethod
     def keyed_sampling(cls, cfg: "Config") -> bool:
@@ -249,10 +275,6 @@ class VLLMRollout(RolloutEngine):
         why = vllm_available()
         if why is not None:
             raise ValueError(f"rollout.engine is 'vllm' but {why}; {INSTALL_HINT}")
-        if cfg.rollout.placement == "split" and cfg.parallel.rollout_tp > 1:
-            raise ValueError(f"parallel.rollout_tp is {cfg.parallel.rollout_tp} but vLLM on "
-                             f"rollout.placement split runs at rollout_tp 1 for now (one engine process per "
-                             f"rollout rank); use parallel.rollout_tp 1 or rollout.placement colocated")
         if cfg.model.path.startswith("builtin:"):
             return  # the built-in models are Qwen2 with head_dim 64, which vLLM runs on CPU and GPU
         config = json.loads((Path(cfg.model.path) / "config.json").read_text())
@@ -286,8 +308,8 @@ class VLLMRollout(RolloutEngine):
         weights to the host. A weight update holds one bucket."""
         base = super().memory(cfg, shape, device_type, rollout_dp, rollout_tp)
         o = VLLMOptions.from_config(cfg, torch.device(device_type))
-        # In a process of its own (split placement) the worker holds every bucket until the last one.
-        sync = base.weights if o.own_process else min(float(o.bucket_bytes), base.weights)
+        # In processes of its own (split placement) each worker holds every bucket, whole, until the last.
+        sync = base.weights * rollout_tp if o.own_process else min(float(o.bucket_bytes), base.weights)
         if device_type != "cuda":
             rows = min(o.max_num_seqs, engine_rows(cfg, rollout_dp))
             kv = kv_cache_bytes(shape, rows, o.max_model_len, o.dtype) / rollout_tp
@@ -317,11 +339,17 @@ class VLLMRollout(RolloutEngine):
                 del bucket[:]  # the consumer has copied them; free before pulling the next bucket
 
         start = time.perf_counter()
-        if self.options.own_process:  # bucket by bucket to vLLM's worker process, loaded in one reload
+        if self.llm is None:  # not the TP group's leader: take the weights in (a collective), hand none on
+            for bucket in buckets(named_tensors, self.options.bucket_bytes):
+                sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+                del bucket[:]
+            self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent[0])}
+            return
+        if self.options.own_process:  # bucket by bucket to vLLM's worker processes, loaded in one reload
             for bucket in buckets(named_tensors, self.options.bucket_bytes):
                 flat, parts = flatten(bucket)
                 sent[0] += flat.numel()
-                if flat.is_cuda:  # the worker is on this GPU: a CUDA IPC handle, the bytes stay on the device
+                if flat.is_cuda:  # the workers share this node's GPUs: a CUDA IPC handle, bytes stay there
                     self.llm.collective_rpc("spmdrl_stage_cuda", args=(parts, cuda_handle(flat)))
                 else:
                     self.llm.collective_rpc("spmdrl_stage", args=(parts, flat.cpu().numpy().tobytes()))
@@ -352,16 +380,14 @@ class VLLMRollout(RolloutEngine):
         """Shut vLLM down now rather than from its exit-time finalizer, which would find torch's process
         group already destroyed. vLLM's shutdown destroys its own groups and, as it does for an external
         launcher, torch's default group too: call it last."""
-        self.llm.llm_engine.engine_core.shutdown()
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
 
     # ---- generation ------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
         """Sample ``sampling.n`` responses per prompt; every rank of a TP group must call it with the same
         prompts (the group's), in the same order."""
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
-
         validate_sampling(sampling)
         if self._asleep:
             raise RuntimeError(f"vllm rollout: {sorted(self._asleep)} asleep; call wake_up first")
@@ -372,6 +398,13 @@ class VLLMRollout(RolloutEngine):
                              "generate cannot return them; ask for none (SamplingParams.logprobs False)")
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed + self.dp_rank)
+        # In processes of its own at TP > 1 the leader generates the group's prompts and broadcasts them.
+        return from_leader(self.group, self.leader, lambda: self._generate_here(prompts, sampling), "vllm")
+
+    def _generate_here(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
         n, R = sampling.n, sampling.max_tokens
         # vLLM refuses n > 1 when greedy; the copies are identical anyway, so submit each prompt n times.
         # Per-response seeds (rollout.seed_mode): one request per response, seeded from its own key.

@@ -1,12 +1,13 @@
 """What runs inside vLLM's worker: the tied LM head's refresh after a weight reload, and (when the engine
 runs in processes of its own, on split placement's rollout ranks) the methods that take the weights in.
 
-``WeightIntake`` is vLLM's ``worker_extension_cls``: vLLM adds its methods to its worker, which the rollout
-rank calls by name through ``LLM.collective_rpc``. A bucket arrives as bytes (CPU) or a CUDA IPC handle of
-the rollout rank's buffer on the same GPU, with a JSON-able list of parts (``spmdrl.rollout.flat``), which
-vLLM's msgpack messages carry as they are: nothing is pickled. The buckets
-are held until the last one, then loaded in one ``reload_weights`` (vLLM finalises a layer whose weights
-arrived in part as if the rest were missing).
+``WeightIntake`` is vLLM's ``worker_extension_cls``: vLLM adds its methods to its workers, which the
+rollout rank calls by name through ``LLM.collective_rpc``. A bucket arrives as bytes (CPU) or a CUDA IPC
+handle of the rollout rank's buffer on its GPU (at TP > 1 the TP group leader's, which every worker
+reads), with a JSON-able list of parts (``spmdrl.rollout.flat``): plain values (ints, bytes, strings), no
+object of ours, whatever vLLM wraps them in between its processes. Each worker holds the buckets, whole,
+until the last one, then loads them in one ``reload_weights``, which cuts its own TP shard (vLLM finalises
+a layer whose weights arrived in part as if the rest were missing).
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ class WeightIntake:
         staged.extend(unflatten(torch.frombuffer(bytearray(data), dtype=torch.uint8), parts))
 
     def spmdrl_stage_cuda(self, parts: list[list], handle: list) -> None:
-        """Hold one bucket the rollout rank shares on this GPU (``flat.cuda_handle``): copied out at once, as
-        the sender frees its buffer when this call returns."""
+        """Hold one bucket the rollout rank shares on its GPU (``flat.cuda_handle``), the first this process
+        sees (the leader's, at TP > 1): copied to this worker's own GPU at once, as the sender frees its
+        buffer when this call returns."""
         staged = self.__dict__.setdefault("_spmdrl_staged", [])
-        staged.extend(unflatten(from_cuda_handle(handle).clone(), parts))
+        here = torch.cuda.current_device()
+        staged.extend(unflatten(from_cuda_handle(handle, 0).to(here, copy=True), parts))
 
     def spmdrl_commit(self) -> bool:
         """Load the held buckets in place, in one reload, then refresh a tied head; returns whether it did."""
