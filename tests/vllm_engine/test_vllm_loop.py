@@ -1,6 +1,6 @@
 """GRPO through the loop with ``rollout.engine: vllm`` on 2 torchrun ranks, rollout TP 1 and 2 (split
-placement: 1 training rank and 1 or 2 rollout ranks): the loop's metrics, and the rollout log-probs equal to
-the actor's after every weight sync.
+placement: 1 training rank and 2 rollout ranks at TP 2; 1 + 1 in verl's one-step-off-policy recipe): the
+loop's metrics, and the rollout log-probs equal to the actor's after every weight sync.
 
     .venv-vllm/bin/python -m pytest tests/vllm_engine/test_vllm_loop.py
 """
@@ -42,13 +42,13 @@ def test_plan_only_of_the_gsm8k_config(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("tp", [1, 2])
-def test_grpo_with_vllm_on_split_placement(tp, tmp_path):
-    """Split placement, tp rollout ranks (one rollout TP group) + 1 training rank, staleness 0: vLLM in
-    processes of its own (at TP 2 started by the group's leader, a worker per TP rank) takes the weights the
+def test_grpo_with_vllm_on_split_placement(tmp_path):
+    """Split placement, 2 rollout ranks (one rollout TP group) + 1 training rank, staleness 0: vLLM in
+    processes of its own, started by the group's leader (a worker per TP rank), takes the weights the
     training rank sends, and its log-probs equal the actor's after every transfer (within the loop's float32
-    tolerance), on every rollout rank's share of the group's outputs."""
-    check_grpo_through_loop("vllm", tp, tmp_path / f"split{tp}", split=True)
+    tolerance) on both rollout ranks' shares of the group's outputs. Rollout TP 1 (one process, its worker
+    inside) runs split in the recipe test below and in test_vllm_engine.py's own-process push."""
+    check_grpo_through_loop("vllm", 2, tmp_path / "split", split=True)
 
 
 @pytest.mark.e2e
