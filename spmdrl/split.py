@@ -22,7 +22,9 @@ sends the weights in buckets (one flat buffer of ``rollout.update_weights_bucket
 broadcast) as the actor exports them, to every rollout rank. A message is a
 JSON header (names, dtypes, shapes, the batch's lists, the rollout's metrics) and then raw tensors: nothing
 is pickled. Training rank 0 also starts the rollout ranks (where a resumed run stands) and stops them (a
-preemption) on the weights' group.
+preemption) on the weights' group. Where the rollout ranks need the training ranks' reward model as they
+generate (DAPO's dynamic sampling, ReMax: ``reward.sources.scored_at_rollout``) they ask for its scores on
+their batch groups, and the training ranks answer before taking the batch (``Exchange._recv_all``).
 
 Checkpoints, preemption and resume are the training ranks' (``CheckpointManager`` on their group). A
 checkpoint after step k holds the batches of steps k+1 .. k+s, which are in flight then (generated with
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,7 @@ from spmdrl.loop import (
 from spmdrl.metrics import MetricsSink, reduce_metrics
 from spmdrl.parallel import ParallelDims
 from spmdrl.precision import resolve_dtype
+from spmdrl.reward.sources import score_in_shares, scored_at_rollout
 from spmdrl.rollout.base import buckets
 from spmdrl.rollout.flat import flatten, unflatten
 from spmdrl.rollout.generations import dump_generations
@@ -135,6 +138,9 @@ class Exchange:
         self._batch_in_flight: list = []  # (work, tensor) of a batch's broadcasts still running (send_batch)
         self.bucket_bytes = bucket_bytes  # rollout.update_weights_bucket_megabytes: one broadcast each
         self.rollout_ranks = list(range(dims.train_ranks, dims.world_size))
+        # (training ranks, reward.sources.scored_at_rollout) The reward model's scores of the rows the
+        # rollout ranks ask about (each rank's reward_model_inputs, in rollout order; collective) -> [n]
+        self.scorer: Optional[Callable[[list[dict[str, list]]], torch.Tensor]] = None
 
     # ---- batch: every rollout rank -> every training rank ------------------------------------------
 
@@ -161,11 +167,41 @@ class Exchange:
         """(training rank) The step's whole batch, every rollout rank's share in rollout order, and the first
         rollout rank's ``info`` (its ``stop``: whether any rollout rank was signalled)."""
         parts, infos = [], []
-        for src in self.rollout_ranks:
-            header, tensors = _recv(src, self.dims.group(f"batch{src}"), self.device)
+        for header, tensors in self._recv_all():
             parts.append(Batch(dict(zip(header["names"], tensors)), header["non_tensor"]))
             infos.append(header["info"])
         return Batch.cat(parts), {**infos[0], "stop": any(i["stop"] for i in infos)}
+
+    def _recv_all(self) -> list[tuple[dict, list[torch.Tensor]]]:
+        """(training ranks) The next message of every rollout rank, in rollout order, once their requests
+        for the reward model's scores are answered (they ask together: ``AskedModelReward`` is collective
+        over the rollout ranks)."""
+        while True:
+            got = [_recv(src, self.dims.group(f"batch{src}"), self.device) for src in self.rollout_ranks]
+            asks = [header.get("ask") for header, _ in got]
+            if all(a is None for a in asks):
+                return got
+            if any(a is None for a in asks) or self.scorer is None:
+                raise RuntimeError("split placement: rollout ranks asked for reward-model scores out of step "
+                                   "(some sent a batch instead, or no reward model answers here)")
+            scores = self.scorer(asks)  # [all rows], every training rank
+            start = 0
+            for src, rows in zip(self.rollout_ranks, asks):
+                n = len(rows["text"])
+                answer = scores[start:start + n].contiguous()
+                start += n
+                if self.rank == 0:
+                    _send({"tensors": _described([answer])}, [answer], 0, self.dims.group(f"batch{src}"),
+                          self.device)
+                else:  # every training rank is in the group's broadcast
+                    _recv(0, self.dims.group(f"batch{src}"), self.device)
+
+    def ask_scores(self, rows: dict[str, list]) -> torch.Tensor:
+        """(rollout rank) The reward model's scores of ``rows`` (``reward_model_inputs``), asked of the
+        training ranks (collective over the rollout ranks: ``_recv_all``). -> [n] float32"""
+        group = self.dims.group(f"batch{self.rank}")
+        _send({"ask": rows, "tensors": []}, [], self.rank, group, self.device)
+        return _recv(0, group, self.device)[1][0].cpu()
 
     def own_rows(self, batch: Batch) -> Batch:
         """(training rank) This rank's contiguous slice of a whole batch's rows: whole groups of n, the same
@@ -234,8 +270,7 @@ class Exchange:
 
     def recv_validation(self) -> ValidationRows:
         """(training ranks) Every rollout rank's validation rows, in rollout order."""
-        return ValidationRows.cat([_recv(src, self.dims.group(f"batch{src}"), self.device)[0]["validation"]
-                                   for src in self.rollout_ranks])
+        return ValidationRows.cat([header["validation"] for header, _ in self._recv_all()])
 
 
 def _prefixed(metrics: dict[str, float]) -> dict[str, float]:
@@ -261,21 +296,31 @@ def _validate(r: Run, ex: Exchange) -> None:
 def _validation_metrics(r: Run, ex: Exchange) -> dict[str, float]:
     """(training ranks) The metrics of the rollout ranks' validation rows, a reward model's scores added."""
     rows = ex.recv_validation()
-    if r.rewards is not None and rows.uids:
+    if rows.model_inputs is not None and rows.uids:  # (none when the rollout ranks asked for the scores)
         rows.add_model_scores(r.rewards, r.dims.group("train_cpu"))
     return rows.metrics(None)  # every training rank has every row
 
 
 def _score(r: Run, batch: Batch) -> dict[str, float]:
     """(training ranks) Add the reward model's weighted score to each row's (the rollout ranks sent the sum
-    of the other sources) and return the reward metrics of the sum; nothing without a reward model."""
-    if r.rewards is None:
+    of the other sources) and return the reward metrics of the sum; nothing without a reward model, or
+    when the rollout ranks asked for its scores (the batch came scored whole: ``scored_at_rollout``)."""
+    if r.rewards is None or scored_at_rollout(r.cfg):
         return {}
     with r.timer.phase("reward"):
         result = r.rewards(batch)
     batch["scores"] = batch["scores"] + result.scores.to(batch["scores"].device)  # [N]
     batch["token_rewards"] = place_scores(batch["scores"], batch["response_mask"])  # [N, R]
     return {**result.metrics, **{k: v for k, v in batch_metrics(batch).items() if k.startswith("reward/")}}
+
+
+def _model_scores(r: Run, asks: list[dict[str, list]]) -> torch.Tensor:
+    """(training ranks, collective) The reward model's scores (unweighted: the rollout ranks weigh them) of
+    every row the rollout ranks asked about, in rollout order; each training rank scores a contiguous share.
+    -> [n] float32"""
+    rows = {key: [v for ask in asks for v in ask[key]] for key in asks[0]}
+    model = next(source for source in r.rewards.sources if source.name == "rm")
+    return score_in_shares(lambda share, texts: model(share, texts).scores, rows, r.dims.group("train_cpu"))
 
 
 def _load_weights(r: Run, ex: Exchange) -> bool:
@@ -491,6 +536,11 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
     r = build(cfg, dims, plan)
     ex = Exchange(r.dims, r.rank, r.cfg.rollout.n, r.cfg.rollout.update_weights_bucket_megabytes << 20,
                   r.device)
+    if scored_at_rollout(r.cfg):  # the rollout ranks ask the training ranks' reward model as they generate
+        if r.experience is not None:
+            r.experience.rewards.connect(ex.ask_scores)
+        else:
+            ex.scorer = lambda asks: _model_scores(r, asks)
     # SIGTERM/SIGUSR1: the training ranks decide, hearing of a rollout rank's signal with its next batch.
     preemption = Preemption(group=dims.group("train_cpu"))
     resumed = rollout_done = False

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from spmdrl.batch import Batch
 from spmdrl.experience import VALIDATION_STREAM, sampling_params
-from spmdrl.reward.sources import response_texts
+from spmdrl.reward.sources import response_texts, reward_model_inputs, score_in_shares
 
 if TYPE_CHECKING:
     from spmdrl.data import ValidationLoader
@@ -225,9 +225,8 @@ class ValidationRows:
         self.infos["reward"] += batch["scores"].tolist()
         self._extend(extras, before)
         if self.model_inputs is not None:
-            for key, values in (("chat", batch["chat"]), ("text", texts),
-                                ("extra_info", batch["extra_info"])):
-                self.model_inputs[key] += list(values)
+            for key, values in reward_model_inputs(batch, texts).items():
+                self.model_inputs[key] += values
 
     def _extend(self, columns: dict[str, list], before: int) -> None:
         """``columns``' values after the first ``before`` rows (a key new here: None in those rows)."""
@@ -249,14 +248,9 @@ class ValidationRows:
         """(split placement's training ranks, collective over ``group``) The reward model's weighted score
         added to each row's ``reward``: each rank scores a contiguous share of the rows, and a sum over
         ``group`` gives every rank all of them."""
-        n, world, rank = len(self.uids), dist.get_world_size(group), dist.get_rank(group)
-        lo, hi = n * rank // world, n * (rank + 1) // world
-        inputs = self.model_inputs
-        assert inputs is not None  # kept by the rollout ranks next to a reward model (validation_rows)
-        share = Batch({}, {"chat": inputs["chat"][lo:hi], "extra_info": inputs["extra_info"][lo:hi]})
-        scores = torch.zeros(n)  # [n] float32
-        scores[lo:hi] = rewards.score_texts(share, inputs["text"][lo:hi]).scores
-        dist.all_reduce(scores, group=group)  # each row is one rank's, the others add 0
+        assert self.model_inputs is not None  # kept next to a reward model (validation_rows)
+        scores = score_in_shares(lambda share, texts: rewards.score_texts(share, texts).scores,
+                                 self.model_inputs, group)  # [n]
         self.infos["reward"] = (torch.tensor(self.infos["reward"], dtype=torch.float32) + scores).tolist()
 
     def to_json(self) -> dict[str, Any]:

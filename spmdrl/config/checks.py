@@ -301,22 +301,12 @@ def _check_split(cfg: Config) -> None:
     _check(r.max_staleness >= 0,
            f"rollout.max_staleness is {r.max_staleness}; it must be >= 0 (0: the rollout waits for each "
            f"update; 1: one-step off-policy; s: batches generated with weights s updates old)")
-    from spmdrl.algos.registry import ADVANTAGES
     from spmdrl.rollout import ROLLOUT_ENGINES, rollout_engine_class
 
     # An unknown engine name is said by the names' check.
     _check(r.engine not in ROLLOUT_ENGINES or rollout_engine_class(r.engine).runs_split,
            f"rollout.engine {r.engine} is not built for rollout.placement split yet; use rollout.engine "
            f"native or rollout.placement colocated")
-    if cfg.reward_model.enable:  # held by the training ranks: the rollout ranks never see its score
-        _check(not cfg.algorithm.filter_groups.enable,
-               "algorithm.filter_groups (DAPO's dynamic sampling) keeps groups by their score on the rollout "
-               "ranks, but under rollout.placement split the reward model scores on the training ranks; "
-               "turn one of them off or use rollout.placement colocated")
-        _check(not ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_baseline"),
-               f"algorithm.adv_estimator {cfg.algorithm.adv_estimator} scores a greedy baseline on the "
-               f"rollout ranks, but under rollout.placement split the reward model scores on the training "
-               f"ranks; use another estimator or rollout.placement colocated")
 
 
 def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":

@@ -25,15 +25,20 @@ Under split placement (spmdrl/split.py) the sources are divided by role: the
 rollout ranks hold those that need no trained model (``role="rollout"``: their
 sum is the batch's ``scores`` as sent, 0 where the reward model is the only
 source) and the training ranks the reward model (``role="training"``), whose
-weighted score they add to the rows they train on.
+weighted score they add to the rows they train on. Where the score is needed
+as responses are generated (``scored_at_rollout``: DAPO's dynamic sampling
+keeps groups by it, ReMax scores a greedy baseline) the rollout ranks ask the
+training ranks' model for it instead (``AskedModelReward``), in the reward
+model's place among the sources, so the batch leaves them scored whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from spmdrl.algos.dapo import overlong_penalty
 from spmdrl.batch import Batch
@@ -128,6 +133,13 @@ class Rewards:
             if source.collective:
                 source(empty, [])
 
+    def connect(self, ask: Callable[[dict[str, list]], torch.Tensor]) -> None:
+        """Give the sources that score elsewhere (``AskedModelReward``) the way to ask: split placement's
+        exchange, made after the sources."""
+        for source in self.sources:
+            if isinstance(source, AskedModelReward):
+                source.ask = ask
+
     def close(self) -> None:
         for source in self.sources:
             close = getattr(source, "close", None)
@@ -180,6 +192,56 @@ class ModelReward:
         return SourceScores(scores, metrics)
 
 
+def reward_model_inputs(batch: Batch, texts: Sequence[str]) -> dict[str, list]:
+    """What a reward model needs of each row, JSON-able: the prompt's chat, the response's text and the
+    extra_info (a multi-turn response's conversation is there)."""
+    return {"chat": list(batch["chat"]), "text": list(texts),
+            "extra_info": list(batch.get("extra_info", [None] * len(texts)))}
+
+
+def score_in_shares(score: Callable[[Batch, list[str]], torch.Tensor], rows: dict[str, list],
+                    group: dist.ProcessGroup) -> torch.Tensor:
+    """(collective over ``group``, every rank holding the same ``rows``, as ``reward_model_inputs`` makes
+    them) ``score`` of every row: each rank scores a contiguous share, and a sum over ``group`` gives every
+    rank all of them. -> [n] float32"""
+    n, world, rank = len(rows["text"]), dist.get_world_size(group), dist.get_rank(group)
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    share = Batch({}, {"chat": rows["chat"][lo:hi], "extra_info": rows["extra_info"][lo:hi]})
+    scores = torch.zeros(n)  # [n]
+    scores[lo:hi] = score(share, rows["text"][lo:hi]).float().cpu()
+    dist.all_reduce(scores, group=group)  # each row is one rank's, the others add 0
+    return scores
+
+
+def scored_at_rollout(cfg: "Config") -> bool:
+    """Whether split placement's rollout ranks need the reward model's score as they generate (DAPO's
+    dynamic sampling keeps groups by it; ReMax's greedy baseline is scored with it): they then ask the
+    training ranks for it (``AskedModelReward``), and the training ranks add nothing to the batch."""
+    from spmdrl.algos.registry import ADVANTAGES
+
+    return cfg.reward_model.enable and cfg.rollout.placement == "split" and (
+        cfg.algorithm.filter_groups.enable
+        or bool(ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_baseline")))
+
+
+class AskedModelReward:
+    """(split placement's rollout ranks) The reward model's score of this rank's rows, asked of the training
+    ranks that hold the model (``ask``: split placement's exchange; collective: every rollout rank asks for
+    every batch, with no rows too, so the training ranks answer all of them at once)."""
+
+    name, collective = "rm", True
+    ask: Optional[Callable[[dict[str, list]], torch.Tensor]] = None  # Rewards.connect
+
+    def __init__(self, weight: float) -> None:
+        self.weight = weight
+
+    def __call__(self, batch: Batch, texts: Sequence[str]) -> SourceScores:
+        assert self.ask is not None, "Rewards.connect gives the asked reward model its exchange"
+        scores = self.ask(reward_model_inputs(batch, texts))  # [N]
+        metrics = {"reward/rm_score/mean": float(scores.mean())} if len(scores) else {}
+        return SourceScores(scores, metrics)
+
+
 class ToolReward:
     """What the tools of a multi-turn trajectory add to its score (their ``calc_reward``)."""
 
@@ -222,7 +284,7 @@ def build_rewards(cfg: "Config", dims: "ParallelDims", device: torch.device, tok
         return None
     try:
         return Rewards(_sources(cfg, dims, device, role), tokenizer,
-                       partial=role == "rollout" and cfg.reward_model.enable)
+                       partial=role == "rollout" and cfg.reward_model.enable and not scored_at_rollout(cfg))
     except (ValueError, FileNotFoundError, ImportError, AttributeError) as err:
         raise ConfigError(str(err)) from err
 
@@ -237,6 +299,8 @@ def _sources(cfg: "Config", dims: "ParallelDims", device: torch.device, role: st
         sources.append(RuleReward(RewardManager.from_config(cfg.reward), rule_weight, report_mean=rm.enable))
     if rm.enable and role == "all":
         sources.append(_model_source(cfg, dims, device))
+    elif role == "rollout" and scored_at_rollout(cfg):  # the training ranks' model, asked (same place)
+        sources.append(AskedModelReward(rm.rm_weight))
     if cfg.rollout.multi_turn.enable:
         sources.append(ToolReward())
     ob = cfg.reward.overlong_buffer

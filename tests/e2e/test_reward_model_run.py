@@ -73,3 +73,40 @@ def test_reward_model_on_split_placement(tmp_path, spmdrl_cache) -> None:
             assert math.isclose(b[val_key], a[val_key], rel_tol=1e-5, abs_tol=1e-6), a["step"]
     # The initial weights' validation: the same rows, scored by one training rank or shared by two.
     assert math.isclose(runs["split3"][0][val_key], runs["split"][0][val_key], rel_tol=1e-5, abs_tol=1e-6)
+
+
+def test_dynamic_sampling_and_remax_ask_the_training_ranks_model_under_split(tmp_path, spmdrl_cache) -> None:
+    """DAPO's dynamic sampling keeps groups by their score as they are generated, and ReMax scores a greedy
+    baseline there: under split placement the rollout ranks ask the training ranks' reward model for its
+    scores (each generation round, each baseline, each validation batch) and send the batch scored whole.
+    Staleness 0 on 1 + 1 ranks is the colocated run on one rank, every training metric bitwise (float32,
+    one thread: the model scores a round's rows in one call on both); at staleness 1 the training ranks
+    answer between their updates and the run ends (no hang), one update apart."""
+    from spmdrl.builtin.tasks import get_task, write_parquet
+
+    val = write_parquet(get_task("arith")("val", 4, 0), tmp_path / "val.parquet")
+    # The warm-started model answers alike twice often enough that groups are dropped (more rounds).
+    args = [*TINY, "--model.path", "builtin:tiny-arith", "--trainer.total_steps", "2", "--rollout.n", "2",
+            "--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm",
+            "--reward_model.rule_weight", "0.5", "--algorithm.adv_estimator", "remax",
+            "--algorithm.filter_groups.enable", "true",
+            "--algorithm.filter_groups.max_num_gen_batches", "3", "--data.val_files", str(val),
+            "--data.val_batch_size", "4", "--trainer.test_freq", "2",
+            "--actor.param_dtype", "float32", "--rollout.dtype", "float32"]
+    split = ["--rollout.placement", "split", "--rollout.nnodes", "1", "--rollout.n_gpus_per_node", "1"]
+    runs = {}
+    for name, nproc, extra in (("colocated", 1, []), ("split", 2, [*split, "--rollout.max_staleness", "0"]),
+                               ("stale", 2, split)):
+        out = tmp_path / name
+        train([*args, *extra, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=nproc,
+              env={"OMP_NUM_THREADS": "1"})
+        runs[name] = read_metrics(out)
+    for a, b in zip(runs["colocated"], runs["split"], strict=True):
+        for key in ("reward/mean", "reward/rm_score/mean", "reward/rule_score/mean", "dapo/num_gen_batches",
+                    "dapo/dropped_groups", "actor/pg_loss", "actor/grad_norm",
+                    "val-aux/spmdrl/arith/reward/mean@1"):
+            assert b.get(key) == a.get(key), (a["step"], key, a.get(key), b.get(key))
+    assert "val-aux/spmdrl/arith/reward/mean@1" in runs["split"][-1]
+    assert max(r["dapo/num_gen_batches"] for r in runs["split"]) >= 2  # rounds asked one after another
+    assert [r["async/staleness"] for r in runs["stale"]] == [0.0, 1.0]
+    assert all(r["reward/rm_score/mean"] != 0.0 for r in runs["stale"])

@@ -112,10 +112,6 @@ BAD_SPLIT = [
     (["--rollout.placement", "split"], "rollout.nnodes x rollout.n_gpus_per_node is 1 x None"),
     ([*SPLIT, "--rollout.n_gpus_per_node", "2"], "leaves no rank of the 2 to train"),
     ([*SPLIT, "--rollout.max_staleness", "-1"], "rollout.max_staleness is -1; it must be >= 0"),
-    ([*SPLIT, "--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm",
-      "--algorithm.filter_groups.enable", "true"], "algorithm.filter_groups (DAPO's dynamic sampling) keeps"),
-    ([*SPLIT, "--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm",
-      "--algorithm.adv_estimator", "remax"], "algorithm.adv_estimator remax scores a greedy baseline"),
 ]
 
 
