@@ -320,7 +320,9 @@ def _model_scores(r: Run, asks: list[dict[str, list]]) -> torch.Tensor:
     -> [n] float32"""
     rows = {key: [v for ask in asks for v in ask[key]] for key in asks[0]}
     model = next(source for source in r.rewards.sources if source.name == "rm")
-    return score_in_shares(lambda share, texts: model(share, texts).scores, rows, r.dims.group("train_cpu"))
+    with r.timer.phase("reward"):  # inside the wait for the batch (or validation rows) it precedes
+        return score_in_shares(lambda share, texts: model(share, texts).scores, rows,
+                               r.dims.group("train_cpu"))
 
 
 def _load_weights(r: Run, ex: Exchange) -> bool:
@@ -442,6 +444,17 @@ def _validation(r: Run, ex: Exchange, held: InFlight, last: bool) -> tuple[dict[
         return _validation_metrics(r, ex), early
 
 
+def _drain(r: Run, ex: Exchange, held: InFlight, last: bool, early: bool) -> bool:
+    """(training ranks, stopping before the end) The batch the rollout ranks are generating with weights
+    they already hold (staleness 0, or weights sent early with a validation request), taken and dropped so
+    that no rollout rank waits for a receiver or for the reward model's answers to its asks (the checkpoint
+    is saved: a resumed run generates it again); whether it was their last."""
+    if last or held.ends or not (r.cfg.rollout.max_staleness == 0 or early):
+        return False
+    with r.timer.phase("wait_rollout"):
+        return ex.recv_batch()[1]["last"]
+
+
 def _release(r: Run, ex: Exchange, rollout_done: bool) -> None:
     """(training ranks) The run ends here: rollout ranks still waiting for weights (a preemption before
     their last batch, or waiting for validations) are told to stop."""
@@ -497,7 +510,7 @@ def train_ranks_loop(r: Run, ex: Exchange, sink: MetricsSink, ckpt: CheckpointMa
         plot_due(r, last or stop)
         if stop:
             log.warning("stopping after step %d on a preemption signal; resume picks up from here", r.step)
-            return last or held.ends
+            return last or held.ends or _drain(r, ex, held, last, early)
         if last:
             warn_epochs_used(r)
             return True

@@ -50,7 +50,7 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path, split: bool = F
     sync = "rollout_ranks/timing/weight_sync" if split else "timing/weight_sync"
     assert all(r[sync] > 1e-3 for r in rows[1:])
     assert rows[-1]["actor/pg_loss"] == rows[-1]["actor/pg_loss"]  # finite
-    if split:  # each role's plan is held to its measured peaks by tests/e2e/test_memory_plan.py's split case
+    if split:  # a split run's plans are held to measured peaks with the native engine (test_memory_plan.py)
         return
     planned = json.loads((out_dir / "plan.json").read_text())["peak_gb"]
     off = {p: (round(gb, 3), round(rows[-1][f"memory/{p}_peak_gb"], 3)) for p, gb in planned.items()

@@ -34,10 +34,10 @@ def unflatten(flat: torch.Tensor, parts: list[list]) -> list[tuple[str, torch.Te
 
 
 def cuda_handle(flat: torch.Tensor) -> list:
-    """A CUDA IPC handle of the uint8 buffer ``flat`` as plain values (ints, bytes, a bool), for a process on
-    the same GPU to map (``from_cuda_handle``) without a copy through the host. torch's own sharing
-    (``torch.multiprocessing``) keeps the memory alive until the other process lets go of it; only the
-    values travel, never a pickled object."""
+    """A CUDA IPC handle of the uint8 buffer ``flat`` as plain values (ints, bytes, a bool), for another
+    process that sees this GPU to map (``from_cuda_handle``) without a copy through the host. torch's own
+    sharing (``torch.multiprocessing``) keeps the memory alive until the other process lets go of it; only
+    the values travel, never a pickled object."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(flat)

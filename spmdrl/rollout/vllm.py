@@ -151,8 +151,9 @@ def visible_devices(device: torch.device, count: int = 1) -> str:
     entries = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     if index + count > len(entries):
         raise ValueError(f"vllm rollout: a rollout TP group of {count} ranks from GPU {index} needs GPUs "
-                         f"{index}..{index + count - 1} on this node, which has {len(entries)}; make "
-                         f"parallel.rollout_tp divide rollout.n_gpus_per_node")
+                         f"{index}..{index + count - 1} visible to its first rank, which sees "
+                         f"{len(entries)}; put each rollout TP group on one node (parallel.rollout_tp "
+                         f"dividing rollout.n_gpus_per_node) with every GPU of the node visible to each rank")
     return ",".join(entries[index:index + count])
 
 
@@ -205,8 +206,8 @@ def kv_cache_bytes(shape: ModelShape, rows: int, max_model_len: int, dtype: torc
 
 
 class VLLMRollout(RolloutEngine):
-    """vLLM (``vllm.LLM`` with the external launcher; on split placement in a process of its own) as this
-    rank's rollout engine.
+    """vLLM (``vllm.LLM`` with the external launcher; on split placement in processes of its own, at rollout
+    TP > 1 the TP group leader's) as this rank's rollout engine.
 
     Args:
         model_path: HF folder vLLM builds the model from (config.json, safetensors).
@@ -245,8 +246,14 @@ class VLLMRollout(RolloutEngine):
         _quiet_expected_vllm_warnings()
         start = time.perf_counter()
         self.llm = None  # at TP > 1 in processes of its own, only the leader holds the engine
-        if self.group is None or torch.distributed.get_rank() == self.leader:
+
+        def launch() -> bool:
             self.llm = self._start(LLM, str(model_path), o, world, memory)
+            return True
+
+        # At TP > 1 in processes of its own the leader starts it, and a failure there reaches the whole
+        # group: none of its ranks waits for an engine that never starts.
+        from_leader(self.group, self.leader, launch, "vllm")
         self.init_seconds = time.perf_counter() - start
         self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
         self._asleep: set[str] = set()
@@ -305,7 +312,8 @@ class VLLMRollout(RolloutEngine):
         """Weights in rollout.dtype cut over rollout TP; on CPU the KV cache of ``kv_cache_bytes`` and no
         sleep (both stay while training runs), vLLM's own share of the process; on a GPU the KV cache is
         what gpu_memory_utilization leaves (the plan decides it), freed by sleep, and level 1 moves the
-        weights to the host. A weight update holds one bucket."""
+        weights to the host. A weight update holds one bucket; in processes of its own each worker holds the
+        whole model (its TP shard is cut in the reload)."""
         base = super().memory(cfg, shape, device_type, rollout_dp, rollout_tp)
         o = VLLMOptions.from_config(cfg, torch.device(device_type))
         # In processes of its own (split placement) each worker holds every bucket, whole, until the last.

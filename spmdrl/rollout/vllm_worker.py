@@ -49,6 +49,10 @@ class WeightIntake:
         """Hold one bucket the rollout rank shares on its GPU (``flat.cuda_handle``), the first this process
         sees (the leader's, at TP > 1): copied to this worker's own GPU at once, as the sender frees its
         buffer when this call returns."""
+        # At TP > 1 every worker maps the one share and torch's IPC reference count goes below zero
+        # (each process lets go of it once): harmless, as the sender keeps the buffer until collective_rpc
+        # returns, after every worker's copy. Mapping the leader's GPU gives each other worker a CUDA
+        # context there.
         staged = self.__dict__.setdefault("_spmdrl_staged", [])
         here = torch.cuda.current_device()
         staged.extend(unflatten(from_cuda_handle(handle, 0).to(here, copy=True), parts))

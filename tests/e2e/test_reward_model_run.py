@@ -80,8 +80,11 @@ def test_dynamic_sampling_and_remax_ask_the_training_ranks_model_under_split(tmp
     baseline there: under split placement the rollout ranks ask the training ranks' reward model for its
     scores (each generation round, each baseline, each validation batch) and send the batch scored whole.
     Staleness 0 on 1 + 1 ranks is the colocated run on one rank, every training metric bitwise (float32,
-    one thread: the model scores a round's rows in one call on both); at staleness 1 the training ranks
-    answer between their updates and the run ends (no hang), one update apart."""
+    one thread: the model scores a round's rows in one call on both); on 1 + 2 at staleness 1 both training
+    ranks answer (a share of the rows each) between their updates and the run ends, one update apart; on
+    2 + 1 at staleness 0 a SIGTERM at step 1 of 3 checkpoints at step 2 and ends with exit 0, although both
+    rollout ranks are asking about batch 3 then (the training rank answers each its rows and drops the
+    batch)."""
     from spmdrl.builtin.tasks import get_task, write_parquet
 
     val = write_parquet(get_task("arith")("val", 4, 0), tmp_path / "val.parquet")
@@ -94,12 +97,17 @@ def test_dynamic_sampling_and_remax_ask_the_training_ranks_model_under_split(tmp
             "--data.val_batch_size", "4", "--trainer.test_freq", "2",
             "--actor.param_dtype", "float32", "--rollout.dtype", "float32"]
     split = ["--rollout.placement", "split", "--rollout.nnodes", "1", "--rollout.n_gpus_per_node", "1"]
+    two = [*split, "--rollout.n_gpus_per_node", "2"]
+    sigterm = {"SPMDRL_FAULT_INJECT_STEP": "1", "SPMDRL_FAULT_INJECT_RANK": "0",
+               "SPMDRL_FAULT_INJECT_SIGNAL": "SIGTERM"}
     runs = {}
-    for name, nproc, extra in (("colocated", 1, []), ("split", 2, [*split, "--rollout.max_staleness", "0"]),
-                               ("stale", 2, split)):
+    s0 = ["--rollout.max_staleness", "0"]
+    for name, nproc, extra, env in (("colocated", 1, [], {}), ("split", 2, [*split, *s0], {}),
+                                    ("stale", 3, split, {}),
+                                    ("stopped", 3, [*two, *s0, "--trainer.total_steps", "3"], sigterm)):
         out = tmp_path / name
         train([*args, *extra, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=nproc,
-              env={"OMP_NUM_THREADS": "1"})
+              env={"OMP_NUM_THREADS": "1", **env})
         runs[name] = read_metrics(out)
     for a, b in zip(runs["colocated"], runs["split"], strict=True):
         for key in ("reward/mean", "reward/rm_score/mean", "reward/rule_score/mean", "dapo/num_gen_batches",
@@ -110,3 +118,5 @@ def test_dynamic_sampling_and_remax_ask_the_training_ranks_model_under_split(tmp
     assert max(r["dapo/num_gen_batches"] for r in runs["split"]) >= 2  # rounds asked one after another
     assert [r["async/staleness"] for r in runs["stale"]] == [0.0, 1.0]
     assert all(r["reward/rm_score/mean"] != 0.0 for r in runs["stale"])
+    assert [r["step"] for r in runs["stopped"]] == [1, 2]
+    assert (tmp_path / "stopped" / "checkpoints" / "global_step_2").is_dir()

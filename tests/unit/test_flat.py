@@ -34,7 +34,7 @@ def test_the_own_process_engine_starts_on_its_groups_gpus(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")  # this process's cuda:1 is the node's GPU 6
     assert visible_devices(torch.device("cuda", 1)) == "6"
     assert visible_devices(torch.device("cuda", 1), 2) == "6,7"
-    with pytest.raises(ValueError, match="needs GPUs 1..3 on this node, which has 3"):
+    with pytest.raises(ValueError, match="needs GPUs 1..3 visible to its first rank, which sees 3"):
         visible_devices(torch.device("cuda", 1), 3)
 
 
