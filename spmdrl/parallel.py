@@ -92,8 +92,7 @@ def rollout_coords(mesh: Optional[DeviceMesh]) -> tuple[int, int]:
     """
     if mesh is None:
         return 0, 1
-    names = tuple(mesh.mesh_dim_names or ())
-    tp_dim = next((i for i, n in enumerate(names) if n.endswith("tp")), 1 if mesh.ndim == 2 else None)
+    tp_dim = _tp_dim(mesh)
     dp_dim = next((i for i in range(mesh.ndim) if i != tp_dim), None)
     return ((0 if dp_dim is None else mesh.get_local_rank(dp_dim)),
             (1 if tp_dim is None else mesh.size(tp_dim)))
@@ -104,9 +103,7 @@ def rollout_tp_rank(mesh: Optional[DeviceMesh]) -> int:
     the group's outputs it keeps."""
     if mesh is None or mesh.ndim < 2:
         return 0
-    names = tuple(mesh.mesh_dim_names or ())
-    tp_dim = next((i for i, n in enumerate(names) if n.endswith("tp")), 1)
-    return mesh.get_local_rank(tp_dim)
+    return mesh.get_local_rank(_tp_dim(mesh))
 
 
 def rollout_tp_group(mesh: Optional[DeviceMesh]) -> tuple[Optional[dist.ProcessGroup], Optional[int]]:
@@ -114,9 +111,14 @@ def rollout_tp_group(mesh: Optional[DeviceMesh]) -> tuple[Optional[dist.ProcessG
     whose TP ranks are processes of its own is started by the leader alone); (None, None) at TP 1."""
     if rollout_coords(mesh)[1] == 1:
         return None, None
-    names = tuple(mesh.mesh_dim_names or ())
-    group = mesh.get_group(next((i for i, n in enumerate(names) if n.endswith("tp")), 1))
+    group = mesh.get_group(_tp_dim(mesh))
     return group, dist.get_global_rank(group, 0)
+
+
+def _tp_dim(mesh: DeviceMesh) -> Optional[int]:
+    """The rollout mesh's TP dimension: the one whose name ends in "tp", else the second of a 2-D mesh."""
+    names = tuple(mesh.mesh_dim_names or ())
+    return next((i for i, n in enumerate(names) if n.endswith("tp")), 1 if mesh.ndim == 2 else None)
 
 
 @dataclass

@@ -197,6 +197,16 @@ TP_UNSUPPORTED = ("parallel.rollout_tp is {tp} but the native and hf rollout eng
                   "rank; rollout tensor parallelism needs an engine that shards (set parallel.rollout_tp: 1)")
 
 
+def drop_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> int:
+    """Pull a weight stream through, bucket by bucket, keeping none of it: a rollout TP group's rank whose
+    leader holds the engine still takes part in the export (a collective). Returns its bytes."""
+    sent = 0
+    for bucket in buckets(named_tensors, bucket_bytes):
+        sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        del bucket[:]
+    return sent
+
+
 def cpu_threads_bind(tp: int) -> str:
     """This process's CPUs cut into ``tp`` contiguous parts, one per TP rank of an engine whose TP ranks are
     processes of its own ("0|1" on 2 cores; a CPU shared when there are fewer CPUs than TP ranks), as

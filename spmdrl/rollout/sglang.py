@@ -80,6 +80,7 @@ from spmdrl.rollout.base import (
     check_sleep_level,
     check_wake_tags,
     cpu_threads_bind,
+    drop_weights,
     eos_ids_from_folder,
     from_leader,
     library_missing,
@@ -277,12 +278,12 @@ class SGLangRollout(RolloutEngine):
         if "weights" in self._asleep:
             raise RuntimeError("sglang rollout: wake_up(('weights',)) before update_weights")
         start, sent = time.perf_counter(), 0
+        if self.engine is None:  # not the TP group's leader: pull the export (a collective), push nothing
+            sent = drop_weights(named_tensors, self.options.bucket_bytes)
+            self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent)}
+            return
         pending: Optional[list[tuple[str, torch.Tensor]]] = None
         for bucket in buckets(named_tensors, self.options.bucket_bytes):
-            if self.engine is None:  # not the TP group's leader: pull the export (a collective), push nothing
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
-                del bucket[:]
-                continue
             if pending is not None:  # one bucket behind, so that only the last one flushes the cache
                 self._push(pending, flush=False)
             pending = [(name, t.detach().contiguous()) for name, t in bucket]

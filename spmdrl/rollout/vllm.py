@@ -72,6 +72,7 @@ from spmdrl.rollout.base import (
     check_sleep_level,
     check_wake_tags,
     cpu_threads_bind,
+    drop_weights,
     engine_rows,
     eos_ids_from_folder,
     from_leader,
@@ -348,9 +349,7 @@ class VLLMRollout(RolloutEngine):
 
         start = time.perf_counter()
         if self.llm is None:  # not the TP group's leader: take the weights in (a collective), hand none on
-            for bucket in buckets(named_tensors, self.options.bucket_bytes):
-                sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
-                del bucket[:]
+            sent[0] = drop_weights(named_tensors, self.options.bucket_bytes)
             self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent[0])}
             return
         if self.options.own_process:  # bucket by bucket to vLLM's worker processes, loaded in one reload
