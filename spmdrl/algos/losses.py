@@ -38,26 +38,28 @@ LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
 
 
-def loss_denominators(mask: torch.Tensor) -> tuple[float, float]:
-    """Local (tokens, sequences) of ``mask`` [B, T], counted as ``agg_loss`` counts them.
+def loss_denominators(mask: torch.Tensor) -> torch.Tensor:
+    """The counts the aggregation modes divide by: [valid tokens, sequences] of ``mask`` [B, T], float64 [2].
 
-    A sequence is a row with at least one valid token: padding rows added to
-    even out ranks must not dilute the seq-mean modes. The loop all-reduces
-    these numbers to build ``global_tokens`` / ``global_seqs``.
+    Every row is a sequence, a fully masked one included (a response rejected whole by
+    ``algorithm.rollout_correction``, or an empty one): it adds 0 to a seq-mean numerator and 1 to its
+    denominator, as in verl 0.9, whose trainer passes ``agg_loss`` the mini-batch's row count
+    (``global_batch_size = ppo_mini_batch_size * rollout.n``). So rejecting responses shrinks the step
+    instead of giving the kept ones more weight. The engine sums these over DP ranks into ``LossScale``
+    (``global_tokens``, ``global_seqs``); ``agg_loss`` without them uses this micro-batch's.
     """
-    m = mask.to(torch.float32)
-    return float(m.sum().item()), float((m.sum(-1) > 0).sum().item())
+    tokens = mask.to(torch.float64).sum()
+    return torch.stack([tokens, torch.full_like(tokens, mask.shape[0])])
 
 
-def _denominator(local: torch.Tensor, global_value: Optional[float]) -> torch.Tensor:
-    # An empty micro-batch contributes 0 (its numerator is 0), not NaN.
+def _denominator(mask: torch.Tensor, which: int, global_value: Optional[float]) -> torch.Tensor:
+    """``loss_denominators``' count ``which`` (0: tokens, 1: sequences), or the global one when given."""
     if global_value is None:
-        return local.clamp(min=1)
-    return torch.as_tensor(global_value, dtype=local.dtype, device=local.device).clamp(min=1)
-
-
-def _seq_mask(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.sum(-1) > 0).to(mask.dtype)  # [B]
+        count = loss_denominators(mask)[which]
+    else:
+        count = torch.as_tensor(global_value, dtype=torch.float64, device=mask.device)
+    # An empty micro-batch contributes 0 (its numerator is 0), not NaN.
+    return count.to(mask.dtype).clamp(min=1)
 
 
 @register_loss_agg("token-mean")
@@ -65,7 +67,7 @@ def _token_mean(
     loss_mat: torch.Tensor, mask: torch.Tensor, *, global_tokens: Optional[float] = None,
     global_seqs: Optional[float] = None, norm_len: Optional[float] = None,
 ) -> torch.Tensor:
-    return (loss_mat * mask).sum() / _denominator(mask.sum(), global_tokens)
+    return (loss_mat * mask).sum() / _denominator(mask, 0, global_tokens)
 
 
 @register_loss_agg("seq-mean-token-sum")
@@ -74,7 +76,7 @@ def _seq_mean_token_sum(
     global_seqs: Optional[float] = None, norm_len: Optional[float] = None,
 ) -> torch.Tensor:
     seq_loss = (loss_mat * mask).sum(-1)  # [B]
-    return seq_loss.sum() / _denominator(_seq_mask(mask).sum(), global_seqs)
+    return seq_loss.sum() / _denominator(mask, 1, global_seqs)
 
 
 @register_loss_agg("seq-mean-token-mean")
@@ -83,7 +85,7 @@ def _seq_mean_token_mean(
     global_seqs: Optional[float] = None, norm_len: Optional[float] = None,
 ) -> torch.Tensor:
     seq_loss = (loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]; empty rows give 0
-    return seq_loss.sum() / _denominator(_seq_mask(mask).sum(), global_seqs)
+    return seq_loss.sum() / _denominator(mask, 1, global_seqs)
 
 
 @register_loss_agg("seq-mean-token-sum-norm")
@@ -93,7 +95,7 @@ def _seq_mean_token_sum_norm(
 ) -> torch.Tensor:
     length = float(mask.shape[-1]) if norm_len is None else float(norm_len)
     seq_loss = (loss_mat * mask).sum(-1) / length  # [B]
-    return seq_loss.sum() / _denominator(_seq_mask(mask).sum(), global_seqs)
+    return seq_loss.sum() / _denominator(mask, 1, global_seqs)
 
 
 def agg_loss(
@@ -134,7 +136,8 @@ def agg_loss(
 
     The denominators default to the local counts when ``global_tokens`` /
     ``global_seqs`` are None; ``norm_len`` defaults to ``T``, the padded
-    response length. A sequence is a row with at least one valid token.
+    response length. Every row is a sequence, fully masked ones included
+    (``loss_denominators``).
     """
     fn = get_loss_agg(mode)
     mask = mask.to(loss_mat.dtype)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from spmdrl.algos.losses import loss_denominators
 from spmdrl.algos.utils import Share
 from spmdrl.batch import Batch
 from spmdrl.engines.optim import move_optimizer_state, restore_settings
@@ -60,7 +61,7 @@ class LossScale:
     """Global denominators of one mini-batch, all-reduced over the data-parallel group."""
 
     global_tokens: float  # valid response tokens in the mini-batch over all DP ranks
-    global_seqs: float  # responses in the mini-batch over all DP ranks
+    global_seqs: float  # responses (rows, fully masked ones too: loss_denominators) over all DP ranks
     # No DP correction here: an engine whose gradient reduction averages (FSDP2) scales its own backward.
 
 
@@ -375,12 +376,9 @@ class TrainEngine(abc.ABC):
         return micros, int(t[0]) - len(micros)
 
     def _loss_scale(self, mini: Batch) -> LossScale:
-        """The mini-batch's valid tokens and rows over all DP ranks (a replica's ranks hold the same rows)."""
-        counts = torch.tensor(
-            [float(mini["response_mask"].sum()), float(len(mini))],
-            dtype=torch.float64,
-            device=self._comm_device(),
-        )
+        """The mini-batch's ``loss_denominators`` summed over all DP ranks (a replica's ranks hold the same
+        rows)."""
+        counts = loss_denominators(mini["response_mask"]).to(self._comm_device())  # [2]: tokens, rows
         self._dp_all_reduce(counts)
         return LossScale(global_tokens=float(counts[0]), global_seqs=float(counts[1]))
 

@@ -20,16 +20,17 @@ def close(actual, expected, atol=1e-5):
 # --- agg_loss --------------------------------------------------------------------------------------
 
 LOSS = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
-MASK = T([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the last row is an all-padding row
+MASK = T([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # the last row is fully masked (a response rejected whole)
 
 
 @pytest.mark.parametrize(
     "mode, expected",
     [
         ("token-mean", (1 + 2 + 4) / 3),
-        ("seq-mean-token-sum", (3 + 4) / 2),  # the empty row is not a sequence
-        ("seq-mean-token-mean", (1.5 + 4) / 2),
-        ("seq-mean-token-sum-norm", (3 / 3 + 4 / 3) / 2),  # norm_len defaults to T = 3
+        # The fully masked row is a sequence (verl 0.9 divides by the mini-batch's rows): 3 of them.
+        ("seq-mean-token-sum", (3 + 4 + 0) / 3),
+        ("seq-mean-token-mean", (1.5 + 4 + 0) / 3),
+        ("seq-mean-token-sum-norm", (3 / 3 + 4 / 3 + 0) / 3),  # norm_len defaults to T = 3
     ],
 )
 def test_agg_loss_local_means(mode, expected):
@@ -42,7 +43,7 @@ def test_agg_loss_global_denominators():
     close(agg_loss(LOSS, MASK, "seq-mean-token-mean", global_seqs=4), 5.5 / 4)
     close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", global_seqs=4, norm_len=10), (0.3 + 0.4) / 4)
     # global_tokens does not touch the seq modes and global_seqs does not touch token-mean
-    close(agg_loss(LOSS, MASK, "seq-mean-token-mean", global_tokens=100), 2.75)
+    close(agg_loss(LOSS, MASK, "seq-mean-token-mean", global_tokens=100), 5.5 / 3)
     close(agg_loss(LOSS, MASK, "token-mean", global_seqs=100), 7 / 3)
 
 
@@ -51,20 +52,25 @@ MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-to
 
 @pytest.mark.parametrize("mode", MODES)
 def test_agg_loss_contributions_of_shards_sum_to_the_whole(mode):
-    # Two "ranks" (row shards) with the global counts: their contributions add up to the full-batch mean.
-    loss = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [0.5, 0.0, 0.0], [2.0, 2.0, 8.0]])
-    mask = T([[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1]])
-    tokens, seqs = loss_denominators(mask)
-    assert (tokens, seqs) == (7.0, 4.0)
+    # Two "ranks" (row shards) with the global counts: their contributions add up to the full-batch mean,
+    # also when one rank's only row is fully masked.
+    loss = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [0.5, 0.0, 0.0], [2.0, 2.0, 8.0], [9.0, 9.0, 9.0]])
+    mask = T([[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    tokens, seqs = loss_denominators(mask).tolist()
+    assert (tokens, seqs) == (7.0, 5.0)
     parts = [
         agg_loss(loss[rows], mask[rows], mode, global_tokens=tokens, global_seqs=seqs, norm_len=5)
-        for rows in (slice(0, 1), slice(1, 4))
+        for rows in (slice(4, 5), slice(0, 4))
     ]
+    close(parts[0], 0.0)
     close(sum(parts), agg_loss(loss, mask, mode, norm_len=5).item())
 
 
-def test_loss_denominators_skip_empty_rows():
-    assert loss_denominators(MASK) == (3.0, 2.0)
+def test_loss_denominators_count_fully_masked_rows():
+    counts = loss_denominators(MASK)  # [valid tokens, sequences]
+    assert counts.dtype == torch.float64 and counts.tolist() == [3.0, 3.0]
+    assert loss_denominators(MASK[:0]).tolist() == [0.0, 0.0]
+    close(agg_loss(LOSS[:0], MASK[:0], "seq-mean-token-mean"), 0.0)  # an empty micro-batch gives 0, not NaN
 
 
 def test_unknown_agg_mode_lists_valid_ones():
