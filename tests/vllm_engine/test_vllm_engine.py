@@ -91,8 +91,10 @@ def test_logprobs_follow_the_sampling_distribution(engine, tiny_model_dir, tempe
 @pytest.fixture(scope="module")
 def own_process_engine(tiny_model_dir: Path):
     """vLLM as split placement's rollout ranks run it: in a process of its own (its own torch world)."""
-    eng = build_rollout("vllm", str(tiny_model_dir), eos_token_ids=[EOS], pad_token_id=PAD,
-                        max_num_seqs=32, max_model_len=128, seed=0, own_process=True)
+    from spmdrl.rollout.vllm import VLLMOwnProcessRollout
+
+    eng = VLLMOwnProcessRollout(str(tiny_model_dir), eos_token_ids=[EOS], pad_token_id=PAD, max_num_seqs=32,
+                                max_model_len=128, seed=0)
     yield eng
     eng.close()
 
@@ -106,7 +108,8 @@ def test_update_weights_in_place(which, request, tiny_model_dir, weights):
     prompts = _prompts([5, 9], seed=3)
     sp = SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=2)
     # The engine process's parameters as vLLM holds them (its worker extension's digest, per parameter).
-    digest = (lambda: engine.llm.collective_rpc("spmdrl_digest")[0]) if engine.options.own_process else dict
+    own_process = which == "own_process_engine"
+    digest = (lambda: engine.llm.collective_rpc("spmdrl_digest")[0]) if own_process else dict
     initial = digest()
     before = engine.generate(prompts, sp)
     g = torch.Generator().manual_seed(0)
