@@ -23,7 +23,7 @@ sharded over the whole world in rank order (see docs/design.md, "Meshes").
 Split placement (``rollout.placement: split``, ``rollout_ranks`` > 0): the
 training mesh covers ranks [0, world - rollout_ranks) and the rollout mesh the
 last ``rollout_ranks`` ranks; a rank has one role, and the batch is sharded over
-each role's ranks (``spmdrl/split.py`` moves it from one to the other).
+each role's ranks (``spmdrl/split/`` moves it from one to the other).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -39,6 +40,28 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
+
+
+class RankRole(str, Enum):
+    """What a rank does in the run, from its place in the world (``ParallelDims.role``); the one vocabulary
+    of the memory plan, the reward sources, the watchdog and the split placement's roles."""
+
+    COLOCATED = "colocated"  # generates and trains, taking turns on its device (no split placement)
+    TRAINING = "training"  # split placement: trains the models, sends the weights, keeps the checkpoints
+    ROLLOUT = "rollout"  # split placement: generates and scores the batches it sends
+
+    @property
+    def trains(self) -> bool:
+        return self is not RankRole.ROLLOUT
+
+    @property
+    def generates(self) -> bool:
+        return self is not RankRole.TRAINING
+
+    @property
+    def label(self) -> str:
+        """How a message names such a rank's role ("" colocated, where every rank does everything)."""
+        return "" if self is RankRole.COLOCATED else self.value
 
 
 def resolve_device_type(requested: str = "auto") -> str:
@@ -213,14 +236,15 @@ class ParallelDims:
         """Whether ``rank`` holds a rollout engine (every rank when colocated)."""
         return not self.split or rank >= self.train_ranks
 
-    def role(self, rank: int) -> str:
-        """``rank``'s role under split placement ("training" or "rollout"); "" colocated, where a rank has
-        both."""
-        return "" if not self.split else "training" if self.trains(rank) else "rollout"
+    def role(self, rank: int) -> RankRole:
+        """``rank``'s role: colocated, or under split placement training or rollout."""
+        if not self.split:
+            return RankRole.COLOCATED
+        return RankRole.TRAINING if self.trains(rank) else RankRole.ROLLOUT
 
-    def roles(self) -> list[str]:
-        """Every role a rank may have (each its own memory plan): [""] colocated."""
-        return ["training", "rollout"] if self.split else [""]
+    def roles(self) -> list[RankRole]:
+        """Every role a rank may have (each its own memory plan)."""
+        return [RankRole.TRAINING, RankRole.ROLLOUT] if self.split else [RankRole.COLOCATED]
 
     def build(self) -> "ParallelDims":
         """Create the named meshes (collective: every rank must call it, whatever its role)."""

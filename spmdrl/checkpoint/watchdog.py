@@ -47,7 +47,7 @@ class Watchdog:
     """Heartbeats of this rank and the thread that ends it when they stop (no thread when disabled)."""
 
     def __init__(self, timeout_s: Optional[float], rank: int, world_size: int = 1, role: str = "") -> None:
-        """``role``: what the rank does, named when it fires (split placement: "rollout", "training")."""
+        """``role``: what the rank does, named when it fires (``RankRole.label``: "" colocated)."""
         self.timeout_s = float(timeout_s or 0)  # 0 or None: off
         self.rank = rank
         self.who = f"rank {rank} ({role} rank)" if role else f"rank {rank}"

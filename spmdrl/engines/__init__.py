@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
+from spmdrl.engines.base import LossFn, LossScale, ModelRole, TrainEngine
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -99,7 +99,7 @@ def build_engine(
     cfg: "Config",
     model_path: str,
     *,
-    role: Role,
+    role: ModelRole,
     dims: "ParallelDims",
     device: torch.device,
     total_steps: int | None = None,
@@ -115,5 +115,5 @@ def build_engine(
     )
 
 
-__all__ = ["ENGINES", "READERS", "CheckpointReader", "LossFn", "LossScale", "Role", "TrainEngine",
+__all__ = ["ENGINES", "READERS", "CheckpointReader", "LossFn", "LossScale", "ModelRole", "TrainEngine",
            "build_engine", "checkpoint_reader", "engine_class"]

@@ -65,7 +65,8 @@ class LossScale:
     # No DP correction here: an engine whose gradient reduction averages (FSDP2) scales its own backward.
 
 
-Role = Literal["actor", "ref", "critic", "reward"]
+# Which model an engine holds (not a rank's role in the run: spmdrl.parallel.RankRole).
+ModelRole = Literal["actor", "ref", "critic", "reward"]
 
 
 # What an FSDP2 run adds to the process after its config is checked: torch.distributed, the transformers
@@ -103,7 +104,7 @@ def loss_metric_means(keys: list[str], totals: torch.Tensor, shares: set[str], n
 class TrainEngine(abc.ABC):
     """One model on this rank's share of the training mesh; see the module docstring for the contract."""
 
-    role: Role
+    role: ModelRole
     model: nn.Module
     optimizer: Optional[torch.optim.Optimizer]  # None for a frozen engine (reference, reward model)
     scheduler: Optional[torch.optim.lr_scheduler.LambdaLR]  # with the optimizer
@@ -136,7 +137,7 @@ class TrainEngine(abc.ABC):
     def from_config(
         cls,
         cfg: "Config",
-        role: Role,
+        role: ModelRole,
         *,
         model_path: str,
         dims: "ParallelDims",

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Optional
 
 from spmdrl.config.shape import ModelShape
 from spmdrl.errors import ConfigError
+from spmdrl.parallel import RankRole
 from spmdrl.plan.budget import budget_bytes, device_total, process_bytes
 from spmdrl.plan.estimate import GB, Sizes
 from spmdrl.plan.phases import PHASES, Model, rollout_phases, step_phases
@@ -62,7 +63,7 @@ class Plan:
     checkpointing: bool
     kv_fraction: float | None  # gpu_memory_utilization for a library engine on a GPU; None: not decided
     decisions: list[str] = field(default_factory=list)
-    role: str = ""  # split placement: the role of the ranks planned for ("training", "rollout")
+    role: RankRole = RankRole.COLOCATED  # the role of the ranks planned for
     other_roles: dict[str, dict] = field(default_factory=dict)  # split placement: the others' summaries
 
     def peak(self, phase: str) -> float:
@@ -75,7 +76,7 @@ class Plan:
             need = self.peak(phase)
             if need > limit:
                 return (f"the memory plan finds that the {phase} phase needs {need / GB:.1f} GB on each "
-                        f"{self.role + ' ' if self.role else ''}rank "
+                        f"{self.role.label + ' ' if self.role.label else ''}rank "
                         f"but a rank has {limit / GB:.1f} GB of this {self.device}'s memory "
                         f"({self.budget / GB:.1f} GB less a {MARGIN:.0%} margin); {_remedy(phase)} "
                         f"(--trainer.plan_only true prints the plan)")
@@ -102,7 +103,7 @@ class Plan:
 
     def summary(self) -> dict:
         """The plan as JSON (plan.json beside metrics.jsonl): GB per component and phase, the decisions."""
-        return {"device": self.device, "role": self.role, "budget_gb": self.budget / GB,
+        return {"device": self.device, "role": self.role.value, "budget_gb": self.budget / GB,
                 "peak_gb": {p: self.peak(p) / GB for p in self.phases},
                 "phases_gb": {p: {k: v / GB for k, v in c.items()} for p, c in self.phases.items()},
                 "decisions": self.decisions, "offload": self.offload,
@@ -114,9 +115,9 @@ class Plan:
         components = list(dict.fromkeys(k for p in self.phases.values() for k, v in p.items() if v))
         names = [p for p in PHASES if p in self.phases]
         width = max(len(c) for c in components + ["component"])
-        whose = f"each {self.role} rank" if self.role else "each rank"
-        lines = [f"memory plan, GB per {self.role + ' ' if self.role else ''}rank on {self.device} "
-                 f"({self.budget / GB:.1f} GB for {whose}):",
+        role = self.role.label + " " if self.role.label else ""
+        lines = [f"memory plan, GB per {role}rank on {self.device} "
+                 f"({self.budget / GB:.1f} GB for each {role}rank):",
                  f"  {'component':<{width}} " + " ".join(f"{p:>11}" for p in names)]
         for c in components:
             cells = [f"{self.phases[p][c] / GB:11.3f}" if self.phases[p].get(c) else " " * 11 for p in names]
@@ -162,26 +163,28 @@ def models(cfg: "Config", world_size: int) -> list[Model]:
     return out
 
 
-def make_plans(cfg: "Config", world_size: int, local_ranks: int, device_type: str) -> dict[str, Plan]:
-    """Every role's plan (``make_plan``): one colocated ("" ), two under split placement ("training",
-    "rollout"), each carrying the others' summaries (plan.json holds them all)."""
+def make_plans(cfg: "Config", world_size: int, local_ranks: int, device_type: str) -> dict[RankRole, Plan]:
+    """Every role's plan (``make_plan``): one colocated, two under split placement (training, rollout),
+    each carrying the others' summaries (plan.json holds them all)."""
     from spmdrl.parallel import ParallelDims
 
     plans = {role: make_plan(cfg, world_size, local_ranks, device_type, role)
              for role in ParallelDims.of(cfg, world_size).roles()}
     for role, plan in plans.items():
-        plan.other_roles = {other: p.summary() for other, p in plans.items() if other != role}
+        plan.other_roles = {other.value: p.summary() for other, p in plans.items() if other != role}
     return plans
 
 
-def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str, role: str = "") -> Plan:
+def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str,
+              role: RankRole = RankRole.COLOCATED) -> Plan:
     """The plan of ``cfg`` on ``world_size`` ranks, ``local_ranks`` of them on this node's device (the
-    host's memory on CPU), for a rank of ``role`` (``ParallelDims.role``: "" colocated; under split
-    placement "training" or "rollout", each holding only its own part)."""
+    host's memory on CPU), for a rank of ``role`` (``ParallelDims.role``; under split placement each role
+    holds only its own part)."""
     from spmdrl.parallel import ParallelDims
     from spmdrl.rollout import rollout_engine_class
 
     dims = ParallelDims.of(cfg, world_size)
+    role = RankRole(role)
     assert role in dims.roles(), (role, dims.roles())
     sizes = Sizes.of(cfg, device_type)
     run_models = models(cfg, world_size)
@@ -189,8 +192,8 @@ def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str
                                                               dims.rollout_dp, dims.rollout_tp)
     runtime = 0.0
     if device_type == "cpu":  # the process, and what the engine and the training backend add to it
-        backend = run_models[0].layout.runtime_bytes if role != "rollout" else ROLLOUT_RANK_RUNTIME_BYTES
-        runtime = process_bytes() + (engine.runtime if role != "training" else 0.0) + backend
+        backend = run_models[0].layout.runtime_bytes if role.trains else ROLLOUT_RANK_RUNTIME_BYTES
+        runtime = process_bytes() + (engine.runtime if role.generates else 0.0) + backend
     budget = budget_bytes(device_type, local_ranks)
     # A split placement's training ranks hold no engine, only the bucket they send; while the update runs
     # under staleness 1+, training rank 0 still holds the buckets being sent (up to the whole model).
@@ -199,11 +202,11 @@ def make_plan(cfg: "Config", world_size: int, local_ranks: int, device_type: str
     in_flight = whole if cfg.rollout.max_staleness >= 1 else 0.0
 
     def phases(offload: bool, checkpointing: bool) -> dict[str, dict[str, float]]:
-        if role == "rollout":
+        if not role.trains:
             return rollout_phases(engine, runtime, whole)
-        out = step_phases(run_models, sending if role else engine, cfg, sizes, runtime, dims.train_ranks,
-                          offload=offload, checkpointing=checkpointing)
-        if role:  # no rollout phase, no engine
+        out = step_phases(run_models, engine if role.generates else sending, cfg, sizes, runtime,
+                          dims.train_ranks, offload=offload, checkpointing=checkpointing)
+        if not role.generates:  # no rollout phase, no engine
             del out["rollout"]
             out = {name: {k: v for k, v in held.items() if not k.startswith("engine")}
                    for name, held in out.items()}

@@ -21,10 +21,10 @@ order. The sources:
 
 A new source is one more entry in ``build_rewards``.
 
-Under split placement (spmdrl/split.py) the sources are divided by role: the
-rollout ranks hold those that need no trained model (``role="rollout"``: their
+Under split placement (spmdrl/split/) the sources are divided by role: the
+rollout ranks hold those that need no trained model (``RankRole.ROLLOUT``: their
 sum is the batch's ``scores`` as sent, 0 where the reward model is the only
-source) and the training ranks the reward model (``role="training"``), whose
+source) and the training ranks the reward model (``RankRole.TRAINING``), whose
 weighted score they add to the rows they train on. Where the score is needed
 as responses are generated (``scored_at_rollout``: DAPO's dynamic sampling
 keeps groups by it, ReMax scores a greedy baseline) the rollout ranks ask the
@@ -43,11 +43,11 @@ import torch.distributed as dist
 from spmdrl.algos.dapo import overlong_penalty
 from spmdrl.batch import Batch
 from spmdrl.errors import ConfigError
+from spmdrl.parallel import ParallelDims, RankRole
 from spmdrl.reward.rule import RewardManager, decode_responses
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
-    from spmdrl.parallel import ParallelDims
     from spmdrl.reward.model import RewardModelScorer
 
 
@@ -269,37 +269,33 @@ class OverlongPenalty:
                                              buffer_len=self.buffer_len, penalty_factor=self.penalty_factor))
 
 
-ROLES = ("all", "rollout", "training")
-
-
 def build_rewards(cfg: "Config", dims: "ParallelDims", device: torch.device, tokenizer: Any,
-                  role: str = "all") -> Optional[Rewards]:
+                  role: RankRole = RankRole.COLOCATED) -> Optional[Rewards]:
     """The sources the config enables, in the order they are summed (collective over the ranks of
-    ``role``). ``role``: which sources this rank holds: "all" (colocated), "rollout" (split placement's
-    rollout ranks: those that need no trained model) or "training" (its training ranks: the reward model,
-    or None without one). A reward file that does not import, or names no such function, is a
-    ConfigError."""
-    assert role in ROLES, role
-    if role == "training" and not cfg.reward_model.enable:
+    ``role``). ``role``: which sources this rank holds: every one (colocated), those that need no trained
+    model (split placement's rollout ranks) or the reward model (its training ranks; None without one). A
+    reward file that does not import, or names no such function, is a ConfigError."""
+    if role is RankRole.TRAINING and not cfg.reward_model.enable:
         return None
     try:
-        return Rewards(_sources(cfg, dims, device, role), tokenizer,
-                       partial=role == "rollout" and cfg.reward_model.enable and not scored_at_rollout(cfg))
+        partial = role is RankRole.ROLLOUT and cfg.reward_model.enable and not scored_at_rollout(cfg)
+        return Rewards(_sources(cfg, dims, device, role), tokenizer, partial=partial)
     except (ValueError, FileNotFoundError, ImportError, AttributeError) as err:
         raise ConfigError(str(err)) from err
 
 
-def _sources(cfg: "Config", dims: "ParallelDims", device: torch.device, role: str) -> list[RewardSource]:
+def _sources(cfg: "Config", dims: "ParallelDims", device: torch.device, role: RankRole
+             ) -> list[RewardSource]:
     rm = cfg.reward_model
-    if role == "training":
+    if role is RankRole.TRAINING:
         return [_model_source(cfg, dims, device)]
     sources: list[RewardSource] = []
     rule_weight = rm.rule_weight if rm.enable else 1.0
     if rule_weight != 0:
         sources.append(RuleReward(RewardManager.from_config(cfg.reward), rule_weight, report_mean=rm.enable))
-    if rm.enable and role == "all":
+    if rm.enable and role is RankRole.COLOCATED:
         sources.append(_model_source(cfg, dims, device))
-    elif role == "rollout" and scored_at_rollout(cfg):  # the training ranks' model, asked (same place)
+    elif role is RankRole.ROLLOUT and scored_at_rollout(cfg):  # the training ranks' model, asked (same place)
         sources.append(AskedModelReward(rm.rm_weight))
     if cfg.rollout.multi_turn.enable:
         sources.append(ToolReward())

@@ -59,7 +59,7 @@ def planned_vs_measured(out: Path) -> dict[str, tuple[float, float]]:
     def last(key: str) -> float:  # the last step that measured it (the last step sends no weights)
         return next(r[key] for r in reversed(rows) if key in r)
 
-    if plan["role"] == "":
+    if plan["role"] == "colocated":
         return {p: (gb, last(f"memory/{p}_peak_gb")) for p, gb in plan["peak_gb"].items()}
     pairs = {p: (gb, last(f"memory/{'weight_send' if p == 'weight_sync' else p}_peak_gb"))
              for p, gb in plan["peak_gb"].items()}

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, Role, TrainEngine
+from spmdrl.engines.base import LossFn, LossScale, ModelRole, TrainEngine
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.fsdp2.lm_head import install_fused_head
 from spmdrl.engines.fsdp2.lora import (
@@ -92,7 +92,7 @@ def resolve_attn_implementation(name: str, device_type: str, max_len: int) -> st
     return "eager" if device_type == "cpu" and max_len <= 2048 else "sdpa"
 
 
-def _mixed_precision(role: Role, dtype: torch.dtype, param_dtype: torch.dtype | str | None,
+def _mixed_precision(role: ModelRole, dtype: torch.dtype, param_dtype: torch.dtype | str | None,
                      reduce_dtype: torch.dtype | str | None
                      ) -> tuple[torch.dtype, torch.dtype | None, torch.dtype | None]:
     """(weight dtype, FSDP ``param_dtype``, FSDP ``reduce_dtype``) of a ``role`` model whose master weights
@@ -142,7 +142,7 @@ class FSDP2Engine(TrainEngine):
         self,
         model_path: str,
         *,
-        role: Role,
+        role: ModelRole,
         dp_mesh: DeviceMesh,
         tp_mesh: DeviceMesh | None = None,
         device: torch.device | str = "cpu",
@@ -214,7 +214,7 @@ class FSDP2Engine(TrainEngine):
             )
 
     @staticmethod
-    def _load(model_path: str, role: Role, dtype: torch.dtype, seed: int, attn: str) -> nn.Module:
+    def _load(model_path: str, role: ModelRole, dtype: torch.dtype, seed: int, attn: str) -> nn.Module:
         from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
         # Every rank loads the full weights on the CPU; fully_shard then keeps only its shard on the device.
@@ -258,7 +258,7 @@ class FSDP2Engine(TrainEngine):
     def from_config(
         cls,
         cfg: "Config",
-        role: Role,
+        role: ModelRole,
         *,
         model_path: str,
         dims: "ParallelDims",

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
-from spmdrl.engines.base import Layout, LossFn, LossScale, Role, TrainEngine, loss_metric_means
+from spmdrl.engines.base import Layout, LossFn, LossScale, ModelRole, TrainEngine, loss_metric_means
 from spmdrl.engines.logprobs import token_outputs
 from spmdrl.engines.megatron.convert import (
     HFArch,
@@ -106,7 +106,7 @@ class MegatronEngine(TrainEngine):
         self,
         model_path: str,
         *,
-        role: Role,
+        role: ModelRole,
         dims: "ParallelDims",
         device: torch.device | str = "cpu",
         param_dtype: torch.dtype = torch.float32,
@@ -257,7 +257,7 @@ class MegatronEngine(TrainEngine):
     def from_config(
         cls,
         cfg: "Config",
-        role: Role,
+        role: ModelRole,
         *,
         model_path: str,
         dims: "ParallelDims",
