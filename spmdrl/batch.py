@@ -152,6 +152,16 @@ def from_generation(gen: "GenerationOutput", prompt_index: torch.Tensor) -> Batc
     )
 
 
+def add_scores(batch: "Batch", scores: torch.Tensor) -> None:
+    """``scores`` [N] added to the rows' ``scores`` (they become them where the batch has none yet: its first
+    source), and the sum placed as ``token_rewards`` [N, R] (one place for every scorer of a batch: the
+    rollout's sources, then under split placement the training ranks' reward model)."""
+    if "scores" in batch:
+        scores = batch["scores"] + scores.to(batch["scores"].device)
+    batch["scores"] = scores
+    batch["token_rewards"] = place_scores(scores, batch["response_mask"])
+
+
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Token rewards [N, R]: each sequence score [N] on its last generated token (the mask may have interior
     zeros: tool output inside a multi-turn response)."""

@@ -20,8 +20,10 @@ agreement on how many groups every rank keeps and a reward model's forward.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,13 +31,14 @@ import torch.distributed as dist
 from spmdrl.agent.rollout import ToolAgent, annotate, multi_turn_metrics
 from spmdrl.algos.dapo import filter_groups
 from spmdrl.algos.registry import ADVANTAGES
-from spmdrl.batch import Batch, from_generation, place_scores
+from spmdrl.batch import Batch, add_scores, from_generation
 from spmdrl.errors import ConfigError
 from spmdrl.parallel import rollout_tp_rank
 from spmdrl.rollout import rollout_engine_class
 from spmdrl.rollout.base import SamplingParams, eos_ids_from_folder, sleep_level
+from spmdrl.rollout.generations import dump_generations
 from spmdrl.rollout.sampling import response_key
-from spmdrl.rollout.session import RolloutSession
+from spmdrl.rollout.session import Export, RolloutSession
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
     from spmdrl.metrics import PhaseTimer
     from spmdrl.parallel import ParallelDims
     from spmdrl.reward.sources import Rewards
+
+log = logging.getLogger("spmdrl")
 
 
 # Streams of sampling keys: a training step's rollouts and a validation's draw different noise.
@@ -76,10 +81,11 @@ class Experience:
     @classmethod
     def from_config(cls, cfg: "Config", dims: "ParallelDims", device: torch.device, tokenizer: Any,
                     rewards: "Rewards", timer: "PhaseTimer", *,
-                    export_weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> "Experience":
+                    export_weights: Optional[Export]) -> "Experience":
         """This rank's rollout engine (``rollout.engine``, on the rollout mesh) behind its session, the
         multi-turn agent when tools are on, and ``rewards``; ``export_weights`` streams the actor's weights
-        into the engine when they are stale."""
+        into the engine when they are stale (None: split placement's rollout ranks, which load the weights
+        the training ranks send)."""
         eos_ids = eos_ids_from_folder(cfg.model.path, tokenizer.eos_token_id)
         engine = rollout_engine_class(cfg.rollout.engine).from_config(
             cfg, cfg.model.path, mesh=dims.rollout_mesh, device=device,
@@ -131,8 +137,7 @@ class Experience:
         """The weighted sum of the reward sources into ``scores`` [N] and ``token_rewards`` [N, R]; a scorer's
         per-response extra values (``acc``, ``pred``, ...) into ``extras`` when given (validation votes)."""
         result = self.rewards(batch)
-        batch["scores"] = result.scores
-        batch["token_rewards"] = place_scores(result.scores, batch["response_mask"])
+        add_scores(batch, result.scores)
         if extras is not None:
             extras.update(result.extra)
         self._check_failures(result.errors, len(batch))
@@ -164,6 +169,35 @@ class Experience:
         """This rank's reward failures since the last call (one warning per step says them)."""
         out, self.failures = self.failures, []
         return out
+
+    def close(self) -> None:
+        """Stop the reward and tool workers (the engine closes once every rank is past its collectives)."""
+        self.rewards.close()
+        if self.agent is not None:
+            self.agent.close()
+
+    def warn_failures(self, step: int, rank: int) -> None:
+        """Sporadic reward failures of ``step``: it trains on, with one line saying so (reward/num_errors
+        counts them); a function failing on every response already stopped the run (``score``)."""
+        failures = self.pop_failures()
+        if failures:
+            log.warning("step %d: %d rewards failed on rank %d and scored 0 (first: %s)", step, len(failures),
+                        rank, failures[0])
+
+    def step_batch(self, loader: Iterator[list["PromptItem"]], step: int, tokenizer: Any,
+                   dump_to: Optional[Path] = None) -> tuple[Batch, dict[str, float]]:
+        """Step ``step``'s scored batch of this rank's share, the rollout half of every step (colocated, and
+        on split placement's rollout ranks): the loader's next prompts, generated and scored (DAPO's rounds
+        draw more of them), written to ``dump_to`` (verl's generation dump), with its batch metrics."""
+        with self.timer.phase("data"):
+            prompts = next(loader)
+        self.step = step  # part of every sampling key: the same samples on any world size and placement
+        batch, metrics = self.produce(prompts, more_prompts=loader)
+        if dump_to is not None:
+            with self.timer.phase("dump"):
+                dump_generations(batch, tokenizer, step, dump_to, self.group)
+        metrics.update(batch_metrics(batch))
+        return batch, metrics
 
     def produce(self, prompts: list["PromptItem"], more_prompts: Iterator[list["PromptItem"]]
                 ) -> tuple[Batch, dict[str, float]]:

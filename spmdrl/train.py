@@ -66,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             heap.return_large_frees()
         _, world_size = init_distributed(device_type, collective_timeout_s(cfg.trainer.hang_timeout_s))
         dims = ParallelDims.of(cfg, world_size, device_type=device_type).build()
-        # Split placement: rollout and training on their own ranks, overlapped (spmdrl/split.py).
+        # Split placement: rollout and training on their own ranks, overlapped (spmdrl/split/).
         (run_split if dims.split else run)(cfg, dims, plan)
         finished = True
     except ConfigError as err:

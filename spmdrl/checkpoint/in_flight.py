@@ -4,7 +4,7 @@ version, last, the rollout's metrics).
 
 Under staleness s >= 1 the batches of steps k+1 .. k+s after a checkpoint at step k were generated with
 weights the checkpoint no longer holds (updates k-s .. k-1), so they cannot be regenerated from it: they are
-saved with it, and the resumed run trains on them first, as the uninterrupted run did (spmdrl/split.py).
+saved with it, and the resumed run trains on them first, as the uninterrupted run did (spmdrl/split/).
 
     in_flight/batch.json          {"batches": [{"non_tensor": its lists, "info": its info}, ...]}
     in_flight/batch{i}.safetensors  batch i's tensors (every training rank's rows, in rollout order)

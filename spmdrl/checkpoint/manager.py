@@ -119,7 +119,7 @@ class CheckpointManager:
         """``cfg`` with ``builtin:`` paths resolved (its model folder's config and generation config are
         copied into each checkpoint); ``config_text``: the config as the user gave it (default: ``cfg``);
         ``group``: the ranks that save (a CPU group whose rank 0 is the world's; default the world: under
-        split placement the training ranks, spmdrl/split.py)."""
+        split placement the training ranks, spmdrl/split/)."""
         for name, part in parts.items():
             if layout_of(part) not in LAYOUTS:
                 raise ValueError(f"checkpoint part {name!r} has checkpoint_layout {layout_of(part)!r}; "

@@ -254,7 +254,7 @@ class EngineMemory:
 class RolloutEngine(abc.ABC):
     """One in-process generation engine per rank (one rollout DP x TP coordinate)."""
 
-    # Whether it runs on split placement's rollout ranks (rollout.placement split, spmdrl/split.py): the
+    # Whether it runs on split placement's rollout ranks (rollout.placement split, spmdrl/split/): the
     # engine builds on the rollout mesh alone and takes the weights the training ranks send.
     runs_split: bool = False
 

@@ -30,8 +30,10 @@ class RolloutSession:
     and after a level-2 sleep freed them.
     """
 
-    def __init__(self, engine: RolloutEngine, export: Callable[[], Iterable[tuple[str, torch.Tensor]]], *,
-                 sleep_level: int, colocate: bool, tp_rank: int = 0, tp: int = 1):
+    def __init__(self, engine: RolloutEngine, export: Optional[Export], *, sleep_level: int, colocate: bool,
+                 tp_rank: int = 0, tp: int = 1):
+        """``export``: the actor's weights when they are stale (None: a split placement's rollout rank, whose
+        weights arrive with ``actor_changed(export)``)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level is {sleep_level}; valid levels: 1, 2")
         if not 0 <= tp_rank < tp:
@@ -76,6 +78,8 @@ class RolloutSession:
         with sync_phase():
             self.engine.wake_up(("weights",))
             if self.stale:
+                if self._export is None:
+                    raise RuntimeError("the rollout engine's weights are stale and nothing exports new ones")
                 self.engine.update_weights(self._export())
                 self.stale = False
             self.engine.wake_up(("kv_cache",))

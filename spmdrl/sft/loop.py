@@ -11,11 +11,10 @@ so 1 and k ranks agree; val/loss is the token-mean NLL of the validation rows, s
 
 from __future__ import annotations
 
-import logging
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,23 +22,19 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.checkpoint.hf_folder import write_hf_folder
-from spmdrl.checkpoint.manager import CheckpointManager
 from spmdrl.checkpoint.preemption import Preemption
 from spmdrl.checkpoint.rng import RNGState
-from spmdrl.checkpoint.run_folder import set_aside_earlier_run
 from spmdrl.config import dump_config, output_dir
 from spmdrl.data import PromptLoader, data_files
 from spmdrl.engines import build_engine
 from spmdrl.engines.base import LossFn, TrainEngine
 from spmdrl.errors import ConfigError
-from spmdrl.metrics import MetricsSink, reduce_metrics
+from spmdrl.metrics import reduce_metrics
 from spmdrl.objectives import sft_loss_fn
 from spmdrl.parallel import ParallelDims, device_for_rank
-from spmdrl.plot import plot_run
+from spmdrl.run.upkeep import StepEnd, Validation, checkpoints, open_output
 from spmdrl.sft.config import SFTConfig, engine_config, resolve_sft_builtins
 from spmdrl.sft.data import SFTDataset, collate, val_batches
-
-log = logging.getLogger("spmdrl")
 
 
 @dataclass
@@ -58,6 +53,7 @@ class SFTRun:
     engine: TrainEngine
     total_steps: int
     loss: LossFn
+    validation: Validation  # when validation is due: as verl's SFT trainer, always at the last step
     step: int = 0
 
     @property
@@ -95,7 +91,8 @@ def build(user_cfg: SFTConfig, dims: ParallelDims) -> SFTRun:
               flush=True)
     return SFTRun(cfg=cfg, config_text=config_text, dims=dims, device=device, rank=rank, out_dir=out_dir,
                   tokenizer=tokenizer, loader=loader, val_data=val, engine=engine, total_steps=total_steps,
-                  loss=sft_loss_fn())
+                  loss=sft_loss_fn(),
+                  validation=Validation.of(cfg.trainer, val is not None, at_last_step=True))
 
 
 def train_step(r: SFTRun) -> dict[str, float]:
@@ -162,44 +159,29 @@ def _write_hf(r: SFTRun, weights, out: Path) -> None:
 
 
 def run(cfg: SFTConfig, dims: ParallelDims) -> None:
+    """Build, resume, validate first when asked, then steps until the last one or a stop; the trained model
+    as a Hugging Face folder at the end."""
     r = build(cfg, dims)
-    preemption = Preemption()  # SIGTERM/SIGUSR1: checkpoint and stop at the next step boundary
-    parts = {"actor": r.engine, "data": r.loader, "rng": RNGState(None, r.device, cfg.trainer.seed)}
-    ckpt = CheckpointManager(r.out_dir, parts, cfg=r.cfg, total_steps=r.total_steps, tokenizer=r.tokenizer,
-                             config_text=r.config_text)
-    resumed = ckpt.resume()
-    if resumed is not None:
+    rng = RNGState(None, r.device, cfg.trainer.seed)
+    ckpt = checkpoints(r, {"actor": r.engine, "data": r.loader, "rng": rng})
+    resumed = ckpt.resume() is not None
+    if resumed:
         r.step = ckpt.resumed_step
-    if r.rank == 0:
-        r.out_dir.mkdir(parents=True, exist_ok=True)
-        if resumed is None:  # a fresh start keeps an earlier run's files (under previous/), never overwrites
-            set_aside_earlier_run(r.out_dir)
-        (r.out_dir / "config.yaml").write_text(r.config_text)
-    t = cfg.trainer
-    sink = MetricsSink(r.out_dir, t.logger, r.total_steps, rank=r.rank, progress_bar=t.progress_bar,
-                       project=t.project_name, experiment=t.experiment_name, config=asdict(cfg),
-                       initial_step=r.step, name="sft")
-    stop = False
+    sink = open_output(r, resumed, name="sft")
+    # SIGTERM/SIGUSR1: checkpoint and stop at the next step boundary.
+    end = StepEnd(r, sink, ckpt, Preemption())
+    going = not cfg.trainer.val_only
     try:
-        if t.val_only or (t.val_before_train and r.step == 0):
+        if r.validation.first(r.step):
             sink.log(r.step, validate(r))
-        while r.step < r.total_steps and not t.val_only:
+        while going and r.step < r.total_steps:
             metrics = train_step(r)
             r.step += 1
-            if r.step == r.total_steps or (t.test_freq > 0 and r.step % t.test_freq == 0):
+            last = r.step == r.total_steps
+            if r.validation.due(r.step, last):
                 metrics.update(validate(r))
-            sink.log(r.step, metrics)
-            stop = preemption.stop_requested(r.step)
-            if ckpt.due(r.step) or stop:
-                ckpt.save(r.step)
-            f = t.plot_freq
-            if r.rank == 0 and f > 0 and (r.step % f == 0 or r.step == r.total_steps or stop):
-                plot_run(r.out_dir)
-            if stop:
-                log.warning("stopping after step %d on a preemption signal; resume picks up from here",
-                            r.step)
-                break
+            going = end(r.step, metrics, last=last)
     finally:
         sink.close()
-    if not stop and not t.val_only:
+    if not end.stopped and not cfg.trainer.val_only:
         export_hf(r)

@@ -21,17 +21,20 @@ def main(results: str, argv: list[str]) -> None:
     from spmdrl.config.checks import validate_config
     from spmdrl.config.parse import parse_config
     from spmdrl.experience import batch_metrics
-    from spmdrl.loop import build, learn
     from spmdrl.metrics import reduce_metrics
     from spmdrl.parallel import ParallelDims, init_distributed
     from spmdrl.precision import resolve_dtype
+    from spmdrl.run.build import ColocatedRun, build
+    from spmdrl.run.learn import learn
 
     cfg, _ = parse_config(argv)
     validate_config(cfg, 1)
     init_distributed("cpu")
     r = build(cfg, ParallelDims.of(cfg, 1).build())
+    assert isinstance(r, ColocatedRun)
     dtype = resolve_dtype(cfg.rollout.dtype, "cpu")
-    versions = [[(k, v.clone()) for k, v in r.actor.export_weights(dtype)]]  # versions[u]: after update u
+    # versions[u]: the weights after update u
+    versions = [[(k, v.clone()) for k, v in r.training.actor.export_weights(dtype)]]
     rows = []
     for step in range(1, r.total_steps + 1):
         weights = versions[max(0, step - 1 - cfg.rollout.max_staleness)]
@@ -39,14 +42,13 @@ def main(results: str, argv: list[str]) -> None:
         r.experience.step = step
         batch, metrics = r.experience.produce(next(r.train_loader), more_prompts=r.train_loader)
         metrics.update(batch_metrics(batch))
-        learned, _ = learn(r, batch, bypass=True)
+        learned, _ = learn(r, r.training, batch, bypass=True)
         metrics.update(learned)
         rows.append({"step": step, **reduce_metrics(metrics, r.group)})
-        versions.append([(k, v.clone()) for k, v in r.actor.export_weights(dtype)])
+        versions.append([(k, v.clone()) for k, v in r.training.actor.export_weights(dtype)])
     with open(results, "w") as f:
         json.dump(rows, f)
-    r.watchdog.close()
-    r.experience.rewards.close()
+    r.close()
     r.experience.session.engine.close()
     dist.destroy_process_group()
 

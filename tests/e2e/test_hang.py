@@ -74,4 +74,4 @@ def test_a_stalled_rollout_rank_is_named_by_its_role_under_split_placement(tmp_p
     assert re.search(rf"rank 1 \(rollout rank\) made no progress in phase reward for {HANG_S}\d? s", log)
     # The training rank waits for the batch: its own watchdog names its role and that wait.
     assert "rank 0 (training rank) made no progress in phase wait_rollout" in log
-    assert "in compute_score" in log and "spmdrl/split.py" in log
+    assert "in compute_score" in log and "spmdrl/split/rollout_role.py" in log

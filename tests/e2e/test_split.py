@@ -1,4 +1,4 @@
-"""Split placement end to end (spmdrl/split.py): rollout ranks and training ranks, one program.
+"""Split placement end to end (spmdrl/split/): rollout ranks and training ranks, one program.
 
 - max_staleness 0 (the rollout waits for each update) on 1 rollout + 1 training rank is the colocated run
   on 1 rank: the same samples (keyed by prompt, not rank) and the same updates, float32, every metric,

@@ -1,4 +1,4 @@
-"""Split placement's checkpoints end to end (spmdrl/split.py): 1 rollout + 1 training rank under torchrun,
+"""Split placement's checkpoints end to end (spmdrl/split/): 1 rollout + 1 training rank under torchrun,
 off-policy by one update and by two, the tiny GRPO config.
 
     full       4 steps, checkpoints at 2 and 4                                     (the reference)

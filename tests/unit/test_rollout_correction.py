@@ -128,7 +128,7 @@ def test_no_diagnostics_under_top_p_or_top_k(truncation):
     (rollout/sampling.py): neither the one-pass loss nor the loop logs rollout_corr/* then."""
     from types import SimpleNamespace
 
-    from spmdrl.loop import _rollout_correction
+    from spmdrl.run.learn import _rollout_correction
 
     cfg = Config()
     setattr(cfg.rollout, *truncation)
