@@ -44,7 +44,8 @@ CPU_KERNEL_NAMES = (
     "fill_bonus_tokens_cpu", "fill_accept_out_cache_loc_cpu", "rotate_input_ids_cpu",
     "build_draft_decode_metadata_cpu",
 )
-# torchvision's C++ schemas of the two ops its _meta_registrations.py registers fake kernels for by name.
+# torchvision's C++ schemas of the two ops that torchvision/_meta_registrations.py registers fake kernels
+# for by name.
 TORCHVISION_SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
                        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 _libraries: list = []  # torch.library.Library objects: a definition lives as long as its Library

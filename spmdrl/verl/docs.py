@@ -85,7 +85,7 @@ def render_docs() -> str:
         " and maps them onto spmdrl's config through the",
         "table below. `--print_config` shows the resolved spmdrl config. Precedence, lowest first:",
         "",
-        "1. spmdrl's defaults (`spmdrl/config.py`);",
+        "1. spmdrl's defaults (`spmdrl/config/sections.py`);",
         "2. verl's defaults listed below, only when the run is given in verl terms and without `--config`",
         "   (so a verl command line means what it means in verl:"
         " no `algorithm.adv_estimator` is PPO with a critic);",

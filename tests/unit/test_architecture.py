@@ -116,12 +116,12 @@ SHARED = ("spmdrl.batch", "spmdrl.precision", "spmdrl.parallel", "spmdrl.config"
           "spmdrl.cache")
 BACKENDS = {
     "spmdrl.engines.fsdp2": ("spmdrl.engines.base", "spmdrl.engines.optim", "spmdrl.engines.logprobs",
-                             "spmdrl.engines.gather", "spmdrl.checkpoint.safe_load", "spmdrl.algos.registry"),
+                             "spmdrl.checkpoint.safe_load", "spmdrl.algos.registry"),
     # Megatron's config check reads a built-in model's shapes before the model is built (tp x pp must cut
     # it).
     "spmdrl.engines.megatron": ("spmdrl.engines.base", "spmdrl.engines.optim", "spmdrl.engines.logprobs",
-                                "spmdrl.engines.gather", "spmdrl.checkpoint.safe_load",
-                                "spmdrl.algos.registry", "spmdrl.builtin.models"),
+                                "spmdrl.checkpoint.safe_load", "spmdrl.algos.registry",
+                                "spmdrl.builtin.models"),
     "spmdrl.rollout.native": ("spmdrl.rollout.base", "spmdrl.rollout.sampling",
                               "spmdrl.rollout.weight_store"),
     "spmdrl.rollout.hf": ("spmdrl.rollout.base", "spmdrl.rollout.sampling", "spmdrl.rollout.weight_store"),
@@ -129,6 +129,8 @@ BACKENDS = {
     # weights' byte buckets split placement's exchange uses too.
     "spmdrl.rollout.vllm": ("spmdrl.rollout.base", "spmdrl.rollout.sampling", "spmdrl.rollout.vllm_worker",
                             "spmdrl.rollout.flat"),
+    # sglang_cpu is not imported by spmdrl: .venv-sglang's .pth file loads it in every SGLang process.
+    "spmdrl.rollout.sglang": ("spmdrl.rollout.base", "spmdrl.rollout.sampling"),
 }
 
 

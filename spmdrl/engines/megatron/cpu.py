@@ -41,9 +41,10 @@ Everything else the engine needs runs unchanged on gloo: ``initialize_model_para
 ``use_cpu_initialization``, TP linear layers (all-reduce, all-gather), and the
 PP schedules with ``batch_p2p_comm=False`` (plain ``isend``/``irecv``). Not
 bridged here: Megatron's DDP / distributed optimizer (contiguous grad buffers
-on the CUDA device, CUDA streams in ``param_and_grad_buffer.py``), which the
-engine does not use on any device, and sequence parallelism, which the engine
-does not implement yet (gloo itself has ``reduce_scatter_tensor`` in torch 2.13).
+on the CUDA device, CUDA streams in
+``megatron/core/distributed/param_and_grad_buffer.py``), which the engine does
+not use on any device, and sequence parallelism, which the engine does not
+implement yet (gloo itself has ``reduce_scatter_tensor`` in torch 2.13).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class NativeRollout(RolloutEngine):
         prepack: keep oneDNN-packed copies of the matmul weights while generating (faster
             on CPU, costs one more copy of the weights until ``sleep``); None = when this CPU and
             dtype support it (``precision.can_prepack``: never for bf16 without native bf16).
-        kernels: the C++ decode kernels of native_kernels.py: "auto" uses them when they build
+        kernels: the C++ decode kernels of kernels.py: "auto" uses them when they build
             and fit the model (CPU, float32/bfloat16), "on" raises when they cannot, "off" never.
     """
 

@@ -8,13 +8,13 @@ keeps per-step Python overhead low on CPU. Layout decisions, each for speed:
 - All weights are views into ONE flat buffer (``WeightStore``), so sleep/wake frees,
   offloads or restores a single storage while every view stays valid, and
   ``update_weights`` is an in-place ``copy_`` into a view: no reallocation.
-- The KV cache (native_cache.py) is one contiguous ``[L, rows, kv_heads, seq, head_dim]``
+- The KV cache (cache.py) is one contiguous ``[L, rows, kv_heads, seq, head_dim]``
   view per K and V; rows can be moved in one indexed copy for all layers at once.
 
 Numerics follow transformers (RMSNorm in fp32, RoPE tables built in fp32 and cast
 to the weight dtype, softmax in fp32) so fp32 logits agree to ~1e-6.
 
-With ``kernels`` on (native_kernels.py), RMSNorm and everything between the qkv
+With ``kernels`` on (kernels.py), RMSNorm and everything between the qkv
 and output matmuls of a decode step run as C++ kernels; the torch code below is
 the fallback and the reference they are tested against.
 """
@@ -292,7 +292,7 @@ class Decoder:
             optional = ("lm_head.weight",)
         self.weights = WeightStore([flat], slots, optional)
         self.scale = 1.0 / math.sqrt(d)
-        # C++ decode kernels (native_kernels.py); the engine turns them on after they load.
+        # C++ decode kernels (kernels.py); the engine turns them on after they load.
         self.kernels = False
         self.packed = False
         self.unpack()

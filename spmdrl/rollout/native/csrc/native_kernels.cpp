@@ -1,4 +1,4 @@
-// CPU kernels for the native rollout engine's decode step (see native_kernels.py for why and when).
+// CPU kernels for the native rollout engine's decode step (see kernels.py for why and when).
 //
 //   rms_norm          x [N, h] -> [N, h]: two passes per row instead of ~8 ATen kernels.
 //   decode_attention  per (row, kv head): q/k-norm, RoPE, K/V write at column `col`, scores, softmax,
@@ -6,7 +6,7 @@
 //   sample            per row: softmax(logits / T), the inverse-CDF draw of a given uniform and its
 //                     log-prob (or the argmax) -- the ~15 ops of sampling.py's untruncated path.
 //
-// Numerics follow the Python path (native_model.py), which follows transformers: statistics and
+// Numerics follow the Python path (model.py), which follows transformers: statistics and
 // softmax in fp32, activations rounded to the model dtype where transformers rounds them.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
