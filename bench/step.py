@@ -53,7 +53,7 @@ def spmdrl_run(model: str, run: tuple, a: argparse.Namespace, tmp: Path) -> list
         "--data.train_batch_size", str(a.prompts), "--actor.ppo_mini_batch_size", str(a.prompts),
         "--rollout.n", str(a.n), "--data.max_response_length", str(a.new_tokens),
         "--actor.ppo_micro_batch_size_per_gpu", str(a.prompts * a.n), "--actor.use_kl_loss", "true",
-        "--trainer.colocate", str(colocate).lower(), "--trainer.progress_bar", "false",
+        "--trainer.sleep_rollout", str(colocate).lower(), "--trainer.progress_bar", "false",
         "--trainer.resume", "off",
         "--trainer.logger", "[jsonl]", "--trainer.output_dir", str(out),
         "--rollout.dtype", DTYPES[dtype], "--actor.param_dtype", DTYPES[dtype],

@@ -95,7 +95,7 @@ class Experience:
         # Colocated, the engine sleeps after each awake window unless rollout.free_cache_engine keeps it
         # awake; a split placement's rollout rank has nothing to make room for.
         session = RolloutSession(engine, export_weights, sleep_level=sleep_level(cfg, device.type),
-                                 colocate=cfg.trainer.colocate and cfg.rollout.free_cache_engine
+                                 sleeps=cfg.trainer.sleep_rollout and cfg.rollout.free_cache_engine
                                  and not dims.split,
                                  tp_rank=rollout_tp_rank(dims.rollout_mesh), tp=dims.rollout_tp)
         needs_baseline = bool(ADVANTAGES.meta(cfg.algorithm.adv_estimator).get("needs_baseline"))

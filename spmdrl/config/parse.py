@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 import jsonargparse
+import yaml
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from spmdrl.config.sections import Config
@@ -45,13 +46,49 @@ def _one_sentence(err: Exception) -> str:
     return text
 
 
+# Keys that were renamed: the old name still works, on the command line and in a --config file.
+RENAMED = {"trainer.colocate": "trainer.sleep_rollout"}
+
+
+def rename_keys(argv: Sequence[str], renamed: dict[str, str] = RENAMED) -> list[str]:
+    """``argv`` with every renamed key under its new name: ``--old value``, ``--old=value``, and a
+    ``--config`` file or YAML text that sets an old key (it then travels as YAML text); what does not read
+    is left to the parser to report."""
+    out: list[str] = []
+    for i, word in enumerate(argv):
+        for old, new in renamed.items():
+            if word == f"--{old}" or word.startswith(f"--{old}="):
+                word = f"--{new}" + word[len(old) + 2:]
+        if i and argv[i - 1] == "--config":
+            word = _renamed_yaml(word, renamed)
+        elif word.startswith("--config="):
+            word = "--config=" + _renamed_yaml(word[len("--config="):], renamed)
+        out.append(word)
+    return out
+
+
+def _renamed_yaml(word: str, renamed: dict[str, str]) -> str:
+    try:
+        tree = yaml.safe_load(open(word).read() if os.path.isfile(word) else word)
+    except (OSError, yaml.YAMLError):
+        return word
+    changed = False
+    for old, new in renamed.items():
+        (section, key), (new_section, new_key) = old.split("."), new.split(".")
+        if isinstance(tree, dict) and isinstance(tree.get(section), dict) and key in tree[section]:
+            tree.setdefault(new_section, {})[new_key] = tree[section].pop(key)
+            changed = True
+    return yaml.safe_dump(tree, default_flow_style=True, width=1 << 30).strip() if changed else word
+
+
 def parse_config(argv: Optional[Sequence[str]] = None) -> tuple[Config, bool]:
     """Parse argv into a ``Config``; returns (config, debug). Raises ConfigError on bad input."""
     from spmdrl.verl.args import annotate, rewrite_argv
 
     parser = build_parser()
+    argv = rename_keys(list(argv) if argv is not None else sys.argv[1:])
     # verl's key=value words and --verl-config become one YAML --config, in precedence order.
-    argv, verl_origin = rewrite_argv(list(argv) if argv is not None else sys.argv[1:])
+    argv, verl_origin = rewrite_argv(argv)
     try:
         ns = parser.parse_args(argv)
     except jsonargparse.ArgumentError as err:

@@ -516,9 +516,10 @@ class TrainerConfig:
     number of tokens (verl's trainer.balance_batch; verl command lines get verl's default, true). Groups
     move only within one mini-batch slot, so group statistics and the update are unchanged
     (spmdrl/engines/balance.py); the gain is the wait of the ranks with short answers."""
-    colocate: bool = True
-    """Sleep the rollout engine during training (rollout.sleep_level), so the two take turns on the device's
-    memory."""
+    sleep_rollout: bool = True
+    """Put the rollout engine to sleep (rollout.sleep_level) while training runs, so the two take turns on
+    the device's memory (with rollout.free_cache_engine; split placement's rollout ranks never sleep). Its
+    old name, trainer.colocate, still works."""
     offload: Literal["auto", "always", "never"] = "auto"
     """Move the actor's and critic's optimizer state off the device while the rollout engine is awake.
     auto: only when the memory plan finds that rollout does not fit next to it (verl's optimizer_offload

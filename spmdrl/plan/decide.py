@@ -61,7 +61,7 @@ def decide(cfg: "Config", phases: Phases, budget: float, device_type: str, engin
                          f"the optimizer state resident, {limit / GB:.2f} GB fit")
     else:
         lines.append(f"offload {'on' if offload else 'off'}: trainer.offload is {cfg.trainer.offload}")
-    if cfg.trainer.colocate and cfg.rollout.free_cache_engine:
+    if cfg.trainer.sleep_rollout and cfg.rollout.free_cache_engine:
         lines.append(_sleep_line(cfg, device_type))
     kv_fraction = _kv_fraction(cfg, phases(offload, checkpointing)["rollout"], engine, device_type, total,
                                margin, max_fraction, lines)

@@ -306,7 +306,7 @@ class RolloutEngine(abc.ABC):
         weights = shape.params * b / rollout_tp
         kv = rows * seq * shape.kv_bytes_per_token(b) / rollout_tp
         kept = weights if sleep_level(cfg, device_type) == 1 and device_type == "cpu" else 0.0
-        asleep = kept if cfg.trainer.colocate and cfg.rollout.free_cache_engine else weights + kv
+        asleep = kept if cfg.trainer.sleep_rollout and cfg.rollout.free_cache_engine else weights + kv
         return EngineMemory(weights=weights, kv_cache=kv, temporaries=rows * shape.vocab * SAMPLING_BYTES,
                             asleep=asleep, sync=shape.vocab * shape.hidden * b / rollout_tp)
 

@@ -1,7 +1,7 @@
 """The one owner of the rollout engine's wake / load / generate / sleep order (docs/design.md, "Weight sync
 order").
 
-    session = RolloutSession(engine, lambda: actor.export_weights(dtype), sleep_level=1, colocate=True)
+    session = RolloutSession(engine, lambda: actor.export_weights(dtype), sleep_level=1, sleeps=True)
     with session.awake():
         out = session.generate(prompts, sampling)      # this rank's share of the responses
     session.actor_changed()                            # after an update: load the new weights next time
@@ -30,16 +30,17 @@ class RolloutSession:
     and after a level-2 sleep freed them.
     """
 
-    def __init__(self, engine: RolloutEngine, export: Optional[Export], *, sleep_level: int, colocate: bool,
+    def __init__(self, engine: RolloutEngine, export: Optional[Export], *, sleep_level: int, sleeps: bool,
                  tp_rank: int = 0, tp: int = 1):
         """``export``: the actor's weights when they are stale (None: a split placement's rollout rank, whose
-        weights arrive with ``actor_changed(export)``)."""
+        weights arrive with ``actor_changed(export)``); ``sleeps``: the engine sleeps after each awake window
+        (trainer.sleep_rollout and rollout.free_cache_engine, colocated)."""
         if sleep_level not in (1, 2):
             raise ValueError(f"rollout.sleep_level is {sleep_level}; valid levels: 1, 2")
         if not 0 <= tp_rank < tp:
             raise ValueError(f"rollout TP rank {tp_rank} is outside a TP group of {tp}")
         self.engine, self._export = engine, export
-        self.sleep_level, self.colocate = sleep_level, colocate
+        self.sleep_level, self.sleeps = sleep_level, sleeps
         self.tp_rank, self.tp = tp_rank, tp
         self.stale = False  # the engine was built from the same folder as the actor
         self._depth = 0
@@ -88,6 +89,6 @@ class RolloutSession:
             yield self.engine
         finally:
             self._depth -= 1
-            if self.colocate:
+            if self.sleeps:
                 self.engine.sleep(self.sleep_level)
                 self.stale = self.stale or self.sleep_level == 2

@@ -2,7 +2,7 @@
 
 The sections ``model``, ``parallel``, ``actor`` (engine and optimizer) and ``trainer`` are the RL run's
 own (``spmdrl.config.sections``), so a key means the same in both; only ``data`` is SFT's. RL-only keys of
-those sections (``actor.ppo_epochs``, ``trainer.colocate``, ...) are refused when set. verl's SFT command
+those sections (``actor.ppo_epochs``, ``trainer.sleep_rollout``, ...) are refused when set. verl's SFT command
 line (``verl.trainer.fsdp_sft_trainer`` keys) is rewritten through ``spmdrl.verl.sft.SFT_TABLE``.
 
     cfg, debug = parse_sft_config(argv)        # ConfigError (one sentence) on bad input

@@ -213,6 +213,22 @@ def test_overrides_and_output_dir():
     assert cfg.data.train_files == "builtin:arith"
 
 
+def test_a_renamed_key_keeps_its_old_name(tmp_path):
+    """trainer.colocate is trainer.sleep_rollout now: the old name still works on the command line (both
+    forms) and in a --config file, and the new one wins where both are given in order."""
+    old = tmp_path / "old.yaml"
+    old.write_text("trainer: {colocate: false, total_steps: 3}\n")
+    for argv in (["--config", GRPO, "--trainer.colocate", "false"],
+                 ["--config", GRPO, "--trainer.colocate=false"],
+                 ["--config", GRPO, "--config", str(old)], [f"--config={old}"]):
+        cfg, _ = parse_config(argv)
+        assert cfg.trainer.sleep_rollout is False, argv
+    cfg, _ = parse_config(["--config", str(old)])
+    assert cfg.trainer.total_steps == 3  # the rest of the file still applies
+    assert parse_config(["--config", GRPO, "--trainer.colocate", "false", "--trainer.sleep_rollout", "true"]
+                        )[0].trainer.sleep_rollout is True
+
+
 def test_debug_shows_traceback():
     from spmdrl.errors import ConfigError
 

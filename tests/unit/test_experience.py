@@ -99,7 +99,7 @@ def _prompts(tok, rows: list[dict], tmp_path: Path) -> PromptDataset:
 
 def _experience(cfg: Config, engine: RolloutEngine, tok, sources=None, agent=None,
                 baseline=False) -> Experience:
-    session = RolloutSession(engine, lambda: [], sleep_level=1, colocate=True)
+    session = RolloutSession(engine, lambda: [], sleep_level=1, sleeps=True)
     rewards = Rewards(sources or [RuleReward(RewardManager())], tok)
     return Experience(cfg, session, rewards, timer=PhaseTimer(torch.device("cpu")), group=dist.group.WORLD,
                       agent=agent, needs_baseline=baseline)
@@ -216,7 +216,7 @@ def test_dapo_under_rollout_tp_collects_this_ranks_share(tok, tmp_path) -> None:
     loader = PromptLoader(ds, batch_size=4, rank=0, world_size=1, shuffle=False, seed=0)
     engine = ArithAnswers(tok)
     exp = _experience(_cfg(enable=True, max_num_gen_batches=10), engine, tok)
-    exp.session = RolloutSession(engine, lambda: [], sleep_level=1, colocate=True, tp_rank=0, tp=2)
+    exp.session = RolloutSession(engine, lambda: [], sleep_level=1, sleeps=True, tp_rank=0, tp=2)
     batch, metrics = exp.produce(next(loader), more_prompts=loader)
     rounds = int(metrics["dapo/num_gen_batches"])
     # Rank 0 keeps the first 2 prompts of each round; its informative ones are those with an odd a.

@@ -355,7 +355,7 @@ def test_session_reloads_weights_freed_by_sleep_level_2(tiny_model_dir):
         exports.append(1)
         return Decoder.iter_checkpoint(tiny_model_dir)
 
-    session = RolloutSession(eng, export, sleep_level=2, colocate=True)
+    session = RolloutSession(eng, export, sleep_level=2, sleeps=True)
     greedy, prompts = SamplingParams(max_tokens=8, temperature=0.0), _prompts([4, 7])
     with session.awake() as e:
         first = e.generate(prompts, greedy)
@@ -368,7 +368,7 @@ def test_session_reloads_weights_freed_by_sleep_level_2(tiny_model_dir):
         with session.awake() as e:
             assert torch.equal(e.generate(prompts, greedy).response_ids, first.response_ids)
     assert len(exports) == 2
-    level1 = RolloutSession(_engine(tiny_model_dir), export, sleep_level=1, colocate=True)
+    level1 = RolloutSession(_engine(tiny_model_dir), export, sleep_level=1, sleeps=True)
     with level1.awake():
         pass
     with level1.awake() as e:  # level 1 keeps the weights: no reload unless the actor changed
@@ -391,7 +391,7 @@ def test_session_keeps_the_tp_share_in_whole_groups(engine):
     full = engine.generate(prompts, sp)
     shares = []
     for rank in range(2):
-        session = RolloutSession(engine, lambda: iter(()), sleep_level=1, colocate=False, tp_rank=rank, tp=2)
+        session = RolloutSession(engine, lambda: iter(()), sleep_level=1, sleeps=False, tp_rank=rank, tp=2)
         with session.awake():
             shares.append(session.generate(prompts, sp))
     assert [s.prompt_index.unique().tolist() for s in shares] == [[0, 1, 2], [3, 4]]
@@ -400,7 +400,7 @@ def test_session_keeps_the_tp_share_in_whole_groups(engine):
     assert shares[0].finish_reasons + shares[1].finish_reasons == full.finish_reasons
     assert [list(tp_share(2, r, 4)) for r in range(4)] == [[0], [1], [], []]
     with pytest.raises(RuntimeError, match="outside"):
-        RolloutSession(engine, lambda: iter(()), sleep_level=1, colocate=False).generate(prompts, sp)
+        RolloutSession(engine, lambda: iter(()), sleep_level=1, sleeps=False).generate(prompts, sp)
 
 
 @pytest.mark.parametrize("kind", ["native", "hf"])

@@ -166,8 +166,8 @@ def play(s: int, total: int, freq: int = -1, stop_at: Optional[int] = None) -> l
 @pytest.mark.parametrize("s", [0, 1, 2])
 def test_every_batch_is_generated_with_update_k_minus_1_minus_s(s):
     log = play(s, total=6)
-    assert [e for e in log if e[0] == "trained"] == [("trained", k, max(0, k - 1 - s)) for k in range(1, 7)]
-    assert [e for e in log if e[0] == "generated"] == [("generated", k, max(0, k - 1 - s)) for k in range(1, 7)]
+    for event in ("generated", "trained"):
+        assert [e for e in log if e[0] == event] == [(event, k, max(0, k - 1 - s)) for k in range(1, 7)]
 
 
 @pytest.mark.parametrize("s", [0, 1, 2])

@@ -150,7 +150,7 @@ def test_sleep_and_wake_on_cpu_keep_weights(engine, weights):
         exports.append(1)
         return iter(weights.items())
 
-    session = RolloutSession(engine, export, sleep_level=2, colocate=True)
+    session = RolloutSession(engine, export, sleep_level=2, sleeps=True)
     with session.awake():
         assert torch.equal(session.generate(prompts, greedy).response_ids, first.response_ids)
     with session.awake():  # level 2 counts as freed: the weights are loaded again
