@@ -62,6 +62,35 @@ class SFTRun:
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
+def run(cfg: SFTConfig, dims: ParallelDims) -> None:
+    """Build, resume, validate first when asked, then steps until the last one or a stop; the trained model
+    as a Hugging Face folder at the end."""
+    r = build(cfg, dims)
+    rng = RNGState(None, r.device, cfg.trainer.seed)
+    ckpt = checkpoints(r, {"actor": r.engine, "data": r.loader, "rng": rng})
+    resumed = ckpt.resume() is not None
+    if resumed:
+        r.step = ckpt.resumed_step
+    sink = open_output(r, resumed, name="sft")
+    # SIGTERM/SIGUSR1: checkpoint and stop at the next step boundary.
+    end = StepEnd(r, sink, ckpt, Preemption())
+    going = not cfg.trainer.val_only
+    try:
+        if r.validation.first(r.step):
+            sink.log(r.step, validate(r))
+        while going and r.step < r.total_steps:
+            metrics = train_step(r)
+            r.step += 1
+            last = r.step == r.total_steps
+            if r.validation.due(r.step, last):
+                metrics.update(validate(r))
+            going = end(r.step, metrics, last=last)
+    finally:
+        sink.close()
+    if not end.stopped and not cfg.trainer.val_only:
+        export_hf(r)
+
+
 def build(user_cfg: SFTConfig, dims: ParallelDims) -> SFTRun:
     """Data first (a bad file stops every rank before a model loads), then the engine."""
     from transformers import AutoTokenizer
@@ -156,32 +185,3 @@ def _write_hf(r: SFTRun, weights, out: Path) -> None:
         shutil.rmtree(out)
     tmp.rename(out)
     print(f"[spmdrl.sft] wrote {out}: use it as model.path", flush=True)
-
-
-def run(cfg: SFTConfig, dims: ParallelDims) -> None:
-    """Build, resume, validate first when asked, then steps until the last one or a stop; the trained model
-    as a Hugging Face folder at the end."""
-    r = build(cfg, dims)
-    rng = RNGState(None, r.device, cfg.trainer.seed)
-    ckpt = checkpoints(r, {"actor": r.engine, "data": r.loader, "rng": rng})
-    resumed = ckpt.resume() is not None
-    if resumed:
-        r.step = ckpt.resumed_step
-    sink = open_output(r, resumed, name="sft")
-    # SIGTERM/SIGUSR1: checkpoint and stop at the next step boundary.
-    end = StepEnd(r, sink, ckpt, Preemption())
-    going = not cfg.trainer.val_only
-    try:
-        if r.validation.first(r.step):
-            sink.log(r.step, validate(r))
-        while going and r.step < r.total_steps:
-            metrics = train_step(r)
-            r.step += 1
-            last = r.step == r.total_steps
-            if r.validation.due(r.step, last):
-                metrics.update(validate(r))
-            going = end(r.step, metrics, last=last)
-    finally:
-        sink.close()
-    if not end.stopped and not cfg.trainer.val_only:
-        export_hf(r)
