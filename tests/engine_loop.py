@@ -6,12 +6,10 @@ engine's test module (run in its own venv) calls ``check_grpo_through_loop``."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from torchrun import torchrun
+
 # The tolerance of the native engine's round trip (tests/multiproc/test_weight_sync.py), fp32 both sides.
 LOGP_TOL = 1e-4
 
@@ -33,11 +31,8 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path, split: bool = F
         args += ["--rollout.placement", "split", "--rollout.n_gpus_per_node", str(tp),
                  "--rollout.max_staleness", "0"]
     ranks = tp + 1 if split else 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
-           "spmdrl.train", *args, "--parallel.rollout_tp", str(tp), "--trainer.output_dir", str(out_dir)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    torchrun(["-m", "spmdrl.train", *args, "--parallel.rollout_tp", str(tp), "--trainer.output_dir",
+              str(out_dir)], nproc=ranks)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:

@@ -1,15 +1,19 @@
 """Training rows with chosen prompt and response lengths, laid out as ``batch.from_generation`` makes them
 (prompts left-padded, responses right-padded), the two losses the engine tests train with, and the FSDP2
-engine of a world of one they train."""
+engine they train (a world of one, or the meshes of a multi-process test's ``ParallelDims``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from spmdrl.batch import Batch
+
+if TYPE_CHECKING:
+    from spmdrl.engines.fsdp2.engine import FSDP2Engine
+    from spmdrl.parallel import ParallelDims
 
 
 def rows_with_lengths(prompt: Sequence[int], resp: Sequence[int], vocab: int, seed: int) -> Batch:
@@ -39,10 +43,14 @@ def vf_loss(outputs, mb, scale):
     return loss, {"critic/vf_loss": loss.item()}
 
 
-def fsdp2_engine(model_dir: Path, role: str = "actor", **kw):
-    """An FSDP2 engine of ``role`` on a world of one (lr 1e-4, seed 0 unless ``kw`` says otherwise)."""
+def fsdp2_engine(model_dir: Path | str, role: str = "actor", *, dims: ParallelDims | None = None,
+                 **kw) -> FSDP2Engine:
+    """An FSDP2 engine of ``role`` on the FSDP and TP meshes of ``dims`` (built), on ``kw["dp_mesh"]``, or
+    else on a world of one; CPU, lr 1e-4, seed 0 unless ``kw`` says otherwise."""
     from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
 
-    return FSDP2Engine(str(model_dir), role=role, dp_mesh=ParallelDims(1).build().fsdp_mesh, device="cpu",
-                       **{"lr": 1e-4, "seed": 0, **kw})
+    if dims is None and "dp_mesh" not in kw:
+        dims = ParallelDims(1).build()
+    meshes = {} if dims is None else {"dp_mesh": dims.fsdp_mesh, "tp_mesh": dims.tp_mesh}
+    return FSDP2Engine(str(model_dir), role=role, **{"device": "cpu", "lr": 1e-4, "seed": 0, **meshes, **kw})

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torchrun import child_env, run_in_repo, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,19 +30,12 @@ def train(args: list[str], *, cache: str, nproc: int = 1, env: dict | None = Non
           check: bool = True, extra_torchrun: list[str] = (), module: str = "spmdrl.train"
           ) -> subprocess.CompletedProcess:
     """Run the trainer (``module``: spmdrl.sft for SFT); ``nproc > 1`` goes through torchrun --standalone."""
+    env = {"SPMDRL_CACHE": cache, **(env or {})}
     if nproc > 1 or extra_torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               *extra_torchrun, "-m", module, *args]
-    else:
-        cmd = [sys.executable, "-m", module, *args]
-    full_env = {**os.environ, "SPMDRL_CACHE": cache, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-                "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
-                **(env or {})}
-    out = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}\n--- stderr (tail)\n"
-                             f"{out.stderr[-4000:]}")
-    return out
+        return torchrun(["-m", module, *args], nproc=nproc, env=env, timeout=timeout, check=check,
+                        launcher_args=extra_torchrun)
+    return run_in_repo([sys.executable, "-m", module, *args], timeout=timeout, check=check,
+                       env=child_env(env, threads=os.environ.get("OMP_NUM_THREADS", "2")))
 
 
 def read_metrics(out_dir: Path) -> list[dict]:

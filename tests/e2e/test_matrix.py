@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import REPO, read_metrics
+from torchrun import torchrun
 
 from spmdrl.builtin.tasks import generate_arith, generate_calc, write_parquet
 from spmdrl.engines.optim import WarmupSchedule
@@ -241,12 +239,8 @@ def test_every_pair_of_features_runs_or_is_refused(tmp_path, spmdrl_cache, data)
                  "argv": case_argv(epochs_case, data, tmp_path / "epochs") + epochs_run_out(data)})
     cases_file, results_file = tmp_path / "cases.json", tmp_path / "results.json"
     cases_file.write_text(json.dumps(jobs))
-    env = {**os.environ, "SPMDRL_CACHE": spmdrl_cache, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(REPO / "tests" / "e2e" / "matrix_driver.py"), str(cases_file), str(results_file)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = torchrun([str(REPO / "tests" / "e2e" / "matrix_driver.py"), str(cases_file), str(results_file)],
+                    nproc=2, env={"SPMDRL_CACHE": spmdrl_cache}, timeout=900, check=False)
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     crashed = {k: v for k, v in results.items() if v["status"] == "crashed"}
     assert proc.returncode == 0 and not crashed, (

@@ -5,12 +5,9 @@ its tools, 1 training rank trains, one update apart)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 from conftest import REPO, read_metrics
+from torchrun import torchrun
 
 SPLIT = ["--rollout.placement", "split", "--rollout.n_gpus_per_node", "1"]
 
@@ -18,16 +15,12 @@ SPLIT = ["--rollout.placement", "split", "--rollout.n_gpus_per_node", "1"]
 @pytest.mark.parametrize("placement", [[], SPLIT], ids=["colocated", "split"])
 def test_grpo_tools_two_ranks_scripted_policy(tmp_path, spmdrl_cache, placement):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO / "tests" / "e2e" / "scripted_train.py"), "--config", "configs/grpo_tools.yaml",
-           "--rollout.engine", "scripted", "--data.train_batch_size", "4", "--actor.ppo_mini_batch_size", "4",
-           "--rollout.n", "4", "--data.max_response_length", "160", "--trainer.total_steps", "2",
-           "--trainer.test_freq", "-1", "--trainer.progress_bar", "false", "--trainer.resume", "off",
-           "--trainer.output_dir", str(out), "--rollout.multi_turn.tool_num_workers", "1", *placement]
-    env = {**os.environ, "SPMDRL_CACHE": spmdrl_cache, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
+    torchrun([str(REPO / "tests" / "e2e" / "scripted_train.py"), "--config", "configs/grpo_tools.yaml",
+              "--rollout.engine", "scripted", "--data.train_batch_size", "4", "--actor.ppo_mini_batch_size",
+              "4", "--rollout.n", "4", "--data.max_response_length", "160", "--trainer.total_steps", "2",
+              "--trainer.test_freq", "-1", "--trainer.progress_bar", "false", "--trainer.resume", "off",
+              "--trainer.output_dir", str(out), "--rollout.multi_turn.tool_num_workers", "1", *placement],
+             nproc=2, env={"SPMDRL_CACHE": spmdrl_cache})
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     for m in rows:

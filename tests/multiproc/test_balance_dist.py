@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import spawn
-from rows import pg_loss, rows_with_lengths, vf_loss
+from rows import fsdp2_engine, pg_loss, rows_with_lengths, vf_loss
 
 pytestmark = pytest.mark.dist
 
@@ -35,7 +35,6 @@ def _run(rank: int, world: int, model_dir: str) -> dict:
     import torch.distributed as dist
 
     from spmdrl.engines.balance import balance_rows, balance_slot
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
 
     dims = ParallelDims(world).build()
@@ -54,7 +53,7 @@ def _run(rank: int, world: int, model_dir: str) -> dict:
                                           ("critic_off", "critic", mine, vf_loss, critic_mini),
                                           ("critic_on", "critic", by_slot, vf_loss, critic_mini),
                                           ("critic_actor_slots", "critic", balanced, vf_loss, critic_mini)):
-        eng = FSDP2Engine(model_dir, role=role, dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0)
+        eng = fsdp2_engine(model_dir, role, dims=dims, lr=LR)
         eng.train_step(batch, loss, mini_batch_size=size, micro_batch_size=2)
         weights[name] = {k: v.clone() for k, v in eng.export_weights()}
         del eng

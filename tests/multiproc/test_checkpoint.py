@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from dist_utils import spawn
+from rows import fsdp2_engine
 from test_fsdp2 import N, make_batch, pg_loss
 
 pytestmark = pytest.mark.dist
@@ -51,7 +52,6 @@ def _run(model_dir: str, out: str, seed: int = 0, optim: Optional[dict] = None, 
     from spmdrl.checkpoint.manager import CheckpointManager
     from spmdrl.checkpoint.rng import RNGState
     from spmdrl.config import Config
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
 
     cfg = Config()
@@ -59,8 +59,7 @@ def _run(model_dir: str, out: str, seed: int = 0, optim: Optional[dict] = None, 
     for key, value in {"save_freq": 1, "keep_last": 2, **trainer}.items():
         setattr(cfg.trainer, key, value)
     dims = ParallelDims(dist.get_world_size()).build()
-    actor = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", seed=0,
-                        **{"lr": 1e-3, **(optim or {})})
+    actor = fsdp2_engine(model_dir, dims=dims, **{"lr": 1e-3, **(optim or {})})
     rollout = SimpleNamespace(generator=torch.Generator().manual_seed(100 + seed + dist.get_rank()))
     parts = {"actor": actor, "data": Position(), "kl_ctrl": build_kl_controller("adaptive", 0.1, 0.05, 100),
              "rng": RNGState(rollout, torch.device("cpu"), cfg.trainer.seed)}

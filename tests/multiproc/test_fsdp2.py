@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 from dist_utils import spawn
+from rows import fsdp2_engine
 
 if TYPE_CHECKING:
     from spmdrl.batch import Batch
@@ -61,22 +62,6 @@ def vf_loss(outputs, mb, scale):
     return loss, {"critic/vf_loss": loss.item(), "critic/vpred_mean": outputs["values"].mean().item()}
 
 
-def _engine(model_dir: str, dims, **kw):
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
-
-    return FSDP2Engine(
-        model_dir,
-        role=kw.pop("role", "actor"),
-        dp_mesh=dims.fsdp_mesh,
-        tp_mesh=dims.tp_mesh,
-        device="cpu",
-        lr=LR,
-        max_grad_norm=1.0,
-        seed=0,
-        **kw,
-    )
-
-
 def _export(engine) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in engine.export_weights()}
 
@@ -97,7 +82,7 @@ def _one_rank(rank: int, world: int, model_dir: str, result: str) -> None:
     batch = make_batch(2048)
     out = {}
     for micro in (4, 8):
-        eng = _engine(model_dir, dims)
+        eng = fsdp2_engine(model_dir, dims=dims, lr=LR)
         if micro == 8:
             out["init"] = _export(eng)
         metrics = eng.train_step(batch, pg_loss, mini_batch_size=N, micro_batch_size=micro)
@@ -123,7 +108,7 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
 
     # --- FSDP over 2 ranks: log-probs, export, one step, checkpoint round trip.
     dims = ParallelDims(world).build()
-    eng = _engine(model_dir, dims)
+    eng = fsdp2_engine(model_dir, dims=dims, lr=LR)
     out["dp_fsdp"] = _dp_coords(eng)
     got = eng.forward_no_grad(mine, micro_batch_size=3, with_entropy=True)
     with torch.no_grad():
@@ -152,7 +137,8 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     eng.offload()  # around a rollout: the state leaves the device and comes back unchanged
     eng.onload()
     eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
-    state = _engine(model_dir, dims).state_dict()  # a fresh engine's state is the load template
+    # A fresh engine's state is the load template.
+    state = fsdp2_engine(model_dir, dims=dims, lr=LR).state_dict()
     dcp.load(state, checkpoint_id=ckpt_dir)
     eng.load_state_dict(state)
     out["restored_step"] = eng.global_step
@@ -160,13 +146,13 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     del eng
 
     # --- Activation checkpointing recomputes the same gradients.
-    eng = _engine(model_dir, dims, gradient_checkpointing=True)
+    eng = fsdp2_engine(model_dir, dims=dims, lr=LR, gradient_checkpointing=True)
     eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
     out["ac"] = _export(eng)
     del eng
 
     # --- Frozen reference, CPU-offloaded: same log-probs, no training.
-    ref = _engine(model_dir, dims, role="ref", cpu_offload=True)
+    ref = fsdp2_engine(model_dir, "ref", dims=dims, lr=LR, cpu_offload=True)
     out["ref_logp_err"] = float(
         (ref.forward_no_grad(mine, micro_batch_size=4)["logp"] - ref_logp).abs().max()
     )
@@ -178,12 +164,12 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
     del ref
 
     # --- bf16 compute and bf16 gradient reduce-scatter over gloo.
-    eng = _engine(model_dir, dims, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    eng = fsdp2_engine(model_dir, dims=dims, lr=LR, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     bf16_logp = eng.forward_no_grad(mine, micro_batch_size=4)["logp"]
     out["bf16_logp_err"] = float((bf16_logp - ref_logp).abs().max())
     # A bf16-compute reference keeps bf16 weights (no float32 master) and scores exactly like the
     # policy's per-forward cast.
-    ref = _engine(model_dir, dims, role="ref", param_dtype=torch.bfloat16)
+    ref = fsdp2_engine(model_dir, "ref", dims=dims, lr=LR, param_dtype=torch.bfloat16)
     out["bf16_ref_dtypes"] = sorted({str(p.dtype) for p in ref.model.parameters()})
     out["bf16_ref_vs_actor"] = float((ref.forward_no_grad(mine, micro_batch_size=4)["logp"]
                                       - bf16_logp).abs().max())
@@ -194,7 +180,7 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
 
     # --- HSDP: 2 replicas of 1 shard.
     dims = ParallelDims(world, dp_replicate=2, dp_shard=1).build()
-    eng = _engine(model_dir, dims)
+    eng = fsdp2_engine(model_dir, dims=dims, lr=LR)
     out["dp_hsdp"] = _dp_coords(eng)
     eng.train_step(mine, pg_loss, mini_batch_size=N // 2, micro_batch_size=2)
     out["hsdp"] = _export(eng)
@@ -202,7 +188,7 @@ def _two_ranks(rank: int, world: int, model_dir: str, ckpt_dir: str, result: str
 
     # --- TP=2 (dp=1): the engine gathers the TP group's rows; 8 rows in micro-batches of 4.
     dims = ParallelDims(world, tp=2).build()
-    eng = _engine(model_dir, dims)
+    eng = fsdp2_engine(model_dir, dims=dims, lr=LR)
     out["dp_tp"] = _dp_coords(eng)
     got = eng.forward_no_grad(mine, micro_batch_size=4)
     out["tp_logp_err"] = float((got["logp"] - ref_logp).abs().max())

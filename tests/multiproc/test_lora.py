@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import spawn
-from rows import pg_loss, rows_with_lengths
+from rows import fsdp2_engine, pg_loss, rows_with_lengths
 
 pytestmark = pytest.mark.dist
 
@@ -44,7 +44,6 @@ def _peft_merged(model_dir: str, adapters: dict[str, torch.Tensor]) -> dict[str,
 
 def _run(rank: int, world: int, model_dir: str, tmp: str) -> dict:
     from spmdrl.checkpoint.hf_folder import write_hf_folder
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.engines.fsdp2.lora import LoraSpec, is_adapter
     from spmdrl.parallel import ParallelDims
 
@@ -52,9 +51,9 @@ def _run(rank: int, world: int, model_dir: str, tmp: str) -> dict:
     full = _batch(2048)
     n = len(full) // world
     mine, mask = full.select(slice(rank * n, (rank + 1) * n)), full["response_mask"][rank * n:(rank + 1) * n]
-    kw = dict(dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0)
-    eng = FSDP2Engine(model_dir, role="actor", lora=LoraSpec(**SPEC), **kw)
-    base = FSDP2Engine(model_dir, role="actor", **kw)
+    kw = dict(dims=dims, lr=LR)
+    eng = fsdp2_engine(model_dir, lora=LoraSpec(**SPEC), **kw)
+    base = fsdp2_engine(model_dir, **kw)
     out: dict = {}
     before = dict(eng.export_weights())
     out["starts_as_base"] = max(float((before[k] - w).abs().max()) for k, w in base.export_weights())
@@ -90,14 +89,14 @@ def _run(rank: int, world: int, model_dir: str, tmp: str) -> dict:
         peft = _peft_merged(model_dir, adapters)
         out["vs_peft_merge"] = max(float((peft[k] - v).abs().max()) for k, v in merged.items())
     torch.distributed.barrier()
-    plain = FSDP2Engine(str(folder), role="actor", **kw)
+    plain = fsdp2_engine(folder, **kw)
     out["merged_vs_lora"] = _max_diff(plain.forward_no_grad(mine, 2)["logp"], lora_logp, mask)
     if rank == 0:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in merged.items()}, str(Path(tmp) / "merged.safetensors"))
     out["tmp"] = tmp
-    critic = FSDP2Engine(model_dir, role="critic", lora=LoraSpec(**SPEC), **kw)
+    critic = fsdp2_engine(model_dir, "critic", lora=LoraSpec(**SPEC), **kw)
     names = {k for k, p in critic.model.named_parameters() if p.requires_grad}
     out["critic_trains"] = sorted({"score" if k.startswith("score.") else "lora" if is_adapter(k) else k
                                    for k in names})

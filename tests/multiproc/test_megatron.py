@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import spawn
+from rows import fsdp2_engine
 
 pytestmark = pytest.mark.dist
 
@@ -64,7 +65,6 @@ def _run(rank: int, world: int, model_dir: str, ckpt: str, result: str) -> None:
 
     from spmdrl.batch import from_generation
     from spmdrl.config import Config
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.engines.megatron.engine import MegatronEngine
     from spmdrl.objectives import actor_loss_fn, critic_loss_fn
     from spmdrl.parallel import ParallelDims
@@ -82,13 +82,13 @@ def _run(rank: int, world: int, model_dir: str, ckpt: str, result: str) -> None:
     out: dict = {}
 
     dims = ParallelDims(world).build()
-    fsdp = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, lr=LR, seed=0)
+    fsdp = fsdp2_engine(model_dir, dims=dims, lr=LR)
     out["fsdp_metrics"] = fsdp.train_step(mine, loss_fn, mini_batch_size=N // 2, micro_batch_size=2)
     out["fsdp"] = {k: v.clone() for k, v in fsdp.export_weights()}
     out["fsdp_moved"] = max(float((out["fsdp"][k] - v).abs().max()) for k, v in hf_sd.items())
     del fsdp
     vf_loss = critic_loss_fn(cfg)  # the loop's clipped value loss, token-mean over the global token count
-    fsdp = FSDP2Engine(model_dir, role="critic", dp_mesh=dims.fsdp_mesh, lr=LR, seed=0)
+    fsdp = fsdp2_engine(model_dir, "critic", dims=dims, lr=LR)
     out["fsdp_critic_values"] = fsdp.forward_no_grad(mine, micro_batch_size=3)["values"]
     out["fsdp_critic_metrics"] = fsdp.train_step(mine, vf_loss, mini_batch_size=N // 2, micro_batch_size=2)
     out["fsdp_critic"] = {k: v.clone() for k, v in fsdp.export_weights()}

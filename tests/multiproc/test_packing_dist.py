@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import spawn
-from rows import rows_with_lengths
+from rows import fsdp2_engine, rows_with_lengths
 
 pytestmark = pytest.mark.dist
 
@@ -43,7 +43,6 @@ def _losses(mode: str):
 
 def _run(rank: int, world: int, model_dir: str, result: str) -> None:
     from spmdrl.engines.base import micro_batches
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
 
     dims = ParallelDims(world).build()
@@ -54,22 +53,19 @@ def _run(rank: int, world: int, model_dir: str, result: str) -> None:
     kw = dict(max_token_len=BUDGET) if packed else {}
     out: dict = {"micros": len(micro_batches(mine, BUDGET))}
     for role, loss in zip(("actor", "critic"), _losses("token-mean")):
-        eng = FSDP2Engine(model_dir, role=role, dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0,
-                          remove_padding=packed)
+        eng = fsdp2_engine(model_dir, role, dims=dims, lr=LR, remove_padding=packed)
         out[role] = eng.forward_no_grad(mine, 4, with_entropy=True, **kw)
         out[f"{role}_metrics"] = eng.train_step(mine, loss, mini_batch_size=n, micro_batch_size=4, **kw)
         out[f"{role}_weights"] = {k: v.clone() for k, v in eng.export_weights()}
         del eng
     # Loss metrics of the other aggregations (one padded rank: micro-batches of 1 row this time).
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        eng = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, device="cpu", lr=LR, seed=0,
-                          remove_padding=packed)
+        eng = fsdp2_engine(model_dir, dims=dims, lr=LR, remove_padding=packed)
         out[mode] = eng.train_step(mine, _losses(mode)[0], mini_batch_size=n, micro_batch_size=1, **kw)
         del eng
     if packed:  # TP=2: both ranks of the replica gather its rows and run the same packed forward
         tp_dims = ParallelDims(world, tp=2).build()
-        eng = FSDP2Engine(model_dir, role="actor", dp_mesh=tp_dims.fsdp_mesh, tp_mesh=tp_dims.tp_mesh,
-                          device="cpu", lr=LR, seed=0, remove_padding=True)
+        eng = fsdp2_engine(model_dir, dims=tp_dims, lr=LR, remove_padding=True)
         out["tp"] = eng.forward_no_grad(mine, 4, **kw)
         eng.train_step(mine, _losses("token-mean")[0], mini_batch_size=n, micro_batch_size=4, **kw)
         out["tp_weights"] = {k: v.clone() for k, v in eng.export_weights()}

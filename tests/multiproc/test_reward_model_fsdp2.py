@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_utils import spawn
+from rows import fsdp2_engine
 
 pytestmark = pytest.mark.dist
 
@@ -26,12 +27,11 @@ ROWS = {0: [0, 1, 2], 1: [3]}
 def _scores(rank: int, world: int, model_dir: str) -> list[float]:
     from transformers import AutoTokenizer
 
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
     from spmdrl.reward.model import RewardModelScorer
 
     dims = ParallelDims(world).build()
-    engine = FSDP2Engine(model_dir, role="reward", dp_mesh=dims.fsdp_mesh, device="cpu", seed=0)
+    engine = fsdp2_engine(model_dir, "reward", dims=dims)
     assert engine.optimizer is None and not any(p.requires_grad for p in engine.model.parameters())
     rm = RewardModelScorer(engine, AutoTokenizer.from_pretrained(model_dir), group=dims.batch_group,
                            micro_batch_size=2, max_length=None)

@@ -1,4 +1,4 @@
-"""Split placement's meshes and weight hand-over on gloo ranks (spmdrl/parallel.py, spmdrl/split.py).
+"""Split placement's meshes and weight hand-over on gloo ranks (spmdrl/parallel.py, spmdrl/split/).
 
 - Roles come from the place in the world: the first ranks train (their own FSDP2 mesh), the last ones
   generate (their own rollout mesh), and the groups join exactly the ranks each exchange needs.
@@ -10,6 +10,7 @@
 import pytest
 import torch
 from dist_utils import spawn
+from rows import fsdp2_engine
 
 pytestmark = pytest.mark.dist
 
@@ -52,16 +53,14 @@ def _digest(t: torch.Tensor) -> tuple[str, str]:
 
 
 def _weights(rank, world_size, model_dir):
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.parallel import ParallelDims
     from spmdrl.rollout.native.engine import NativeRollout
-    from spmdrl.split import Exchange
+    from spmdrl.split.exchange import Exchange
 
     dims = ParallelDims(world_size, rollout_ranks=1).build()
     ex = Exchange(dims, rank, n=2, bucket_bytes=100_000)  # several buckets, some tensors larger than one
     if dims.trains(rank):
-        actor = FSDP2Engine(model_dir, role="actor", dp_mesh=dims.fsdp_mesh, lr=1e-2, seed=0,
-                            param_dtype=torch.bfloat16)
+        actor = fsdp2_engine(model_dir, dims=dims, lr=1e-2, param_dtype=torch.bfloat16)
         # Move the weights off the folder's, so that only a real transfer can match them.
         with torch.no_grad():
             for i, p in enumerate(actor.model.parameters()):

@@ -4,6 +4,7 @@ does."""
 import pytest
 import torch
 from dist_utils import spawn
+from rows import fsdp2_engine
 
 pytestmark = pytest.mark.dist
 
@@ -12,12 +13,11 @@ def _sync(rank, world_size, model_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
     from spmdrl.batch import from_generation
-    from spmdrl.engines.fsdp2.engine import FSDP2Engine
     from spmdrl.rollout.base import SamplingParams
     from spmdrl.rollout.native.engine import NativeRollout
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
-    actor = FSDP2Engine(model_dir, role="actor", dp_mesh=mesh, lr=1e-2, seed=0)
+    actor = fsdp2_engine(model_dir, dp_mesh=mesh, lr=1e-2)
     engine = NativeRollout(model_dir, mesh=None, seed=rank, eos_token_ids=[2], pad_token_id=0)
     prompts = [[1, 100 + rank, 200, 300], [1, 50, 60]]
     sampling = SamplingParams(n=2, max_tokens=8, temperature=1.0)
@@ -48,7 +48,7 @@ def _sync(rank, world_size, model_dir):
 
     # bf16 compute: export in bf16 gathers whole FSDP units (one collective each) and must equal
     # the per-parameter gather of the float32 master cast to bf16, name for name, bit for bit.
-    bf16 = FSDP2Engine(model_dir, role="actor", dp_mesh=mesh, lr=1e-2, seed=0, param_dtype=torch.bfloat16)
+    bf16 = fsdp2_engine(model_dir, dp_mesh=mesh, lr=1e-2, param_dtype=torch.bfloat16)
     bf16.train_step(batch, loss_fn, mini_batch_size=len(batch), micro_batch_size=len(batch))
     by_unit = list(bf16.export_weights(torch.bfloat16))
     by_param = {k: v.to(torch.bfloat16) for k, v in bf16.export_weights()}

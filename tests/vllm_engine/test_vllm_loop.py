@@ -15,7 +15,8 @@ import sys
 
 import pytest
 from engine_contract import skip_unless_installed
-from engine_loop import REPO, check_grpo_through_loop
+from engine_loop import check_grpo_through_loop
+from torchrun import REPO, torchrun
 
 skip_unless_installed("vllm")
 
@@ -60,11 +61,7 @@ def test_verl_one_step_off_policy_recipe_with_vllm(tmp_path, tiny_model_dir):
     out = tmp_path / "out"
     argv = shlex.split(ONE_STEP_OFF_POLICY.format(data=gsm8k_parquet(tmp_path), model=tiny_model_dir, out=out,
                                                   engine="actor_rollout_ref.rollout.name=vllm"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "spmdrl.train", *argv, "--trainer.progress_bar", "false"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
+    torchrun(["-m", "spmdrl.train", *argv, "--trainer.progress_bar", "false"], nproc=2)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["async/staleness"] for r in rows[1:]] == [0.0, 1.0]
