@@ -4,11 +4,15 @@
 
 CASES.json is a list of ``{"name": ..., "argv": [...]}``; each case goes through what
 ``python -m spmdrl.train`` does (``parse_config``, ``validate_config``, the output lock, ``ParallelDims``,
-``loop.run``) on the same process group, so the ranks start once for all of them instead of once per run
-(~10 s each on 2 cores). A case whose config is refused (ConfigError before any model is built) records
-the sentence and the next one runs. Any other error ends the job at once, after rank 0 wrote what ran so far
-and the error: the ranks may disagree about where they are, so nothing after it can be trusted.
-``rollout.engine: scripted`` is the deterministic tool-calling policy of ``scripted_policy.py``.
+then ``loop.run``, or ``split.run_split`` under ``rollout.placement split``) on the same process group, so
+the ranks start once for all of them instead of once per run (~10 s each on 2 cores); each case builds its
+own meshes and, under split placement, its own process groups. A case whose config is refused (ConfigError
+before any model is built) records the sentence and the next one runs. Any other error ends the job at
+once, after rank 0 wrote what ran so far and the error: the ranks may disagree about where they are, so
+nothing after it can be trusted.
+``rollout.engine: scripted`` is the deterministic tool-calling policy of ``scripted_policy.py``;
+``rollout.engine: colocated_only`` is the same policy as an engine that does not declare ``runs_split``
+(every shipped engine does), for the refusal a new backend meets under split placement.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -32,7 +35,13 @@ from spmdrl.config.parse import parse_config  # noqa: E402
 from spmdrl.errors import ConfigError  # noqa: E402
 from spmdrl.rollout import ROLLOUT_ENGINES  # noqa: E402
 
+
+class ColocatedOnlyRollout(ScriptedRollout):
+    runs_split = False  # RolloutEngine's default
+
+
 ROLLOUT_ENGINES["scripted"] = lambda: ScriptedRollout
+ROLLOUT_ENGINES["colocated_only"] = lambda: ColocatedOnlyRollout
 
 
 def run_case(argv: list[str]) -> dict:
@@ -41,6 +50,7 @@ def run_case(argv: list[str]) -> dict:
 
     from spmdrl.loop import run
     from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
+    from spmdrl.split import run_split
 
     start = time.perf_counter()
     try:
@@ -52,7 +62,8 @@ def run_case(argv: list[str]) -> dict:
     try:
         device_type = resolve_device_type(cfg.trainer.device)
         _, world_size = init_distributed(device_type)
-        run(cfg, ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build())
+        dims = ParallelDims.of(cfg, world_size, device_type=device_type).build()
+        (run_split if dims.split else run)(cfg, dims, None)  # None: build() makes the memory plan
     finally:
         if lock is not None:
             lock.release()

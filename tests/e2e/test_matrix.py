@@ -1,10 +1,11 @@
-"""Features where they meet: an all-pairs set of 2-step runs on 2 ranks over the options users combine.
+"""Features where they meet: an all-pairs set of short runs on 2 ranks over the options users combine.
 
 Every pair of levels of every two factors below runs together in at least one case (``all_pairs``, a
-greedy generator: about 20 cases for one 10-level factor and 13 two-level ones, where all combinations
-would be 81,920). Each case must take its 2 steps with the metrics its features promise. Combinations that
-cannot work (``REFUSED``) must be refused before any model is built, with one sentence naming the key.
-The cases run in one torchrun job (``matrix_driver.py``): the ranks start once, not once per case.
+greedy generator: 22 cases for one 10-level factor, one 3-level and 12 two-level ones, where all
+combinations would be 122,880). Each case must take its steps (2; 3 at staleness 1) with the metrics its
+features promise. Combinations that cannot work (``REFUSED``) must be refused before any model is built,
+with one sentence naming the key. The cases run in one torchrun job (``matrix_driver.py``): the ranks start
+once, not once per case.
 
 Every shipped algorithm config is a level of the first factor (``configs/sft.yaml`` is ``spmdrl.sft``'s;
 ``configs/grpo_tools.yaml`` is the multi-turn level: its tools on the calc task, with the deterministic
@@ -12,6 +13,13 @@ tool-calling policy of ``scripted_policy.py`` generating, so that tool output re
 responses the trainer packs, balances and cuts by tokens). The critic is ``configs/ppo.yaml``'s: a critic
 comes with GAE, which would replace the estimator another config is about (ReMax's baseline, GRPO's
 groups), so the critic meets every other factor's levels as the ppo level of the first factor.
+
+The placement is a factor too: colocated (both ranks generate and train), or split (``rollout.placement
+split``: rank 0 trains, rank 1 generates; ``spmdrl.split``) at ``rollout.max_staleness`` 0 or 1. Against
+the configs it counts by kind (``COARSE``: every config runs colocated and split), while each staleness
+meets every level of every other factor: 22 cases instead of the 30 that pairing every config with both
+stalenesses takes. Split cases check the training rank's metrics, the rollout rank's under
+``rollout_ranks/``, and each batch's staleness and weights; balancing is a no-op there (one training rank).
 """
 
 from __future__ import annotations
@@ -32,15 +40,20 @@ pytestmark = pytest.mark.e2e
 
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem not in ("sft", "grpo_tools"))
 LR = 1e-4
-BATCH = 8  # prompts per step; with rollout.n 2 on 2 ranks: 8 responses per rank
-# Metrics every run logs (each algorithm's own come on top).
-REQUIRED = [
+BATCH = 8  # prompts per step; with rollout.n 2 on 2 ranks: 8 responses per rank (split: 16 on rank 0)
+# Metrics every colocated run logs (each algorithm's own come on top), then every split run: there rank 0,
+# which logs, is the training rank, and it logs the rollout rank's phases and memory under rollout_ranks/
+# (spmdrl/split/rollout_role.py), its own wait for the batch, and how stale the batch is.
+TRAINING = [
     "reward/mean", "reward/max", "reward/min", "response_length/mean", "response_length/clip_ratio",
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
-    "perf/tokens_per_s", "timing/rollout", "timing/weight_sync", "timing/reward", "timing/old_logp",
-    "timing/ref", "timing/adv", "timing/update", "timing/step", "memory/rollout_peak_gb",
+    "perf/tokens_per_s", "timing/old_logp", "timing/ref", "timing/adv", "timing/update", "timing/step",
     "memory/update_peak_gb",
 ]
+ROLLOUT = ["timing/rollout", "timing/weight_sync", "timing/reward", "memory/rollout_peak_gb"]
+REQUIRED = TRAINING + ROLLOUT
+REQUIRED_SPLIT = TRAINING + ["rollout_ranks/" + k for k in ROLLOUT] + [
+    "rollout_ranks/timing/send_batch", "timing/wait_rollout", "async/staleness", "async/weights_version"]
 
 FACTORS: dict[str, list] = {
     "config": CONFIGS,
@@ -56,40 +69,65 @@ FACTORS: dict[str, list] = {
     "multi_turn": [False, True],
     "prompts": ["varied", "long-tailed"],
     "schedule": ["constant", "cosine"],
+    "placement": ["colocated", "split0", "split1"],  # split<s>: 1 training + 1 rollout rank, max_staleness s
 }
+# Against the algorithm configs, placement counts by kind: every config runs colocated and split (at
+# staleness 0 or 1), and each staleness meets every level of every other factor. Pairing every config
+# with both stalenesses would take 10 x 3 = 30 rows instead of 22.
+COARSE = {("config", "placement"): {"colocated": "colocated", "split0": "split", "split1": "split"}}
 
 
-def all_pairs(factors: dict[str, list], seed: int = 4) -> list[dict]:
+def all_pairs(factors: dict[str, list], seed: int = 20, coarse: dict | None = None) -> list[dict]:
     """Rows (factor -> level) in which every pair of levels of every two factors appears at least once.
     Greedy: each row starts from the first pair still missing and gives every other factor the level that
     covers the most missing pairs with the levels chosen so far; ties go to a seeded draw, so that rows mix
     levels instead of repeating one pattern (a fixed tie-break gave every config an all-first and an
-    all-second row). Seed 4 is the first whose rows also run ReMax x DAPO single-turn with rollout log-probs
-    on (a bug that a missing-log-probs crash hid in the other rows at dcef175)."""
+    all-second row). ``coarse`` ({(a, b): {level of b: its kind}}) asks less of a pair of factors: every
+    level of a meets every kind of b's levels, while each level of b still meets every level of every
+    other factor. Seed 20 is the first to give at most 22 rows (with ``COARSE``) that also run ReMax x DAPO
+    single-turn with rollout log-probs on, colocated (a bug that a missing-log-probs crash hid in the other
+    rows at dcef175, before split placement existed)."""
     rng = random.Random(seed)
     names = sorted(factors, key=lambda f: -len(factors[f]))
-    missing = {(a, i, b, j) for x, a in enumerate(names) for b in names[x + 1:]
+    coarse = coarse or {}
+
+    def pair(f: str, k: int, g: str, m: int) -> tuple:
+        """Levels k of f and m of g as the coverage counts them (under ``coarse``, the first level of a
+        kind stands for the kind)."""
+        if names.index(f) > names.index(g):
+            f, k, g, m = g, m, f, k
+        kinds = coarse.get((f, g))
+        if kinds:
+            m = next(x for x, v in enumerate(factors[g]) if kinds[v] == kinds[factors[g][m]])
+        return f, k, g, m
+
+    missing = {pair(a, i, b, j) for x, a in enumerate(names) for b in names[x + 1:]
                for i in range(len(factors[a])) for j in range(len(factors[b]))}
     rows = []
     while missing:
         a, i, b, j = min(missing, key=lambda p: (names.index(p[0]), names.index(p[2]), p[1], p[3]))
-        row = {a: i, b: j}
-        for f in names:
+        # b's levels that cover this pair: one, or under ``coarse`` a kind's, chosen among last (by the most
+        # pairs they cover with every other level of the row).
+        of_b = [m for m in range(len(factors[b])) if pair(a, i, b, m) == (a, i, b, j)]
+        row = {a: i} if len(of_b) > 1 else {a: i, b: j}
+        for f in [*(f for f in names if f != b), b]:
             if f not in row:
-                row[f] = max(rng.sample(range(len(factors[f])), len(factors[f])), key=lambda k: sum(
-                    (g, row[g], f, k) in missing or (f, k, g, row[g]) in missing for g in row))
+                levels = of_b if f == b else list(range(len(factors[f])))
+                row[f] = max(rng.sample(levels, len(levels)),
+                             key=lambda k: sum(pair(f, k, g, row[g]) in missing for g in row))
         rows.append(row)
-        missing -= {(a, row[a], b, row[b]) for x, a in enumerate(names) for b in names[x + 1:]}
+        missing -= {pair(a, row[a], b, row[b]) for x, a in enumerate(names) for b in names[x + 1:]}
     return [{f: factors[f][row[f]] for f in factors} for row in rows]
 
 
 def test_all_pairs_covers_every_pair_in_few_rows() -> None:
-    rows = all_pairs(FACTORS)
+    rows = all_pairs(FACTORS, coarse=COARSE)
     for a in FACTORS:
         for b in FACTORS:
             if a < b:
-                seen = {(r[a], r[b]) for r in rows}
-                assert seen == {(x, y) for x in FACTORS[a] for y in FACTORS[b]}, (a, b)
+                kind = COARSE.get((a, b), {y: y for y in FACTORS[b]})
+                seen = {(r[a], kind[r[b]]) for r in rows}
+                assert seen == {(x, kind[y]) for x in FACTORS[a] for y in FACTORS[b]}, (a, b)
     assert len(rows) <= 2 * len(CONFIGS) + 4  # the 10 x 2 pairs of the widest factors need 20
 
 
@@ -121,12 +159,24 @@ def data(tmp_path_factory) -> dict:
     return out
 
 
+def _staleness(case: dict) -> int | None:
+    """rollout.max_staleness of a split case; None when colocated."""
+    return None if case["placement"] == "colocated" else int(case["placement"].removeprefix("split"))
+
+
+def _steps(case: dict) -> int:
+    """2, or 3 at staleness 1: its first two batches are both generated with the initial weights, so the
+    first weights go out (overlapped with update 2, for batch 3) only in a third step."""
+    return 3 if _staleness(case) == 1 else 2
+
+
 def case_argv(case: dict, data: dict, out: Path) -> list[str]:
     """The command line of one case: the config's own settings, then each factor's level."""
     name = case["config"]
     argv = ["--config", f"configs/{name}.yaml", "--model.path", "builtin:tiny-arith",
             "--data.train_batch_size", str(BATCH), "--rollout.n", "2", "--data.max_prompt_length", "192",
-            "--data.max_response_length", "8", "--data.val_files", "null", "--trainer.total_steps", "2",
+            "--data.max_response_length", "8", "--data.val_files", "null",
+            "--trainer.total_steps", str(_steps(case)),
             "--trainer.test_freq", "-1", "--trainer.val_before_train", "false", "--trainer.save_freq", "-1",
             "--trainer.logger", "[console,jsonl]", "--trainer.progress_bar", "false",
             "--trainer.resume", "off", "--trainer.hang_timeout_s", "180", "--trainer.output_dir", str(out),
@@ -168,6 +218,9 @@ def case_argv(case: dict, data: dict, out: Path) -> list[str]:
     if case["schedule"] == "cosine":
         argv += ["--actor.lr_scheduler", "cosine", "--actor.lr_warmup_steps", "1",
                  "--actor.min_lr_ratio", "0.1", "--critic.lr_warmup_steps", "1"]
+    if _staleness(case) is not None:  # rank 0 trains, rank 1 generates
+        argv += ["--rollout.placement", "split", "--rollout.nnodes", "1", "--rollout.n_gpus_per_node", "1",
+                 "--rollout.max_staleness", str(_staleness(case))]
     return argv
 
 
@@ -185,6 +238,18 @@ REFUSED = {
     "a critic mini-batch that does not divide the batch": (
         {"config": "ppo"}, ["--critic.ppo_mini_batch_size", "6"],
         "is not a multiple of critic.ppo_mini_batch_size"),
+    "split placement without rollout ranks": (
+        {}, ["--rollout.placement", "split"],
+        "rollout.placement is split but rollout.nnodes x rollout.n_gpus_per_node is 1 x None"),
+    "split placement with every rank on rollout": (
+        {"placement": "split1"}, ["--rollout.n_gpus_per_node", "2"],
+        "rollout.placement split puts 2 rank(s) on rollout (rollout.nnodes x rollout.n_gpus_per_node)"),
+    "a negative staleness": (
+        {"placement": "split1"}, ["--rollout.max_staleness", "-1"], "rollout.max_staleness is -1"),
+    # Every shipped engine runs split; a backend that does not say it does is refused.
+    "split placement with an engine not built for it": (
+        {"placement": "split0"}, ["--rollout.engine", "colocated_only"],
+        "rollout.engine colocated_only is not built for rollout.placement split"),
 }
 
 
@@ -206,13 +271,14 @@ def _default_case(**levels) -> dict:
 def _expected_lr(case: dict, step: int) -> float:
     if case["schedule"] == "constant":
         return LR
-    return LR * WarmupSchedule(1, "cosine", 0.1, 2)(step - 1)  # the schedule counts training steps
+    return LR * WarmupSchedule(1, "cosine", 0.1, _steps(case))(step - 1)  # it counts training steps
 
 
 def _check_metrics(name: str, case: dict, rows: list[dict]) -> None:
-    assert [r["step"] for r in rows] == [1, 2], name
+    s, steps = _staleness(case), _steps(case)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), name
     last = rows[-1]
-    missing = [k for k in REQUIRED if k not in last]
+    missing = [k for k in (REQUIRED if s is None else REQUIRED_SPLIT) if k not in last]
     assert not missing, f"{name}: metrics {missing} missing"
     assert ("critic/vf_loss" in last) is (case["config"] == "ppo"), name
     assert ("dapo/num_gen_batches" in last) is case["filter_groups"], name
@@ -222,14 +288,24 @@ def _check_metrics(name: str, case: dict, rows: list[dict]) -> None:
     # Without rollout log-probs nothing compares the rollout with the actor.
     if not case["calculate_log_probs"]:
         assert not [k for k in last if k.startswith(("rollout_corr/", "training/rollout_"))], name
-    assert ("perf/balance_before" in last) is case["balance"], name
+    # Balancing moves groups between training ranks: under split there is one, and nothing to move.
+    assert ("perf/balance_before" in last) is (case["balance"] and s is None), name
+    assert ("async/staleness" in last) is (s is not None), name
+    if s is not None:
+        # Batch k is generated with the weights of update k-1-s (0: the initial ones), sent in step k-1's
+        # row: after its update at staleness 0, before it (overlapped) at 1.
+        ks = range(1, steps + 1)
+        assert [r["async/weights_version"] for r in rows] == [max(0, k - 1 - s) for k in ks], name
+        assert [r["async/staleness"] for r in rows] == [min(s, k - 1) for k in ks], name
+        assert [("timing/weight_send" in r) for r in rows] == [s < k < steps for k in ks], name
+        assert all(r["rollout_ranks/timing/rollout"] > 0 for r in rows), name
     for r in rows:
         assert math.isclose(r["actor/lr"], _expected_lr(case, r["step"]), rel_tol=1e-6), (name, r["step"])
         assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"]), name
 
 
 def test_every_pair_of_features_runs_or_is_refused(tmp_path, spmdrl_cache, data) -> None:
-    cases = {f"case{k:02d}": c for k, c in enumerate(all_pairs(FACTORS))}
+    cases = {f"case{k:02d}": c for k, c in enumerate(all_pairs(FACTORS, coarse=COARSE))}
     jobs = [{"name": name, "argv": case_argv(case, data, tmp_path / name)} for name, case in cases.items()]
     for name, (levels, extra, _) in REFUSED.items():
         case = _default_case(**levels)

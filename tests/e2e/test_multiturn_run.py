@@ -12,6 +12,7 @@ from torchrun import torchrun
 SPLIT = ["--rollout.placement", "split", "--rollout.n_gpus_per_node", "1"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("placement", [[], SPLIT], ids=["colocated", "split"])
 def test_grpo_tools_two_ranks_scripted_policy(tmp_path, spmdrl_cache, placement):
     out = tmp_path / "run"
