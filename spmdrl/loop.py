@@ -9,7 +9,7 @@ and the two take turns on the device. Components are built by name from the conf
 (``spmdrl.run.build``); nothing below branches on a backend. Experience (generation and scoring, DAPO's
 rounds, ReMax's baseline) is produced below the loop by ``spmdrl.experience``, which validation shares;
 what the training side does with a scored batch is ``spmdrl.run.learn``, which split placement's
-training ranks share (``spmdrl/split/``); what every run does around its steps (output folder, resume,
+training ranks share (``spmdrl/split/``); what every run does around its steps (output folder,
 checkpoints, preemption, plots) is ``spmdrl.run.upkeep``.
 """
 
@@ -34,6 +34,7 @@ def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
     """A colocated run: build, resume, validate first when asked, then steps until the last one or a stop."""
     r = build(cfg, dims, plan)
     assert isinstance(r, ColocatedRun), type(r)  # split placement runs spmdrl.split.run_split
+    preemption = Preemption()  # SIGTERM/SIGUSR1 from here on: checkpoint and stop at the next step boundary
     tr, exp = r.training, r.experience
     # What a checkpoint holds; each part declares how it is stored (spmdrl/checkpoint/manager.py).
     rng = RNGState(exp.session.engine, r.device, cfg.trainer.seed)
@@ -44,8 +45,7 @@ def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
         r.step = ckpt.resumed_step
         exp.session.actor_changed()  # the rollout engine still holds the initial weights
     sink = r.open_output(resumed)
-    # SIGTERM/SIGUSR1 handlers: checkpoint and stop at the next step boundary.
-    end = StepEnd(r, sink, ckpt, Preemption(), r.timer)
+    end = StepEnd(r, sink, ckpt, preemption, r.timer)
     try:
         if r.validation.first(r.step):  # trainer.val_only / val_before_train
             sink.log(r.step, validation_metrics(exp, r.val_loader))
@@ -54,8 +54,8 @@ def run(cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> None:
         while going and r.step < r.total_steps:
             going = step(r, end)
     finally:
-        r.close()
         sink.close()
+        r.close()
     dist.barrier()  # every rank is done with every collective; then the engine may tear down what it started
     exp.session.engine.close()
 

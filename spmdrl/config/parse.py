@@ -69,14 +69,19 @@ def rename_keys(argv: Sequence[str], renamed: dict[str, str] = RENAMED) -> list[
 
 def _renamed_yaml(word: str, renamed: dict[str, str]) -> str:
     try:
-        tree = yaml.safe_load(open(word).read() if os.path.isfile(word) else word)
+        if os.path.isfile(word):
+            with open(word) as f:
+                tree = yaml.safe_load(f)
+        else:
+            tree = yaml.safe_load(word)
     except (OSError, yaml.YAMLError):
         return word
     changed = False
     for old, new in renamed.items():
         (section, key), (new_section, new_key) = old.split("."), new.split(".")
         if isinstance(tree, dict) and isinstance(tree.get(section), dict) and key in tree[section]:
-            tree.setdefault(new_section, {})[new_key] = tree[section].pop(key)
+            value = tree[section].pop(key)
+            tree.setdefault(new_section, {}).setdefault(new_key, value)  # the new name wins where both are
             changed = True
     return yaml.safe_dump(tree, default_flow_style=True, width=1 << 30).strip() if changed else word
 

@@ -275,6 +275,7 @@ def build_rewards(cfg: "Config", dims: "ParallelDims", device: torch.device, tok
     ``role``). ``role``: which sources this rank holds: every one (colocated), those that need no trained
     model (split placement's rollout ranks) or the reward model (its training ranks; None without one). A
     reward file that does not import, or names no such function, is a ConfigError."""
+    role = RankRole(role)
     if role is RankRole.TRAINING and not cfg.reward_model.enable:
         return None
     try:

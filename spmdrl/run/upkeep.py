@@ -92,10 +92,11 @@ def checkpoints(run: RunFolder, parts: dict[str, Optional[Stateful]],
 
 
 def open_output(run: RunFolder, resumed: bool, *, name: str, plan: Optional[dict] = None,
-                also_set_aside: tuple[str, ...] = ()) -> MetricsSink:
+                also_set_aside: tuple[str, ...] = (), logged_config: Optional[dict] = None) -> MetricsSink:
     """The run folder on rank 0 (a fresh start sets an earlier run's files aside, never overwrites them;
     ``also_set_aside``: other folders of the run, such as a generation dump; config.yaml, and plan.json
-    when there is a ``plan``) and the metrics sink of every rank (rank 0 writes)."""
+    when there is a ``plan``) and the metrics sink of every rank (rank 0 writes; the loggers get
+    ``logged_config``, by default the run's resolved config)."""
     if run.rank == 0:
         run.out_dir.mkdir(parents=True, exist_ok=True)
         if not resumed:
@@ -105,7 +106,8 @@ def open_output(run: RunFolder, resumed: bool, *, name: str, plan: Optional[dict
             (run.out_dir / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
     t = run.cfg.trainer
     return MetricsSink(run.out_dir, t.logger, run.total_steps, rank=run.rank, progress_bar=t.progress_bar,
-                       project=t.project_name, experiment=t.experiment_name, config=asdict(run.cfg),
+                       project=t.project_name, experiment=t.experiment_name,
+                       config=asdict(run.cfg) if logged_config is None else logged_config,
                        initial_step=run.step, name=name)
 
 

@@ -108,13 +108,15 @@ def parse_sft_config(argv: Optional[Sequence[str]] = None) -> tuple[SFTConfig, b
 
     import jsonargparse
 
-    from spmdrl.config.parse import _one_sentence
+    from spmdrl.config.parse import _one_sentence, rename_keys
     from spmdrl.verl.args import annotate, rewrite_argv
     from spmdrl.verl.sft import SFT_DEFAULTS, SFT_TABLE
 
     parser = build_sft_parser()
-    argv, origin = rewrite_argv(list(argv) if argv is not None else sys.argv[1:], table=SFT_TABLE,
-                                defaults=SFT_DEFAULTS, config_cls=SFTConfig, prog="spmdrl.sft")
+    # A renamed RL key is refused under its new name (check_sft_config), not as an unknown word.
+    words = rename_keys(list(argv) if argv is not None else sys.argv[1:])
+    argv, origin = rewrite_argv(words, table=SFT_TABLE, defaults=SFT_DEFAULTS, config_cls=SFTConfig,
+                                prog="spmdrl.sft")
     try:
         ns = parser.parse_args(argv)
     except jsonargparse.ArgumentError as err:
@@ -146,6 +148,9 @@ def check_sft_config(cfg: SFTConfig, world_size: int) -> None:
         raise ConfigError(f"trainer.total_steps must be at least 1 or null, got {cfg.trainer.total_steps}")
     if cfg.actor.lr <= 0:
         raise ConfigError(f"actor.lr must be positive, got {cfg.actor.lr}")
+    if cfg.trainer.val_only and not cfg.data.val_files:
+        raise ConfigError("trainer.val_only is true but data.val_files is null; validation-only needs "
+                          "validation files")
     try:
         engine_class(cfg.actor.strategy).check_config(engine_config(cfg))
     except (ValueError, ImportError) as err:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,14 +66,14 @@ def run(cfg: SFTConfig, dims: ParallelDims) -> None:
     """Build, resume, validate first when asked, then steps until the last one or a stop; the trained model
     as a Hugging Face folder at the end."""
     r = build(cfg, dims)
+    preemption = Preemption()  # SIGTERM/SIGUSR1 from here on: checkpoint and stop at the next step boundary
     rng = RNGState(None, r.device, cfg.trainer.seed)
     ckpt = checkpoints(r, {"actor": r.engine, "data": r.loader, "rng": rng})
     resumed = ckpt.resume() is not None
     if resumed:
         r.step = ckpt.resumed_step
-    sink = open_output(r, resumed, name="sft")
-    # SIGTERM/SIGUSR1: checkpoint and stop at the next step boundary.
-    end = StepEnd(r, sink, ckpt, Preemption())
+    sink = open_output(r, resumed, name="sft", logged_config=asdict(cfg))  # as the user gave it
+    end = StepEnd(r, sink, ckpt, preemption)
     going = not cfg.trainer.val_only
     try:
         if r.validation.first(r.step):

@@ -99,8 +99,8 @@ def _training(r: TrainingRun, ex: Exchange, preemption: Preemption) -> None:
             rollout_done = training_role.run_training(r, ex, end, held) or rollout_done
             training_role.release(r, ex, rollout_done)
     finally:
-        r.close()
         sink.close()
+        r.close()
     dist.barrier()  # every rank is done with every collective
 
 
@@ -112,8 +112,8 @@ def _rollout(r: RolloutRun, ex: Exchange, preemption: Preemption) -> None:
         r.timer.restart()
         rollout_role.run_rollout(r, ex, preemption)
     finally:
-        r.close()
         sink.close()
+        r.close()
     dist.barrier()  # every rank is done with every collective; then the engine may tear down what it started
     r.experience.session.engine.close()
 

@@ -177,8 +177,9 @@ class Exchange:
             if kinds == {kind}:
                 return [(header, tensors) for _, header, tensors in got]
             if kinds != {Kind.ASK} or self.scorer is None:
-                raise RuntimeError("split placement: rollout ranks asked for reward-model scores out of step "
-                                   "(some sent a batch instead, or no reward model answers here)")
+                raise RuntimeError(f"split placement: rollout ranks asked for reward-model scores out of "
+                                   f"step (some sent {kind.value!r} instead, or no reward model answers "
+                                   f"here)")
             self._answer([header["rows"] for _, header, _ in got])
 
     def _answer(self, asks: list[dict[str, list]]) -> None:

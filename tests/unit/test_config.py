@@ -227,6 +227,9 @@ def test_a_renamed_key_keeps_its_old_name(tmp_path):
     assert cfg.trainer.total_steps == 3  # the rest of the file still applies
     assert parse_config(["--config", GRPO, "--trainer.colocate", "false", "--trainer.sleep_rollout", "true"]
                         )[0].trainer.sleep_rollout is True
+    both = tmp_path / "both.yaml"
+    both.write_text("trainer: {colocate: false, sleep_rollout: true}\n")
+    assert parse_config(["--config", str(both)])[0].trainer.sleep_rollout is True
 
 
 def test_debug_shows_traceback():

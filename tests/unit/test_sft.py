@@ -238,3 +238,10 @@ def test_rl_only_keys_are_refused():
     with pytest.raises(ConfigError, match="multiple of the world size 2"):
         check_sft_config(cfg, 2)
     check_sft_config(parse_sft_config([])[0], 2)
+    # A renamed RL key is refused under its new name, its old one included.
+    cfg, _ = parse_sft_config(["--trainer.colocate", "false"])
+    with pytest.raises(ConfigError, match="trainer.sleep_rollout=False is an RL key"):
+        check_sft_config(cfg, 1)
+    cfg, _ = parse_sft_config(["--trainer.val_only", "true", "--data.val_files", "null"])
+    with pytest.raises(ConfigError, match="trainer.val_only is true but data.val_files is null"):
+        check_sft_config(cfg, 1)
