@@ -203,7 +203,7 @@ class Experience:
                 ) -> tuple[Batch, dict[str, float]]:
         """One step's scored batch: the engine awake for every generation the step needs (DAPO's rounds
         draw from ``more_prompts``; ReMax's greedy baseline), then asleep."""
-        with self.session.awake(lambda: self.timer.phase("weight_sync")):
+        with self.session.awake(lambda: self.timer.phase("weight_sync"), lambda: self.timer.phase("sleep")):
             return self._collect(prompts, more_prompts)
 
     def _round(self, prompts: list["PromptItem"], sampling: SamplingParams, metrics: dict[str, float],

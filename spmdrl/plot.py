@@ -38,8 +38,8 @@ log = logging.getLogger("spmdrl")
 FIGSIZE = (11.0, 4.2)  # inches; two panels side by side
 DPI = 100
 KL_KEYS = ("actor/kl_loss", "actor/reward_kl_penalty", "actor/ppo_kl")
-PHASES = ("data", "offload", "weight_sync", "rollout", "reward", "onload", "balance", "old_logp", "ref",
-          "values", "adv", "update", "validation", "metrics", "log", "checkpoint", "plot", "other")
+PHASES = ("data", "offload", "weight_sync", "rollout", "reward", "sleep", "onload", "balance", "old_logp",
+          "ref", "values", "adv", "update", "validation", "metrics", "log", "checkpoint", "plot", "other")
 LINESTYLES = ("-", "--", ":", "-.")
 
 

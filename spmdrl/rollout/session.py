@@ -70,9 +70,11 @@ class RolloutSession:
         return len(tp_share(num_prompts, self.tp_rank, self.tp))
 
     @contextlib.contextmanager
-    def awake(self, sync_phase: Callable[[], ContextManager] = contextlib.nullcontext
-              ) -> Iterator[RolloutEngine]:
-        """The engine, awake with the actor's current weights; ``sync_phase`` times the wake and load."""
+    def awake(self, sync_phase: Callable[[], ContextManager] = contextlib.nullcontext,
+              sleep_phase: Callable[[], ContextManager] = contextlib.nullcontext) -> Iterator[RolloutEngine]:
+        """The engine, awake with the actor's current weights; ``sync_phase`` times the wake and load,
+        ``sleep_phase`` the sleep after the window (on a GPU a level-1 sleep copies the weights to the host:
+        untimed, it was time in no phase)."""
         if self._depth:  # already awake: an inner caller shares the outer window
             yield self.engine
             return
@@ -90,5 +92,6 @@ class RolloutSession:
         finally:
             self._depth -= 1
             if self.sleeps:
-                self.engine.sleep(self.sleep_level)
+                with sleep_phase():
+                    self.engine.sleep(self.sleep_level)
                 self.stale = self.stale or self.sleep_level == 2

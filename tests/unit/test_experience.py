@@ -130,6 +130,8 @@ def test_single_turn_batch_is_scored_by_the_rule_source(tok, tmp_path) -> None:
     assert metrics["reward/num_errors"] == 0 and 0 <= metrics["reward/acc"] <= 1
     assert batch_metrics(batch)["reward/mean"] == pytest.approx(sum(expected) / len(expected))
     assert "baseline" not in batch and [c.n for c in engine.calls] == [N]
+    # The engine's sleep after the window is a phase of its own (on a GPU it moves the weights to the host).
+    assert {"timing/weight_sync", "timing/rollout", "timing/reward", "timing/sleep"} <= set(exp.timer.pop())
 
 
 def test_dapo_generates_until_every_group_it_keeps_is_informative(tok, tmp_path) -> None:
