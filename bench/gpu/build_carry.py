@@ -2,7 +2,8 @@
 
     python bench/gpu/build_carry.py      # downloads the pins, builds spmdrl's wheel, packs .carry/c1..cN
     python bench/gpu/build_carry.py --resolve --pip-python "$(PYENV_VERSION=3.12.1 pyenv which python3.12)"
-                                         # re-resolves the pins (core.txt, vllm.txt) from the index first
+                                         # re-resolves the pins (core.txt, vllm.txt, trl.txt) first
+    python bench/gpu/build_carry.py --resolve trl --pip-python ...   # trl.txt only: core.txt, vllm.txt held
 
 The GPU machines' image (Python 3.12.3, torch 2.11.0+cu130; image_packages.txt) lacks jsonargparse,
 megatron-core and vLLM, and reaches no package index: what spmdrl needs beyond the image travels as
@@ -10,13 +11,18 @@ cp312 manylinux x86_64 wheels, at most 64 MiB a command together with the workin
 spmdrl's own wheel and core.txt (jsonargparse with its signature extras and megatron-core 0.19.2): with it
 the FSDP2 and Megatron rows run with the native engine. vllm.txt (vLLM 0.26.0, the release that pins torch
 2.11.0, and what it needs beyond the image) fills c2..cN; a wheel larger than a chunk is cut into parts that
-``matrix.py --install`` joins and checks on the far side. Each chunk folder has ``chunk.json`` (files,
-sizes, sha256); the manifest of all chunks is printed and written to ``.carry/manifest.json``.
+``matrix.py --install`` joins and checks on the far side. trl.txt (TRL 1.16.0 for the matrix's trl-vllm cell,
+and what it needs beyond the image and vllm.txt: datasets, multiprocess, tzdata) fills the room left in
+those chunks, before vLLM's ``vllm-later`` wheels. Each chunk folder has ``chunk.json`` (files, sizes,
+sha256, each file's kind; the chunk's kind names the kinds it holds, as ``vllm+trl``); the manifest of all
+chunks is printed and written to ``.carry/manifest.json``.
 
 ``--resolve`` asks pip's resolver (a Python 3.12 pip, ``--dry-run --report``) for the closure of the
 requirements, with the image's packages of known version stood in by empty wheels (so torch's CUDA
 wheels are never resolved or fetched), drops every package the image has, and writes the pins with their
-sha256 (pip's ``--require-hashes`` format). Not part of the test suite (it needs the package index).
+sha256 (pip's ``--require-hashes`` format). Each pin file is resolved with the requirements of the files
+before it, held to their pins (a requirement that would move one is pip's conflict), and holds what they
+do not. Not part of the test suite (it needs the package index).
 """
 
 from __future__ import annotations
@@ -36,18 +42,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 MIB = 1024**2
-# What each pin file holds: c1's own requirements, then vLLM's (resolved together, so versions agree).
+# What each pin file holds, in order: c1's own requirements, then vLLM's, then TRL's (each resolved with the
+# ones before it, so versions agree). TRL 1.16.0's vllm extra asks for vllm>=0.22.0,<=0.31.0.
 REQUIREMENTS = {"core": ["jsonargparse[signatures]==4.53.0", "megatron-core==0.19.2"],
-                "vllm": ["vllm==0.26.0"]}
+                "vllm": ["vllm==0.26.0"], "trl": ["trl==1.16.0"]}
 # Image packages that stand in for what the requirements pin, as empty wheels of these versions: the ones
 # built against torch's ABI or CUDA (so the resolver never reaches torch's CUDA wheels) and the ones whose
-# version vLLM checks. numba: vLLM 0.26.0 pins 0.65.0, which wants numpy<2.5; the image's numba imports with
-# its numpy 2.5.2, so it stays. Every other image package is resolved like any other and then left out: the
-# image's version is used, and where the resolver chose another (numpy: mistral-common caps it below 2.4)
-# the build prints both.
+# version vLLM or TRL checks or runs on (accelerate: TRL's trainer). numba: vLLM 0.26.0 pins 0.65.0, which
+# wants numpy<2.5; the image's numba imports with its numpy 2.5.2, so it stays. Every other image package is
+# resolved like any other and then left out: the image's version is used, and where the resolver chose
+# another (numpy: mistral-common caps it below 2.4) the build prints both.
 STAND_INS = {"torch": "2.11.0", "torchaudio": "2.11.0", "torchvision": "0.26.0", "triton": "3.6.0",
              "transformers": "5.17.0", "tokenizers": "0.23.2", "safetensors": "0.8.0",
-             "huggingface-hub": "1.33.0", "numba": "0.65.0"}
+             "huggingface-hub": "1.33.0", "numba": "0.65.0", "accelerate": "1.15.0"}
 # vLLM's requirements that its offline generate of a dense bf16 model (the matrix's use) does not import, read
 # from vLLM 0.26.0's source: CuTe DSL kernels (MoE routers, Mamba, sparse attention; vLLM checks they import),
 # humming-kernels' CUDA compiler, tilelang kernels, video decoding, MLA attention. They fill the last chunks
@@ -94,14 +101,17 @@ def _stand_in_wheel(folder: Path, name: str, version: str) -> None:
             z.writestr(p, t)
 
 
-def resolve_pins(pip_python: str, requirements: list[str], tmp: Path) -> dict[str, tuple[str, str]]:
-    """Canonical name -> (version, sha256) of the closure of ``requirements`` beyond the image."""
+def resolve_pins(pip_python: str, requirements: list[str], tmp: Path,
+                 held: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+    """Canonical name -> (version, sha256) of the closure of ``requirements`` beyond the image, with the
+    packages of ``held`` kept at its versions."""
     image = image_packages()
     fake = tmp / "image"
     fake.mkdir(exist_ok=True)
     for name, version in STAND_INS.items():
         _stand_in_wheel(fake, name, version)
-    (tmp / "image.txt").write_text("".join(f"{n}=={v}+image\n" for n, v in STAND_INS.items()))
+    (tmp / "image.txt").write_text("".join(f"{n}=={v}+image\n" for n, v in STAND_INS.items())
+                                   + "".join(f"{n}=={v}\n" for n, (v, _) in held.items()))
     report = tmp / "report.json"
     cmd = [pip_python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--report", str(report),
            "--target", str(tmp / "target"), "--find-links", str(fake), "-c", str(tmp / "image.txt"),
@@ -121,19 +131,37 @@ def resolve_pins(pip_python: str, requirements: list[str], tmp: Path) -> dict[st
     return pins
 
 
-def write_pins(pip_python: str) -> None:
-    """core.txt and vllm.txt from the index: c1's closure, then what vLLM adds to it."""
-    with tempfile.TemporaryDirectory() as tmp:
-        core = resolve_pins(pip_python, REQUIREMENTS["core"], Path(tmp))
-        both = resolve_pins(pip_python, REQUIREMENTS["core"] + REQUIREMENTS["vllm"], Path(tmp))
-    moved = {n: (core[n][0], both.get(n, ("absent",))[0]) for n in core if both.get(n) != core[n]}
-    if moved:
-        raise SystemExit(f"vLLM's requirements change core pins (name: core, with vllm): {moved}")
-    for part, pins in (("core", core), ("vllm", {n: p for n, p in both.items() if n not in core})):
+def read_pins(part: str) -> dict[str, tuple[str, str]]:
+    """Canonical name -> (version, sha256) of ``{part}.txt``."""
+    pins = {}
+    for line in (HERE / f"{part}.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            pin, digest = line.split(" --hash=sha256:")
+            name, version = pin.split("==")
+            pins[canonical(name)] = (version, digest.strip())
+    return pins
+
+
+def write_pins(pip_python: str, start: str) -> None:
+    """The pin files from ``start`` on, in REQUIREMENTS' order, from the index: each the closure of its
+    requirements and those of the files before it (held to their pins) less their pins."""
+    earlier: dict[str, tuple[str, str]] = {}
+    requirements: list[str] = []
+    for i, (part, wanted) in enumerate(REQUIREMENTS.items()):
+        requirements += wanted
+        if i < list(REQUIREMENTS).index(start):
+            earlier.update(read_pins(part))
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            closure = resolve_pins(pip_python, requirements, Path(tmp), earlier)
+        pins = {n: p for n, p in closure.items() if n not in earlier}
+        before = [f"{e}.txt" for e in list(REQUIREMENTS)[:i]]
+        head = f"# {' '.join(wanted)} beyond the GPU image{''.join(f', {b}' for b in before)}; written by " \
+               f"build_carry.py --resolve\n"
         lines = [f"{n}=={v} --hash=sha256:{h}\n" for n, (v, h) in sorted(pins.items())]
-        head = f"# {' '.join(REQUIREMENTS[part])} beyond the GPU image; written by build_carry.py --resolve\n"
         (HERE / f"{part}.txt").write_text(head + "".join(lines))
         print(f"{part}.txt: {len(lines)} pins")
+        earlier.update(pins)
 
 
 def download(part: str, dest: Path) -> list[Path]:
@@ -141,9 +169,7 @@ def download(part: str, dest: Path) -> list[Path]:
     dest.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--require-hashes",
                     "-d", str(dest), *PLATFORM, "-r", str(HERE / f"{part}.txt")], check=True)
-    pins = [line.split()[0] for line in (HERE / f"{part}.txt").read_text().splitlines()
-            if line.strip() and not line.startswith("#")]
-    wanted = {canonical(p.split("==")[0]): p.split("==")[1] for p in pins}
+    wanted = {name: version for name, (version, _) in read_pins(part).items()}
     got = [w for w in dest.glob("*.whl")
            if wanted.get(canonical(w.name.split("-")[0])) == w.name.split("-")[1]]
     if len(got) != len(wanted):
@@ -200,27 +226,31 @@ def pack(items: list[tuple[Path, dict]], limit: int, chunks: list[list[tuple[Pat
 
 
 def build(out: Path, limit_mib: float, with_vllm: bool) -> list[dict]:
-    """Chunk c1 (spmdrl, core.txt), then vllm.txt's chunks (LATER's last) into ``out``; the manifest."""
+    """Chunk c1 (spmdrl, core.txt), then vllm.txt's and trl.txt's wheels, vLLM's LATER ones last, into
+    ``out``; the manifest. Each file's entry names its kind, and a chunk's kind the kinds it holds."""
     limit = int(limit_mib * MIB)
     if out.exists():
         shutil.rmtree(out)
     work = out / "_download"
     core = [spmdrl_wheel(work / "core"), *download("core", work / "core")]
-    chunks = [[(w, {"file": w.name, "bytes": w.stat().st_size, "sha256": sha256(w)}) for w in core]]
+    chunks = [[(w, {"file": w.name, "bytes": w.stat().st_size, "sha256": sha256(w), "kind": "core"})
+               for w in core]]
     if sum(e["bytes"] for _, e in chunks[0]) > limit:
         raise SystemExit(f"chunk c1 (spmdrl + core.txt) is over {limit_mib} MiB")
-    kinds = ["core"]
     if with_vllm:
         (work / "parts").mkdir(parents=True)
         wheels = download("vllm", work / "vllm")
-        for kind, later in (("vllm", False), ("vllm-later", True)):
-            mine = [w for w in wheels if (canonical(w.name.split("-")[0]) in LATER) == later]
-            # vLLM's first pieces also fill the room chunk c1 has left: each command carries what it may.
-            start = chunks[:1] if kind == "vllm" else []
-            packed = pack(pieces(mine, limit, work / "parts"), limit, start)[len(start):]
-            chunks += packed
-            kinds += [kind] * len(packed)
-    manifest = write_chunks(out, chunks, kinds)
+        later = [w for w in wheels if canonical(w.name.split("-")[0]) in LATER]
+        kinds = [("vllm", [w for w in wheels if w not in later]), ("trl", download("trl", work / "trl")),
+                 ("vllm-later", later)]
+        for kind, mine in kinds:
+            items = pieces(mine, limit, work / "parts")
+            for _, entry in items:
+                entry["kind"] = kind
+            # Each kind fills the room the chunks before it left (each command carries what it may), but
+            # vllm-later: its chunks come last, so that the cells run without them.
+            chunks = pack(items, limit, chunks) if kind != "vllm-later" else chunks + pack(items, limit, [])
+    manifest = write_chunks(out, chunks, ["+".join(dict.fromkeys(e["kind"] for _, e in c)) for c in chunks])
     shutil.rmtree(work)
     return manifest
 
@@ -249,13 +279,13 @@ def main() -> None:
     p.add_argument("--limit-mib", type=float, default=60,
                    help="most bytes of one chunk: 64 MiB a command, less the working tree (~2 MiB) that "
                         "travels too")
-    p.add_argument("--no-vllm", action="store_true", help="chunk c1 only")
-    p.add_argument("--resolve", action="store_true",
-                   help="re-resolve core.txt and vllm.txt from the index first")
+    p.add_argument("--no-vllm", action="store_true", help="chunk c1 only (no vLLM, no TRL)")
+    p.add_argument("--resolve", nargs="?", const="core", choices=list(REQUIREMENTS),
+                   help="re-resolve the pin files from this one on (all: core) from the index first")
     p.add_argument("--pip-python", default="python3.12", help="a Python 3.12 with pip, for --resolve")
     a = p.parse_args()
     if a.resolve:
-        write_pins(a.pip_python)
+        write_pins(a.pip_python, a.resolve)
     manifest = build(a.out, a.limit_mib, not a.no_vllm)
     for c in manifest:
         print(f"{c['chunk']} ({c['kind']}): {c['bytes'] / MIB:6.1f} MiB, {len(c['files'])} files")

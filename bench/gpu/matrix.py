@@ -12,12 +12,15 @@ so that namespace packages split over chunks survive. The runs then see ``--site
 
 Each cell is one GRPO run on one rank, ``python -m spmdrl.train`` of configs/grpo.yaml, in its own process:
 fsdp2-native, fsdp2-vllm-sleep1, fsdp2-vllm-sleep2, megatron-native, checkpoint (fsdp2-native saved at its
-last step, then resumed for one more), for each shape: ``default`` (configs/grpo.yaml's own sizes and
-model) and ``sized`` (``--model``, by default builtin:qwen2.5-0.5b-shape, ``--prompts`` x ``--n`` responses
-of exactly ``--new-tokens`` tokens: rollout.ignore_eos, so every row is equal work) and ``sized-1.5b`` (the
-same work on builtin:qwen2.5-1.5b-shape, asked for by name). A cell that fails is
-recorded with its error and the matrix goes on. Per cell, from the run's metrics.jsonl (the first step is
-warm-up and left out when there are more), medians of:
+last step, then resumed for one more); beside them vllm-alone (vLLM's own generate of one rollout's work)
+and trl-vllm (the peer: TRL's GRPOTrainer with vLLM colocated in sleep mode, bench/trl_grpo.py, on the same
+model, data, batch, n, lengths and mini- and micro-batches; on ``--device cpu`` with transformers'
+generate, as vLLM is not there). For each shape: ``default`` (configs/grpo.yaml's own sizes and model) and
+``sized`` (``--model``, by default builtin:qwen2.5-0.5b-shape, ``--prompts`` x ``--n`` responses of exactly
+``--new-tokens`` tokens: rollout.ignore_eos, so every row is equal work) and ``sized-1.5b`` (the same work
+on builtin:qwen2.5-1.5b-shape, asked for by name). A cell that fails is recorded with its error and the
+matrix goes on. Per cell, from the run's metrics.jsonl (trl-vllm's steps written as such rows; the first
+step is warm-up and left out when there are more), medians of:
 
 - tokens/s/GPU: prompt + response tokens per second of step, per rank (perf/tokens_per_s / world);
 - seconds per step and per phase (timing/*); rollout decode tokens/s/GPU (response tokens / rollout s);
@@ -62,6 +65,7 @@ CELLS: dict[str, list[str]] = {
     "megatron-native": ["--actor.strategy", "megatron"],
     "checkpoint": [],
     "vllm-alone": [],  # bench/gpu/vllm_alone.py: vLLM's own generate of one rollout's work
+    "trl-vllm": [],  # bench/trl_grpo.py: TRL's GRPOTrainer with colocated vLLM on the same work
 }
 # sized-1.5b: the sized work on Qwen2.5-1.5B's shapes, so the table shows how cost grows with the model
 SHAPES = ("default", "sized", "sized-1.5b")
@@ -153,19 +157,23 @@ def count_params(folder: Path) -> int:
 
 
 def shape_of(shape: str, a: argparse.Namespace) -> dict[str, Any]:
-    """The shape's training arguments, model path, prompts per step, responses per prompt and new tokens."""
+    """The shape's training arguments, model path, prompts per step, responses per prompt, new tokens, prompts
+    per optimizer step, responses per micro-batch and whether responses run to exactly ``new_tokens``."""
     import yaml
 
     if shape == "default":
         cfg = yaml.safe_load((REPO / "configs" / "grpo.yaml").read_text())
         return {"args": [], "model": cfg["model"]["path"], "prompts": cfg["data"]["train_batch_size"],
-                "n": cfg["rollout"]["n"], "new_tokens": cfg["data"]["max_response_length"]}
+                "n": cfg["rollout"]["n"], "new_tokens": cfg["data"]["max_response_length"],
+                "mini": cfg["actor"]["ppo_mini_batch_size"],
+                "micro": cfg["actor"]["ppo_micro_batch_size_per_gpu"], "ignore_eos": False}
     model = SECOND_SIZE if shape == "sized-1.5b" else a.model
     args = ["--model.path", model, "--data.train_batch_size", str(a.prompts),
             "--actor.ppo_mini_batch_size", str(a.prompts), "--rollout.n", str(a.n),
             "--data.max_response_length", str(a.new_tokens),
             "--actor.ppo_micro_batch_size_per_gpu", str(a.micro), "--rollout.ignore_eos", "true"]
-    return {"args": args, "model": model, "prompts": a.prompts, "n": a.n, "new_tokens": a.new_tokens}
+    return {"args": args, "model": model, "prompts": a.prompts, "n": a.n, "new_tokens": a.new_tokens,
+            "mini": a.prompts, "micro": a.micro, "ignore_eos": True}
 
 
 def train(args: list[str], out: Path, log: Path, title: str, timeout: float, site: Path) -> tuple[int, str]:
@@ -281,6 +289,42 @@ def vllm_alone_cell(sh: dict[str, Any], a: argparse.Namespace, title: str) -> tu
     return rc, text, json.loads(last[-1]) if rc == 0 and last else {}
 
 
+def trl_cell(sh: dict[str, Any], a: argparse.Namespace, out: Path,
+             title: str) -> tuple[int, str, dict[str, Any]]:
+    """TRL's GRPOTrainer on the shape's model, data (configs/grpo.yaml's train files), batch, n, lengths and
+    mini- and micro-batches (bench/trl_grpo.py): with colocated vLLM in bf16 on CUDA, with transformers'
+    generate in float32 on CPU. Its steps are written to ``out/metrics.jsonl`` as spmdrl's metric rows
+    (timing/*, perf/tokens_per_s, response_length/mean), so that the cell has the same figures."""
+    import yaml
+
+    from spmdrl.builtin.models import resolve_builtin_model
+    from spmdrl.builtin.tasks import resolve_builtin_data
+
+    cfg = yaml.safe_load((REPO / "configs" / "grpo.yaml").read_text())
+    data = resolve_builtin_data(cfg["data"]["train_files"], "train")
+    args = ["--model", resolve_builtin_model(sh["model"]), "--data", data, "--steps", str(a.steps),
+            "--prompts", str(sh["prompts"]), "--n", str(sh["n"]), "--new-tokens", str(sh["new_tokens"]),
+            "--mini", str(sh["mini"]), "--micro", str(sh["micro"]),
+            "--ignore-eos" if sh["ignore_eos"] else "--no-ignore-eos",
+            "--beta", str(cfg["actor"]["kl_loss_coef"]), "--lr", str(cfg["actor"]["lr"]),
+            "--max-prompt-length", str(cfg["data"]["max_prompt_length"]), "--device", a.device,
+            "--out", str(out / "trl")]
+    generate = "vllm" if a.device == "cuda" else "transformers"
+    if generate == "vllm":
+        args += ["--vllm", "--bf16"]
+    rc, text = child(str(REPO / "bench" / "trl_grpo.py"), args, a.log, title, a.cell_timeout, a.site)
+    last = [line for line in text.splitlines() if line.startswith("{\"step_s\"")]
+    if rc != 0 or not last:
+        return rc or 1, text, {}
+    steps = json.loads(last[-1])
+    rows = [{"step": i, "timing/step": s, **{f"timing/{k}": v for k, v in phases.items()},
+             "perf/tokens_per_s": tokens / s, "response_length/mean": length}
+            for i, (s, tokens, length, phases) in enumerate(zip(
+                steps["step_s"], steps["tokens"], steps["response_length"], steps["phase_s"]), 1)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rc, text, {"generate": generate, "optimizer_steps_per_step": sh["prompts"] // sh["mini"]}
+
+
 def run_cell(shape: str, cell: str, a: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     """One cell: its runs, then its figures; an error is recorded, never raised."""
     sh = shape_of(shape, a)
@@ -294,6 +338,9 @@ def run_cell(shape: str, cell: str, a: argparse.Namespace, ctx: dict[str, Any]) 
             rc, text, result["checkpoint"] = checkpoint_cell(sh, common, out, a, title)
         elif cell == "vllm-alone":
             rc, text, result["vllm_alone"] = vllm_alone_cell(sh, a, title)
+        elif cell == "trl-vllm":
+            out.mkdir(parents=True)
+            rc, text, result["trl"] = trl_cell(sh, a, out, title)
         else:
             rc, text = train([*common, "--trainer.resume", "off"], out, a.log, title, a.cell_timeout, a.site)
     except Exception as err:  # the matrix goes on; the cell says what broke

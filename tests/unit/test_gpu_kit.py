@@ -1,5 +1,6 @@
 """The GPU kit's carry (bench/gpu/): a wheel cut into parts over chunks is joined, checked and installed on
-the far side only once every part has arrived, and a damaged file is refused."""
+the far side only once every part has arrived, and a damaged file is refused; each package is pinned in one
+pin file; TRL's timers become spmdrl's phases (bench/trl_grpo.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
+sys.path.insert(0, str(REPO / "bench"))
 
 import build_carry  # noqa: E402
 import matrix  # noqa: E402
+import trl_grpo  # noqa: E402
 
 
 def _chunks(tmp_path: Path, limit: int) -> list[dict]:
@@ -81,3 +84,28 @@ def test_figures_from_metrics_rows():
                           peak_tflops=None)
     assert only["weight_sync_s"] is None and only["weight_sync_gb_per_s"] is None
     assert only["update_mfu"] is None
+
+
+def test_each_package_is_pinned_once():
+    """core.txt, vllm.txt and trl.txt: each holds what the ones before it do not (trl.txt: TRL 1.16.0 and what
+    it needs beyond the image and vLLM's pins)."""
+    pins = {part: build_carry.read_pins(part) for part in build_carry.REQUIREMENTS}
+    names = [n for p in pins.values() for n in p]
+    assert len(names) == len(set(names))
+    assert pins["trl"]["trl"][0] == "1.16.0" and "datasets" in pins["trl"] and "dill" in pins["vllm"]
+
+
+def test_trl_timers_become_phases():
+    """A step of TRL's timers (name, start, seconds): old and reference log-probs are the forwards inside
+    _prepare_inputs (the reference's last), the loss's forward after it is the update's; the phases add up to
+    the step."""
+    logps = "_get_per_token_logps_and_entropies"
+    timers = [("sync_weights", 0.0, 0.5), ("vLLM.generate", 0.5, 2.0), ("_calculate_rewards", 2.5, 0.1),
+              (logps, 2.6, 0.3), (logps, 2.9, 0.2), ("_prepare_inputs", 0.0, 3.2), (logps, 3.3, 0.4),
+              ("compute_loss", 3.3, 0.5)]
+    got = trl_grpo.phases(timers, 4.0, beta=0.02)
+    assert got == pytest.approx({"rollout": 2.0, "weight_sync": 0.5, "reward": 0.1, "old_logp": 0.3,
+                                 "ref": 0.2, "update": 0.8, "other": 0.1})
+    hf = [("transformers.generate", 0.0, 1.0), (logps, 1.0, 0.2), ("_prepare_inputs", 0.0, 1.5)]
+    one = trl_grpo.phases(hf, 2.0, beta=0.02)
+    assert one == pytest.approx({"rollout": 1.0, "reward": 0.0, "ref": 0.2, "update": 0.5, "other": 0.3})
