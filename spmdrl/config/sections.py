@@ -61,6 +61,10 @@ class ModelConfig:
     """Fused RMSNorm and SwiGLU (torch.compile of those two functions only) in the trained models,
     as Liger kernels on GPU. auto: on for CPU training without TP when a C++ compiler is found;
     on: also elsewhere (needs triton on CUDA), error if impossible; off: transformers' eager modules."""
+    use_torch_compile: bool = False
+    """torch.compile each decoder layer of the trained models (FSDP2; verl's actor.use_torch_compile, which
+    compiles its log-prob helpers instead). Off by default: the first step pays the compile (tens of seconds)
+    and what it wins depends on the device (docs/gpu.md)."""
     use_remove_padding: bool = False
     """Actor and reference forwards run packed sequences (verl's use_remove_padding): the valid
     tokens of a micro-batch's rows in one row, attention kept within each sequence, so no projection,
@@ -180,6 +184,11 @@ class RolloutConfig:
     """The native engine's C++ decode kernels (RMSNorm and attention; built with g++ and ninja on first
     use, ~20 s, then cached). auto: used on CPU for float32/bfloat16 when they build; on: error if they
     cannot; off: torch ops only. Ignored by the other engines."""
+    native_cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """The native engine's decode steps as CUDA graphs: one graph per batch bucket (1, 2, 3, 4, 6, 8, 12,
+    ...) over the preallocated KV cache, sampling included, captured on first use (docs/configuration.md).
+    auto: on CUDA devices, off on CPU (eager there); on: refused unless trainer.device runs on CUDA; off:
+    the eager decode loop. Ignored by the other engines."""
     sleep_level: Optional[Literal[1, 2]] = None
     """Sleep between rollouts: 1 frees the KV cache and offloads weights, 2 frees both. null: 2 on CPU, where
     level 1 keeps the engine's weights in the same host memory all through training while the next wake

@@ -281,6 +281,7 @@ class FSDP2Engine(TrainEngine):
                 m.attn_implementation, torch.device(device).type,
                 cfg.data.max_prompt_length + cfg.data.max_response_length,
             ),
+            compile=m.use_torch_compile,
             fused_kernels=resolve_fused_kernels(
                 m.fused_kernels, torch.device(device).type, tp_mesh.size() if tp_mesh is not None else 1
             ),

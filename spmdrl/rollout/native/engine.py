@@ -15,6 +15,10 @@ the n samples of a prompt are never split across chunks):
    slots, so the cost is one copy per finished row, never a full-batch copy);
    the loop ends at max_tokens or when no row is left.
 
+On CUDA (``cuda_graphs``) step 3 runs at fixed shapes as CUDA graphs instead (graphs.py): a bucket of rows
+over one cache width, finished rows masked until a check every ``_SYNC_EVERY`` steps (never without stop
+ids, e.g. with ignore_eos) drops them when the bucket can shrink.
+
 With ``SamplingParams.keep_prefix`` (multi-turn rollouts) a row that stops keeps its
 K/V until the next call; a prompt of that call that continues it (the row's tokens,
 then more) gets them copied back and only its new tokens are prefilled (``extend``).
@@ -47,6 +51,13 @@ from spmdrl.rollout.base import (
     left_pad,
 )
 from spmdrl.rollout.native.cache import KVCache, KVView
+from spmdrl.rollout.native.graphs import (
+    GraphMode,
+    StaticDecode,
+    bucket_rows,
+    graph_width,
+    resolve_cuda_graphs,
+)
 from spmdrl.rollout.native.kernels import KernelMode, resolve_kernels
 from spmdrl.rollout.native.kernels import ops as kernel_ops
 from spmdrl.rollout.native.model import Decoder, DecoderConfig
@@ -67,6 +78,11 @@ log = logging.getLogger(__name__)
 _SEQ_ROUND = 64
 # A chunk's cache view starts this many columns past the prompt and grows by half, in multiples of it.
 _WIDTH_STEP = 16
+# The fixed-shape loop reads the live-row count (a host sync) every this many steps: finished rows are
+# masked meanwhile, so a check only drops them when the bucket can shrink, and ends the chunk early. A
+# sync idles the GPU while the host launches the next step (~0.1 ms against ~2.5 ms steps); 8 keeps that
+# near 0.5%, and wastes at most 7 steps of finished rows.
+_SYNC_EVERY = 8
 
 
 def _round_up(x: int, m: int) -> int:
@@ -95,6 +111,9 @@ class NativeRollout(RolloutEngine):
             dtype support it (``precision.can_prepack``: never for bf16 without native bf16).
         kernels: the C++ decode kernels of kernels.py: "auto" uses them when they build
             and fit the model (CPU, float32/bfloat16), "on" raises when they cannot, "off" never.
+        cuda_graphs: decode steps as CUDA graphs (graphs.py): "auto" on CUDA devices, "on" raises
+            elsewhere, "off" the eager loop. The fixed-shape loop they replay is ``static_decode``, which
+            tests also set on CPU (it runs eagerly there: the same samples, slower).
     """
 
     runs_split = True
@@ -114,6 +133,7 @@ class NativeRollout(RolloutEngine):
         load_weights: bool = True,
         prepack: Optional[bool] = None,
         kernels: KernelMode = "auto",
+        cuda_graphs: GraphMode = "auto",
     ):
         self.dp_rank, tp = rollout_coords(mesh)
         if tp > 1:
@@ -132,6 +152,9 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"prepack=True needs a CPU with oneDNN and float32, or bfloat16 with native "
                              f"bf16 support; got {self.device} {self.dtype} ({native_bf16('cpu')[1]})")
         self.model.kernels = resolve_kernels(kernels, self.device, self.dtype, self.config.head_dim)
+        self.cuda_graphs = resolve_cuda_graphs(cuda_graphs, self.device)
+        self.static_decode = self.cuda_graphs
+        self._static: Optional[StaticDecode] = None  # buffers and graphs of the current cache
         self.generator = torch.Generator(self.device).manual_seed(seed + self.dp_rank)
         self._row_keys: Optional[torch.Tensor] = None  # the keyed rows of the call in progress
         self.cache: Optional[KVCache] = None
@@ -164,6 +187,14 @@ class NativeRollout(RolloutEngine):
             if not build_tools_available():
                 raise ValueError("rollout.native_kernels is 'on' but g++ or ninja is not on PATH to build "
                                  "them: install both or set native_kernels to auto or off")
+        if r.native_cuda_graphs == "on":
+            from spmdrl.parallel import resolve_device_type
+
+            device = resolve_device_type(cfg.trainer.device)
+            if device != "cuda":
+                raise ValueError(f"rollout.native_cuda_graphs is 'on' but trainer.device "
+                                 f"{cfg.trainer.device!r} runs on {device}: CUDA graphs need a CUDA device; "
+                                 f"set native_cuda_graphs to auto or off")
 
     @classmethod
     def memory(cls, cfg: "Config", shape: "ModelShape", device_type: str, rollout_dp: int,
@@ -180,13 +211,15 @@ class NativeRollout(RolloutEngine):
                     device: torch.device, eos_token_ids: Sequence[int], pad_token_id: int) -> "NativeRollout":
         return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids,
                    pad_token_id=pad_token_id, kernels=cfg.rollout.native_kernels,
+                   cuda_graphs=cfg.rollout.native_cuda_graphs,
                    **common_kwargs(cfg, device))
 
     # ---- weights and memory ----------------------------------------------------------------------
 
     @torch.inference_mode()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy (hf_name, tensor) pairs into the model in place, one at a time.
+        """Copy (hf_name, tensor) pairs into the model in place, one at a time (the same storage, so
+        captured CUDA graphs decode with the new values).
 
         Raises KeyError on an unknown name, ValueError on a wrong shape or when the
         stream ends without some weight (a tied lm_head may be absent).
@@ -206,6 +239,7 @@ class NativeRollout(RolloutEngine):
         """Free the KV cache; level 1 also moves weights to CPU (kept in place on a CPU device),
         level 2 frees the weight storage (restore with wake_up + update_weights)."""
         check_sleep_level(level)
+        self._static = None  # its graphs address the cache and, after an offload, moved weights
         self.cache = None
         self._prefixes = {}
         self._kv_awake = False
@@ -233,7 +267,7 @@ class NativeRollout(RolloutEngine):
         if c is None or c.rows < rows or c.seq < seq:
             rows = max(rows, c.rows if c is not None else 0)
             seq = max(_round_up(seq, _SEQ_ROUND), c.seq if c is not None else 0)
-            self.cache = None  # drop the old one before allocating the new one
+            self._static = self.cache = None  # drop the old one before allocating the new one
             self.cache = self.model.new_cache(rows, seq)
             self._cache_shape = (rows, seq)
         return self.cache
@@ -307,17 +341,19 @@ class NativeRollout(RolloutEngine):
             new.append(len(p) - hit)
         return T - max(new)
 
-    def _keep_prefixes(self, slots: torch.Tensor, rows: torch.Tensor, row0: int, n: int,
-                       prompts: Sequence[Sequence[int]], out_ids: torch.Tensor, kv: KVView,
-                       step: int) -> None:
-        """Keep the K/V of the rows in batch ``slots`` that just stopped: their prompt and every generated
-        token but the last (the stop token was sampled, never fed), i.e. the columns their bias opens."""
-        for slot in slots.tolist():
+    def _keep_prefixes(self, slots: Sequence[int], rows: torch.Tensor, row0: int, n: int,
+                       prompts: Sequence[Sequence[int]], out_ids: torch.Tensor, kv: KVView, T: int,
+                       steps: Sequence[int]) -> None:
+        """Keep the K/V of the rows in batch ``slots`` that stopped at response positions ``steps``: their
+        prompt and every generated token but the stop token (sampled, never fed), i.e. the columns their
+        bias opened before it (the fixed-shape loop opens later columns of finished rows too)."""
+        for slot, step in zip(slots, steps):
             out_row = int(rows[slot])
             seq = tuple(prompts[(out_row - row0) // n]) + tuple(out_ids[out_row, :step].tolist())
-            cols = kv.bias[slot] == 0  # [S]
+            cols = kv.bias[slot, :T + step] == 0  # [T + step]
             if int(cols.sum()) == len(seq):
-                self._prefixes[seq] = (kv.k[:, slot][:, :, cols], kv.v[:, slot][:, :, cols])  # [L, K, len, D]
+                k, v = kv.k[:, slot, :, :T + step], kv.v[:, slot, :, :T + step]  # [L, K, T + step, D]
+                self._prefixes[seq] = (k[:, :, cols], v[:, :, cols])  # [L, K, len, D]
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingParams, rows: torch.Tensor, position: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,10 +379,16 @@ class NativeRollout(RolloutEngine):
         ids, valid = left_pad(prompts, self.pad_token_id, dev)  # [P, T]
         P, T = ids.shape
         B = P * n
-        # The view starts narrow and widens as tokens arrive (see KVCache.widen).
         full = T + R
-        width = min(full, _round_up(T + _WIDTH_STEP, _WIDTH_STEP))
-        kv: KVView = cache.layout(B, width)
+        static = None
+        if self.static_decode:  # one view of all cache rows at one width: the graphs' fixed addresses
+            if self._static is None or not self._static.serves(self.model, cache):
+                self._static = StaticDecode(self.model, cache, capture=self.cuda_graphs)
+            static, width = self._static, graph_width(full, cache.seq)
+            kv: KVView = static.view(width)
+        else:  # the view starts narrow and widens as tokens arrive (see KVCache.widen)
+            width = min(full, _round_up(T + _WIDTH_STEP, _WIDTH_STEP))
+            kv = cache.layout(B, width)
         pos = (valid.long().cumsum(-1) - 1).clamp_(min=0)  # RoPE positions count real tokens only
         start = self._restore_prefixes(prompts, kept, kv, T) if n == 1 and kept else 0
         if start:  # only columns [start, T) are new; the rest came from the last call
@@ -357,14 +399,18 @@ class NativeRollout(RolloutEngine):
         logits = self.model.logits(hidden[:, -1])  # [P, V]
         if n > 1:  # share the prefill: row i*n + j is sample j of prompt i
             src = torch.arange(P, device=dev).repeat_interleave(n)
-            kv.k[:, :, :, :T] = kv.k[:, src, :, :T]
-            kv.v[:, :, :, :T] = kv.v[:, src, :, :T]
+            kv.k[:, :B, :, :T] = kv.k[:, src, :, :T]
+            kv.v[:, :B, :, :T] = kv.v[:, src, :, :T]
             logits, valid = logits[src], valid[src]
         kv.bias.fill_(float("-inf"))
-        kv.bias[:, :T] = torch.where(valid, 0.0, float("-inf"))
+        kv.bias[:B, :T] = torch.where(valid, 0.0, float("-inf"))
         rows = torch.arange(row0, row0 + B, device=dev)  # output row of each live batch slot
         next_pos = valid.sum(-1)  # [B] position of the next token = prompt length
         tokens, lp = self._sample(logits, sampling, rows, 0)
+        if static is not None:
+            self._decode_static(static, kv, T, rows, tokens, lp, next_pos, sampling, stop_ids, out_ids,
+                                out_lp, stopped, prompts, row0)
+            return
         for step in range(R):
             out_ids[rows, step] = tokens
             out_lp[rows, step] = lp
@@ -373,7 +419,8 @@ class NativeRollout(RolloutEngine):
             if any_done:
                 stopped[rows[done]] = True
                 if sampling.keep_prefix:
-                    self._keep_prefixes(done.nonzero().squeeze(-1), rows, row0, n, prompts, out_ids, kv, step)
+                    slots = done.nonzero().squeeze(-1).tolist()
+                    self._keep_prefixes(slots, rows, row0, n, prompts, out_ids, kv, T, [step] * len(slots))
             if step == R - 1:
                 break
             if any_done:
@@ -396,3 +443,59 @@ class NativeRollout(RolloutEngine):
             kv.bias[:B, col] = 0.0
             logits = self.model.decode(tokens, next_pos + step, kv, col, B)
             tokens, lp = self._sample(logits, sampling, rows, step + 1)
+
+    def _decode_static(self, static: StaticDecode, kv: KVView, T: int, rows: torch.Tensor,
+                       tokens: torch.Tensor, lp: torch.Tensor, next_pos: torch.Tensor,
+                       sampling: SamplingParams, stop_ids: torch.Tensor, out_ids: torch.Tensor,
+                       out_lp: torch.Tensor, stopped: torch.Tensor, prompts: Sequence[Sequence[int]],
+                       row0: int) -> None:
+        """The decode loop of ``_generate_chunk`` at fixed shapes (graphs.py), from the first sampled
+        ``tokens`` / ``lp`` [B] of the chunk's rows (``rows``, RoPE positions ``next_pos``) on.
+
+        Slots [0, B) hold rows that were live at the last check; a finished one stays (masked: it writes
+        padding) until a check finds the bucket can shrink, and the live rows then move into [0, live).
+        Without stop ids no row can finish, and the loop never reads anything back.
+        """
+        R, B, cap = sampling.max_tokens, rows.shape[0], static.cache.rows
+        keyed = self._row_keys is not None and not sampling.greedy
+        static.start(tokens, lp, next_pos, self._row_keys[rows] if keyed else None, T)
+        kv.bias[B:, 0] = 0.0  # a padding slot attends to one (finite) column, so its softmax is finite
+        stops = stop_ids.numel() > 0
+        alive = torch.ones(B, dtype=torch.bool, device=self.device)  # [B]
+        kept: set[int] = set()  # slots whose K/V keep_prefix already kept
+
+        def keep_finished() -> None:
+            stopped[rows] = ~alive
+            slots = [s for s in (~alive).nonzero().squeeze(-1).tolist() if s not in kept]
+            if sampling.keep_prefix and slots:
+                ends = torch.isin(out_ids[rows[slots]], stop_ids).int().argmax(-1).tolist()  # stop positions
+                self._keep_prefixes(slots, rows, row0, sampling.n, prompts, out_ids, kv, T, ends)
+                kept.update(slots)
+
+        for step in range(R):
+            tok, tok_lp = static.tokens[:B], static.lp[:B]
+            if stops:
+                out_ids[rows, step] = torch.where(alive, tok, self.pad_token_id)
+                out_lp[rows, step] = torch.where(alive, tok_lp, 0.0)
+                alive &= ~torch.isin(tok, stop_ids)
+            else:
+                out_ids[rows, step] = tok
+                out_lp[rows, step] = tok_lp
+            if step == R - 1:
+                break
+            if stops and step % _SYNC_EVERY == _SYNC_EVERY - 1:
+                live = int(alive.sum())
+                if live == 0:
+                    break
+                if bucket_rows(live, cap) < bucket_rows(B, cap):
+                    keep_finished()
+                    holes = (~alive[:live]).nonzero().squeeze(-1)
+                    tail = alive[live:].nonzero().squeeze(-1) + live
+                    kv.move_rows(holes, tail)
+                    static.move(holes, tail)
+                    rows[holes], alive[holes] = rows[tail], alive[tail]
+                    rows, alive, B = rows[:live], alive[:live], live
+                    kept.clear()  # the kept slots were moved over or dropped
+            static.step(kv, bucket_rows(B, cap), sampling, keyed, self.generator)
+        if stops:
+            keep_finished()
