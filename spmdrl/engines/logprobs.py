@@ -33,6 +33,15 @@ import torch.distributed as dist
 # 1,024 rows). On 2 CPU cores Qwen2.5-0.5B's bf16 head over 4,096 tokens took ~12 s forward and backward
 # at 2^22, no more at 2^24 (and ~13.5 s on the whole-logits path this replaced); 2^20 was slower.
 _CHUNK_ELEMENTS = 1 << 22
+# On a GPU each block is a handful of kernel launches whatever its size, so blocks are 32x larger (512 MiB
+# float32 buffers): at 2^22 an H100 walked Qwen2.5's 151,936 rows in ~350 blocks per micro-batch of 9,600
+# tokens, and the update took 3x TRL's on the same work (bench/gpu/results/2026-11-27).
+_GPU_CHUNK_ELEMENTS = 1 << 27
+
+
+def chunk_elements(device_type: str) -> int:
+    """Most logits in one block of the kernel on ``device_type`` (the memory plan counts three buffers)."""
+    return _CHUNK_ELEMENTS if device_type == "cpu" else _GPU_CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -79,9 +88,17 @@ class _Blocks:
         return x if self.low is None else self.low[: x.numel()].view(x.shape).copy_(x)
 
 
-def _block_columns(n: int) -> int:
-    """Vocabulary rows per block for n tokens: at most ``_CHUNK_ELEMENTS`` logits a block."""
-    return max(1, _CHUNK_ELEMENTS // max(1, n))
+def _block_columns(n: int, device: torch.device) -> int:
+    """Vocabulary rows per block for n tokens: at most ``chunk_elements`` logits a block."""
+    return max(1, chunk_elements(device.type) // max(1, n))
+
+
+def _in_block(local: torch.Tensor, owned: torch.Tensor, v0: int, v1: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each token's label is a row of block [v0, v1), its column there, clamped in range) [N] each:
+    masks instead of the labelled tokens' indices, so no block waits for the device to count them."""
+    inside = owned & (local >= v0) & (local < v1)
+    return inside, (local - v0).clamp(0, v1 - v0 - 1)
 
 
 def _spans(total: int, step: int) -> Iterator[tuple[int, int]]:
@@ -113,14 +130,14 @@ class _FusedLogProbs(torch.autograd.Function):
         # at a finite floor, not -inf: the first block's rescaling of the empty sums is then 0, not NaN.
         stats = torch.zeros(4, n, dtype=torch.float32, device=hidden.device)
         m, sums, picked = stats[0].fill_(torch.finfo(torch.float32).min), stats[1:3], stats[3]
-        cols = _block_columns(n)
+        cols = _block_columns(n, hidden.device)
         blocks = _Blocks(n * min(cols, head.valid), dtype, 2, hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit here
             h = hidden.to(dtype)  # [N, H]
             for v0, v1 in _spans(head.valid, cols):
                 x = blocks.logits(h, weight[v0:v1].to(dtype), head.temperature)  # [N, v]
-                here = (owned & (local >= v0) & (local < v1)).nonzero()[:, 0]  # tokens labelled in the block
-                picked[here] = x[here, local[here] - v0]
+                inside, col = _in_block(local, owned, v0, v1)  # each label is in one block: picked adds once
+                picked.add_(torch.where(inside, x.gather(1, col[:, None])[:, 0], 0.0))
                 top = torch.maximum(m, x.amax(-1))
                 x.sub_(top[:, None])
                 e = torch.exp(x, out=blocks.buffer(1, *x.shape))
@@ -155,7 +172,7 @@ class _FusedLogProbs(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[:2]
         local, owned = _local_labels(labels.reshape(-1), head)
         g, g_ent = grad_logp.reshape(-1, 1), grad_entropy.reshape(-1, 1)  # [N, 1]
-        n, cols = hidden.shape[0], _block_columns(hidden.shape[0])
+        n, cols = hidden.shape[0], _block_columns(hidden.shape[0], hidden.device)
         blocks = _Blocks(n * min(cols, head.valid), dtype, 2 if ctx.entropy_grad else 1, hidden.device)
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if want_h else None
         grad_w = torch.empty_like(weight) if want_w else None
@@ -171,8 +188,8 @@ class _FusedLogProbs(torch.autograd.Function):
                     x.sub_(mean_z[:, None]).mul_(g_ent).add_(g).mul_(p).neg_()
                 else:
                     x.sub_(lse[:, None]).exp_().mul_(-g)  # -softmax * g, in place
-                here = (owned & (local >= v0) & (local < v1)).nonzero()[:, 0]  # tokens labelled in the block
-                x[here, local[here] - v0] += g[here, 0]  # + onehot * g
+                inside, col = _in_block(local, owned, v0, v1)
+                x.scatter_add_(1, col[:, None], torch.where(inside, g[:, 0], 0.0)[:, None])  # + onehot * g
                 if head.temperature != 1.0:
                     x.div_(head.temperature)
                 d = blocks.low_precision(x)  # [N, v]: the gradient of the block's logits

@@ -40,9 +40,9 @@ NO_GRAD_H, NO_GRAD_I = 6, 3
 # Eager attention (CPU's default up to 2048 tokens) keeps each row's [heads, S, S] scores in float32 and
 # bf16 (saved for backward in training); sdpa keeps none.
 EAGER_SCORE_BYTES = 6
-# The fused log-prob kernel's temporaries (spmdrl/engines/logprobs.py): blocks of at most 2^22 logits,
-# two float32 buffers and one in the compute dtype, reused by every block; no [tokens x vocab] tensor.
-LOGPROB_CHUNK_ELEMENTS = 1 << 22
+# The fused log-prob kernel's temporaries (spmdrl/engines/logprobs.py): blocks of at most
+# ``chunk_elements(device)`` logits, two float32 buffers and one in the compute dtype, reused by every
+# block; no [tokens x vocab] tensor.
 LOGPROB_BLOCKS = 3
 # AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype; its foreach step makes one more such buffer
 # for the whole group at once (the denominator sqrt(v) + eps) when the backward's memory is free again.
@@ -60,6 +60,7 @@ class Sizes:
     seq: int  # longest prompt + response
     response: int
     eager: bool  # eager attention (its score tensors)
+    device_type: str = "cpu"  # the fused log-prob kernel's blocks are larger on a GPU
 
     @classmethod
     def of(cls, cfg: "Config", device_type: str) -> "Sizes":
@@ -71,7 +72,8 @@ class Sizes:
         return cls(master=_bytes(cfg.model.dtype), compute=_bytes(resolve_dtype(cfg.actor.param_dtype,
                                                                                 device_type)),
                    rollout=_bytes(resolve_dtype(cfg.rollout.dtype, device_type)), seq=seq,
-                   response=d.max_response_length, eager=attn == "eager" and not cfg.model.use_remove_padding)
+                   response=d.max_response_length, eager=attn == "eager" and not cfg.model.use_remove_padding,
+                   device_type=device_type)
 
 
 def _bytes(dtype: "str | torch.dtype") -> int:
@@ -100,10 +102,12 @@ def activations(shape: ModelShape, tokens: int, rows: int, s: Sizes, *, train: b
     return n_layers * full
 
 
-def logprob_temporaries(shape: ModelShape, tokens: int, tp: int = 1) -> float:
-    """The LM head's fused log-prob kernel: blocks of at most ``LOGPROB_CHUNK_ELEMENTS`` logits."""
+def logprob_temporaries(shape: ModelShape, tokens: int, tp: int = 1, device_type: str = "cpu") -> float:
+    """The LM head's fused log-prob kernel: blocks of at most ``chunk_elements(device_type)`` logits."""
+    from spmdrl.engines.logprobs import chunk_elements
+
     vocab = shape.vocab / tp
-    rows = max(1, min(tokens, LOGPROB_CHUNK_ELEMENTS // max(1, int(vocab))))
+    rows = max(1, min(tokens, chunk_elements(device_type) // max(1, int(vocab))))
     return LOGPROB_BLOCKS * rows * vocab * 4
 
 

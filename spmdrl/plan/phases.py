@@ -78,7 +78,7 @@ def forward(m: Model, s: Sizes, rows: int, budget: Optional[int], *, train: bool
         out[f"{m.role} gathered"] = gathered(m.shape, s, lay.tp)
     if m.logits:
         resp_tokens = micro_tokens(rows, s.response, budget)
-        out[f"{m.role} logits"] = logprob_temporaries(m.shape, resp_tokens, lay.tp)
+        out[f"{m.role} logits"] = logprob_temporaries(m.shape, resp_tokens, lay.tp, s.device_type)
     if train:
         state = trained_state(m.params, m.trainable, lay.shards, s)
         # The optimizer step runs after the backward freed its activations: only what it needs beyond them.
