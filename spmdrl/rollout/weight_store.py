@@ -31,7 +31,11 @@ class WeightStore:
         self.slots = slots
         self.optional = set(optional)  # names a stream may omit (a tied lm_head)
         self._nbytes = [b.untyped_storage().nbytes() for b in bases]
-        self._offloaded: Optional[list[torch.Tensor]] = None
+        # Host copies of the bases while offloaded. On CUDA they are pinned buffers kept from the first
+        # offload on: allocating ~1 GB of pinned memory at every sleep took ~1 s of an H100 step
+        # (bench/gpu/results/2026-11-27), the copies themselves ~0.05 s.
+        self._host: Optional[list[torch.Tensor]] = None
+        self._offloaded = False
 
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], source: str = "update_weights") -> int:
         """Copy each (hf_name, tensor) into its slot; raise on unknown, mis-shaped or missing names."""
@@ -62,12 +66,13 @@ class WeightStore:
         return all(b.untyped_storage().nbytes() == n for b, n in zip(self.bases, self._nbytes))
 
     def nbytes(self) -> int:
-        """Bytes of storage these weights hold right now (on any device, CPU copies included)."""
-        off = sum(t.untyped_storage().nbytes() for t in self._offloaded or [])
-        return sum(b.untyped_storage().nbytes() for b in self.bases) + off
+        """Bytes of storage these weights hold right now (on any device, the host copies included: kept once
+        made)."""
+        host = sum(t.untyped_storage().nbytes() for t in self._host or [])
+        return sum(b.untyped_storage().nbytes() for b in self.bases) + host
 
     def free(self) -> None:
-        self._offloaded = None
+        self._offloaded, self._host = False, None
         for b in self.bases:
             b.untyped_storage().resize_(0)
 
@@ -78,19 +83,26 @@ class WeightStore:
                 b.untyped_storage().resize_(n)
 
     def offload(self) -> None:
-        """Copy to CPU and free the device storage (only meaningful off-CPU)."""
+        """Copy to the host and free the device storage (only meaningful off-CPU)."""
         if self.bases[0].device.type == "cpu" or not self.materialized:
             return
-        pin = torch.cuda.is_available()
-        self._offloaded = [b.detach().to("cpu", copy=True).pin_memory() if pin else b.detach().cpu()
-                           for b in self.bases]
+        if self._host is None:
+            pin = self.bases[0].device.type == "cuda"
+            self._host = [torch.empty(b.shape, dtype=b.dtype, pin_memory=pin) for b in self.bases]
+        for b, h in zip(self.bases, self._host):
+            h.copy_(b.detach(), non_blocking=True)  # into pinned memory the copies queue on the stream
+        if self.bases[0].device.type == "cuda":  # the copies must finish before the storage goes
+            torch.cuda.synchronize(self.bases[0].device)
         for b in self.bases:
             b.untyped_storage().resize_(0)
+        self._offloaded = True
 
     def onload(self) -> None:
-        if self._offloaded is None:
+        if not self._offloaded or self._host is None:
             return
         self.materialize()
-        for b, c in zip(self.bases, self._offloaded):
-            b.copy_(c, non_blocking=False)
-        self._offloaded = None
+        for b, h in zip(self.bases, self._host):
+            # The stream orders the copies before any use of the weights; the host buffers are written again
+            # only at the next offload, after the device has long finished reading them.
+            b.copy_(h, non_blocking=True)
+        self._offloaded = False
