@@ -348,6 +348,11 @@ class _VLLMEngine(RolloutEngine):
         check_wake_tags(tags)
         todo = [t for t in tags if t in self._asleep]
         if todo:
+            if self.device.type == "cuda":
+                # The trainer's freed blocks back to the driver first: vLLM maps its memory outside torch's
+                # caching allocator, and on an H100 its KV cache's wake failed with out-of-memory while
+                # those blocks were still cached (bench/gpu/results/2026-11-27).
+                torch.cuda.empty_cache()
             self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
 
