@@ -164,8 +164,37 @@ def write_pins(pip_python: str, start: str) -> None:
         earlier.update(pins)
 
 
+# Files left out of a wheel after pip checked its hash: what a dense bf16 model's offline generate on a
+# Hopper GPU never loads, so that fewer install calls carry it (each costs device time). vLLM 0.26.0: the
+# FlashAttention 2 kernels for pre-Hopper GPUs (vllm_flash_attn imports them under try; on SM90 fa_utils
+# picks FA3, whose kernels stay) and the Rust API-server front end (vllm/v1/utils.py starts it for
+# `vllm serve` only): 138 MiB of the wheel's 290, two chunks.
+SLIM = {"vllm": ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs")}
+
+
+def slim(wheel: Path, drop: tuple[str, ...]) -> None:
+    """Rewrite ``wheel`` in place without the files ``drop`` and their RECORD lines."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        missing = [d for d in drop if d not in names]
+        if missing:
+            raise SystemExit(f"{wheel.name}: SLIM names files it does not hold: {missing}")
+        tmp = wheel.with_suffix(".slim")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:
+            for info in z.infolist():
+                if info.filename in drop:
+                    continue
+                data = z.read(info)
+                if info.filename.endswith(".dist-info/RECORD"):
+                    lines = data.decode().splitlines(keepends=True)
+                    data = "".join(line for line in lines if line.split(",")[0] not in drop).encode()
+                out.writestr(info, data, compress_type=info.compress_type)
+    tmp.replace(wheel)
+
+
 def download(part: str, dest: Path) -> list[Path]:
-    """The wheels of ``{part}.txt`` (exact versions, hashes checked by pip) into ``dest``."""
+    """The wheels of ``{part}.txt`` (exact versions, hashes checked by pip) into ``dest``, slimmed by
+    ``SLIM``."""
     dest.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--require-hashes",
                     "-d", str(dest), *PLATFORM, "-r", str(HERE / f"{part}.txt")], check=True)
@@ -174,6 +203,10 @@ def download(part: str, dest: Path) -> list[Path]:
            if wanted.get(canonical(w.name.split("-")[0])) == w.name.split("-")[1]]
     if len(got) != len(wanted):
         raise SystemExit(f"{dest}: {len(got)} wheels for {len(wanted)} pins of {part}.txt")
+    for w in got:
+        name = canonical(w.name.split("-")[0])
+        if name in SLIM:
+            slim(w, SLIM[name])
     return sorted(got)
 
 

@@ -48,6 +48,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -167,7 +168,7 @@ def shape_of(shape: str, a: argparse.Namespace) -> dict[str, Any]:
                 "n": cfg["rollout"]["n"], "new_tokens": cfg["data"]["max_response_length"],
                 "mini": cfg["actor"]["ppo_mini_batch_size"],
                 "micro": cfg["actor"]["ppo_micro_batch_size_per_gpu"], "ignore_eos": False}
-    model = SECOND_SIZE if shape == "sized-1.5b" else a.model
+    model = a.second_model if shape == "sized-1.5b" else a.model
     args = ["--model.path", model, "--data.train_batch_size", str(a.prompts),
             "--actor.ppo_mini_batch_size", str(a.prompts), "--rollout.n", str(a.n),
             "--data.max_response_length", str(a.new_tokens),
@@ -326,19 +327,24 @@ def trl_cell(sh: dict[str, Any], a: argparse.Namespace, out: Path,
 
 
 def run_cell(shape: str, cell: str, a: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
-    """One cell: its runs, then its figures; an error is recorded, never raised."""
+    """One cell (``base`` or ``base+variant``): its runs, then its figures; an error is recorded, never
+    raised."""
     sh = shape_of(shape, a)
-    out = a.out / "runs" / f"{shape}-{cell}"
+    out = a.runs / f"{shape}-{cell}"
     shutil.rmtree(out, ignore_errors=True)
-    common = [*sh["args"], *CELLS[cell], "--trainer.device", a.device, "--trainer.total_steps", str(a.steps)]
+    base, _, variant = cell.partition("+")
+    # A variant's arguments come after the cell's own, so they override the shape's (--micro, say).
+    extra = shlex.split(a.variants[variant]) if variant else []
+    common = [*sh["args"], *CELLS[base], "--trainer.device", a.device, "--trainer.total_steps", str(a.steps),
+              *extra]
     start, title = time.perf_counter(), f"{shape} {cell}"
-    result: dict[str, Any] = {"shape": shape, "cell": cell, "model": sh["model"]}
+    result: dict[str, Any] = {"shape": shape, "cell": cell, "model": sh["model"], "variant_args": extra}
     try:
-        if cell == "checkpoint":
+        if base == "checkpoint":
             rc, text, result["checkpoint"] = checkpoint_cell(sh, common, out, a, title)
-        elif cell == "vllm-alone":
+        elif base == "vllm-alone":
             rc, text, result["vllm_alone"] = vllm_alone_cell(sh, a, title)
-        elif cell == "trl-vllm":
+        elif base == "trl-vllm":
             out.mkdir(parents=True)
             rc, text, result["trl"] = trl_cell(sh, a, out, title)
         else:
@@ -416,8 +422,16 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "bench" / "gpu" / "out")))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--shapes", nargs="+", default=["default", "sized"], choices=SHAPES)
-    p.add_argument("--cells", nargs="+", default=list(CELLS), choices=list(CELLS))
+    p.add_argument("--cells", nargs="+", default=list(CELLS), metavar="CELL[+VARIANT]",
+                   help=f"cells: {', '.join(CELLS)}; CELL+VARIANT runs it with a --variant's arguments")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="spmdrl.train arguments of a variant (after the cell's own), e.g. "
+                        "'eager=--rollout.native_cuda_graphs off': one call compares a flag on and off")
+    p.add_argument("--runs", type=Path, default=None,
+                   help="where each cell's run folder goes (default: OUT/runs; the device tool brings back "
+                        "8 files at most, so a session keeps them out of OUT)")
     p.add_argument("--model", default="builtin:qwen2.5-0.5b-shape", help="the sized shape's model.path")
+    p.add_argument("--second-model", default=SECOND_SIZE, help="the sized-1.5b shape's model.path")
     p.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
@@ -428,7 +442,23 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="dense bf16 peak for MFU (default: by GPU name)")
     p.add_argument("--cell-timeout", type=float, default=540,
                    help="seconds one run may take (a command on the lent machines may take 600)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.variants = {}
+    for spec in a.variant:
+        name, eq, args = spec.partition("=")
+        if not eq or not name or "+" in name:
+            p.error(f"--variant {spec!r}: write NAME=ARGS, NAME without '+'")
+        a.variants[name] = args
+    for cell in a.cells:
+        base, plus, variant = cell.partition("+")
+        if base not in CELLS:
+            p.error(f"--cells {cell}: unknown cell {base!r}; cells: {', '.join(CELLS)}")
+        if plus and variant not in a.variants:
+            p.error(f"--cells {cell}: no --variant {variant}=ARGS was given")
+        if plus and base in ("vllm-alone", "trl-vllm"):
+            p.error(f"--cells {cell}: {base} is no spmdrl.train run; variants change those only")
+    a.runs = a.runs or a.out / "runs"
+    return a
 
 
 def main(argv: Optional[list[str]] = None) -> None:
