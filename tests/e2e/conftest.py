@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import shared_runs
 from torchrun import child_env, run_in_repo, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,6 +25,12 @@ TINY = [
 def spmdrl_cache(tmp_path_factory) -> str:
     """One cache of built-in models and tasks for every run of the session ($SPMDRL_CACHE when set)."""
     return os.environ.get("SPMDRL_CACHE") or str(tmp_path_factory.mktemp("spmdrl_cache"))
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory, spmdrl_cache) -> shared_runs.SharedRuns:
+    """Every run the test modules declared (tests/e2e/shared_runs.py), run on first use in a few jobs."""
+    return shared_runs.run_all(tmp_path_factory.mktemp("shared"), spmdrl_cache)
 
 
 def train(args: list[str], *, cache: str, nproc: int = 1, env: dict | None = None, timeout: float = 600,

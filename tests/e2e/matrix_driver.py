@@ -1,14 +1,18 @@
-"""Run many short trainings in one torchrun job: the combination matrix's driver (tests/e2e/test_matrix.py).
+"""Run many short trainings in one torchrun job: the combination matrix's driver (tests/e2e/test_matrix.py),
+and the shared runs' (tests/e2e/shared_runs.py).
 
     torchrun --standalone --nproc-per-node 2 tests/e2e/matrix_driver.py CASES.json RESULTS.json
 
-CASES.json is a list of ``{"name": ..., "argv": [...]}``; each case goes through what
-``python -m spmdrl.train`` does (``parse_config``, ``validate_config``, the output lock, ``ParallelDims``,
-then ``loop.run``, or ``split.run_split`` under ``rollout.placement split``) on the same process group, so
-the ranks start once for all of them instead of once per run (~10 s each on 2 cores); each case builds its
-own meshes and, under split placement, its own process groups. A case whose config is refused (ConfigError
-before any model is built) records the sentence and the next one runs. Any other error ends the job at
-once, after rank 0 wrote what ran so far and the error: the ranks may disagree about where they are, so
+CASES.json is a list of ``{"name": ..., "argv": [...]}``, each optionally with ``"env"`` (variables set for
+that case only: the fault-injection hook's, say) and ``"logs"`` (a folder: the case's stdout and stderr go to
+``NAME.rankR.stdout`` / ``.stderr`` there, file descriptors included, as if it ran alone) or ``"stale"`` (a
+results file: the case is ``stale_driver.py``'s scripted stale run instead, on a job of one rank). Each case
+goes through what ``python -m spmdrl.train`` does (``parse_config``, ``validate_config``, the output lock,
+``ParallelDims``, then ``loop.run``, or ``split.run_split`` under ``rollout.placement split``) on the same
+process group, so the ranks start once for all of them instead of once per run (~10 s each on 2 cores); each
+case builds its own meshes and, under split placement, its own process groups. A case whose config is refused
+(ConfigError before any model is built) records the sentence and the next one runs. Any other error ends the
+job at once, after rank 0 wrote what ran so far and the error: the ranks may disagree about where they are, so
 nothing after it can be trusted.
 ``rollout.engine: scripted`` is the deterministic tool-calling policy of ``scripted_policy.py``;
 ``rollout.engine: colocated_only`` is the same policy as an engine that does not declare ``runs_split``
@@ -17,12 +21,15 @@ nothing after it can be trusted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -71,6 +78,70 @@ def run_case(argv: list[str]) -> dict:
     return {"status": "ran", "seconds": time.perf_counter() - start}
 
 
+@contextlib.contextmanager
+def case_env(env: dict[str, str]) -> Iterator[None]:
+    """``env`` in os.environ for the case, then the job's own values back."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def case_logs(folder: str | None, name: str) -> Iterator[None]:
+    """This rank's stdout and stderr (the descriptors, so that C++ and os.write land there too) into the
+    case's own files in ``folder``; nothing when None."""
+    if folder is None:
+        yield
+        return
+    rank = os.environ["RANK"]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(Path(folder) / f"{name}.rank{rank}.stdout", "w") as out, \
+            open(Path(folder) / f"{name}.rank{rank}.stderr", "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def copy_folder(src: str, dst: str) -> None:
+    """Rank 0 copies ``src`` to ``dst``; every rank waits for it."""
+    import torch.distributed as dist
+
+    from spmdrl.parallel import init_distributed
+
+    init_distributed("cpu")
+    if os.environ["RANK"] == "0":
+        shutil.copytree(src, dst)
+    dist.barrier()
+
+
+def run_stale(results: str, argv: list[str]) -> dict:
+    from stale_driver import scripted_stale
+
+    from spmdrl.parallel import init_distributed
+
+    start = time.perf_counter()
+    init_distributed("cpu")
+    scripted_stale(results, argv)
+    return {"status": "ran", "seconds": time.perf_counter() - start}
+
+
 def main(cases_file: str, results_file: str) -> int:
     import torch.distributed as dist
 
@@ -85,7 +156,11 @@ def main(cases_file: str, results_file: str) -> int:
     for case in cases:
         print(f"[matrix] {case['name']}: {' '.join(case['argv'])}", flush=True)
         try:
-            results[case["name"]] = run_case(case["argv"])
+            if "copy" in case:
+                copy_folder(*case["copy"])
+            with case_env(case.get("env", {})), case_logs(case.get("logs"), case["name"]):
+                results[case["name"]] = (run_stale(case["stale"], case["argv"]) if "stale" in case
+                                         else run_case(case["argv"]))
         except BaseException as err:
             results[case["name"]] = {"status": "crashed", "message": f"{type(err).__name__}: {err}",
                                      "traceback": traceback.format_exc()[-3000:]}

@@ -18,18 +18,25 @@ import sys
 def main(results: str, argv: list[str]) -> None:
     import torch.distributed as dist
 
+    from spmdrl.parallel import init_distributed
+
+    init_distributed("cpu")
+    scripted_stale(results, argv)
+    dist.destroy_process_group()
+
+
+def scripted_stale(results: str, argv: list[str]) -> None:
     from spmdrl.config.checks import validate_config
     from spmdrl.config.parse import parse_config
     from spmdrl.experience import batch_metrics
     from spmdrl.metrics import reduce_metrics
-    from spmdrl.parallel import ParallelDims, init_distributed
+    from spmdrl.parallel import ParallelDims
     from spmdrl.precision import resolve_dtype
     from spmdrl.run.build import ColocatedRun, build
     from spmdrl.run.learn import learn
 
     cfg, _ = parse_config(argv)
     validate_config(cfg, 1)
-    init_distributed("cpu")
     r = build(cfg, ParallelDims.of(cfg, 1).build())
     assert isinstance(r, ColocatedRun)
     dtype = resolve_dtype(cfg.rollout.dtype, "cpu")
@@ -50,7 +57,6 @@ def main(results: str, argv: list[str]) -> None:
         json.dump(rows, f)
     r.close()
     r.experience.session.engine.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

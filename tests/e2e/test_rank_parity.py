@@ -16,7 +16,8 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, read_metrics, train
+from conftest import TINY
+from shared_runs import declare, prepare
 
 pytestmark = pytest.mark.e2e
 
@@ -36,6 +37,25 @@ COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/reward_kl_
             "actor/reward_kl_penalty_coeff", "response_length/mean")
 
 
+@prepare
+def _reward(base) -> None:
+    # The random model's greedy responses are alike and score 0 on the task: a reward that varies
+    # with the prompt (its answer) and the response text instead.
+    (base / "rank_parity").mkdir(exist_ok=True)
+    (base / "rank_parity" / "reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return sum(map(ord, str(ground_truth) + solution_str)) % 7 / 7\n")
+
+
+for _config in ("ppo", "reinforce_pp"):
+    for _n in (1, 2):
+        _balance = ["--trainer.balance_batch", "true"] if _config == "reinforce_pp" and _n == 2 else []
+        declare(f"rank_parity/{_config}{_n}", [
+            "--config", f"configs/{_config}.yaml", *COMMON, "--reward.function",
+            "{base}/rank_parity/reward.py:compute_score", "--trainer.output_dir",
+            f"{{base}}/rank_parity/{_config}{_n}", *_balance], nproc=_n)
+
+
 def _params(out) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -43,18 +63,10 @@ def _params(out) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("config", ["ppo", "reinforce_pp"])
-def test_one_and_two_ranks_agree(config, tmp_path, spmdrl_cache, monkeypatch):
-    # The random model's greedy responses are alike and score 0 on the task: a reward that varies
-    # with the prompt (its answer) and the response text instead.
-    reward = tmp_path / "reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return sum(map(ord, str(ground_truth) + solution_str)) % 7 / 7\n")
-    outs = {n: tmp_path / f"ranks{n}" for n in (1, 2)}
-    balance = ["--trainer.balance_batch", "true"] if config == "reinforce_pp" else []
-    for n, out in outs.items():
-        train(["--config", f"configs/{config}.yaml", *COMMON, "--reward.function", f"{reward}:compute_score",
-               "--trainer.output_dir", str(out), *(balance if n == 2 else [])], cache=spmdrl_cache, nproc=n)
-    one, two = (read_metrics(outs[n]) for n in (1, 2))
+def test_one_and_two_ranks_agree(config, shared, spmdrl_cache, monkeypatch):
+    outs = {n: shared.path(f"rank_parity/{config}{n}") for n in (1, 2)}
+    balance = config == "reinforce_pp"
+    one, two = (shared.rows(f"rank_parity/{config}{n}") for n in (1, 2))
     assert len(one) == len(two) == STEPS
     if balance:
         assert all(m["perf/balance_after"] <= m["perf/balance_before"] for m in two)

@@ -4,11 +4,12 @@ Runs (each a torchrun of ``python -m spmdrl.train``), shared by the tests below:
 
     full       4 steps, checkpoints at 2 and 4, HF export at each save     (the reference)
     stopped    the same, with a SIGTERM on rank 1 at step 1 -> checkpoint at step 2, exit 0
-    resumed    ``stopped``'s folder again: auto-resume from step 2 to 4
+    resumed    a copy of ``stopped``'s folder (what the stop left stays): auto-resume from step 2 to 4
     faulted    SIGKILL of rank 1 after step 3 under --max-restarts 1 -> restart, resume from 2, finish
 
 The signals come from the fault-injection hook (SPMDRL_FAULT_INJECT_*), so the
-step at which they land is deterministic.
+step at which they land is deterministic. The first three are in the shared jobs
+(tests/e2e/shared_runs.py); ``faulted`` needs torchrun's restart, a job of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, read_metrics, train
+from shared_runs import declare
 
 pytestmark = pytest.mark.e2e
 
@@ -50,28 +52,32 @@ def final_params(out: Path, step: int = 4) -> dict[str, torch.Tensor]:
     return read_model_state(out / "checkpoints" / f"global_step_{step}")
 
 
+declare("resume/full", [*ARGS, "--trainer.output_dir", "{base}/resume/full", "--trainer.export_hf_on_save",
+                       "true"])
+declare("resume/stopped", [*ARGS, "--trainer.output_dir", "{base}/resume/stopped"],
+        env={"SPMDRL_FAULT_INJECT_STEP": "1", "SPMDRL_FAULT_INJECT_SIGNAL": "SIGTERM"})
+declare("resume/resumed", [*ARGS, "--trainer.output_dir", "{base}/resume/resumed"],
+        copy=("{base}/resume/stopped", "{base}/resume/resumed"))
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, spmdrl_cache: str) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("resume")
-    out = {name: base / name for name in ("full", "stopped", "faulted")}
-    procs = {
-        "full": torchrun(out["full"], spmdrl_cache, "--trainer.export_hf_on_save", "true"),
-        "stopped": torchrun(out["stopped"], spmdrl_cache,
-                            env={"SPMDRL_FAULT_INJECT_STEP": "1", "SPMDRL_FAULT_INJECT_SIGNAL": "SIGTERM"}),
-    }
-    procs["stopped_state"] = {  # what the stopped run left, before the resume changes it
+def runs(tmp_path_factory: pytest.TempPathFactory, spmdrl_cache: str, shared) -> dict[str, Path]:
+    out = {name: shared.path(f"resume/{name}") for name in ("full", "stopped", "resumed")}
+    for name in out:
+        shared.ran(f"resume/{name}")
+    procs = {"stopped_state": {  # what the stopped run left
         "checkpoints": sorted(p.name for p in (out["stopped"] / "checkpoints").iterdir()),
         "latest": (out["stopped"] / "checkpoints" / "latest").read_text().strip()
         if (out["stopped"] / "checkpoints" / "latest").exists() else None,
         "steps": [row["step"] for row in metrics(out["stopped"])],
-    }
-    procs["resumed"] = torchrun(out["stopped"], spmdrl_cache, log="resumed")
+    }, "stopped_stderr": shared.stderr("resume/stopped"), "resumed_stdout": shared.stdout("resume/resumed"),
+        "resumed_stderr": shared.stderr("resume/resumed")}
+    out["faulted"] = tmp_path_factory.mktemp("resume") / "faulted"
     # torchrun's restart reuses its shared TCPStore, whose stale keys from the killed attempt can point
     # the new ranks at dead peers (pytorch/pytorch#135712); a store per attempt avoids that.
     restart_env = {"SPMDRL_FAULT_INJECT_STEP": "3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     procs["faulted"] = torchrun(out["faulted"], spmdrl_cache, env=restart_env, restarts=1)
-    for name in ("full", "stopped", "resumed", "faulted"):
-        assert procs[name].returncode == 0, f"{name} run failed:\n{procs[name].stderr[-4000:]}"
+    assert procs["faulted"].returncode == 0, f"faulted run failed:\n{procs['faulted'].stderr[-4000:]}"
     return {**out, "procs": procs}
 
 
@@ -80,15 +86,15 @@ def test_sigterm_checkpoints_at_next_boundary_and_exits_0(runs):
     assert state["checkpoints"] == ["global_step_2", "latest"]
     assert state["latest"] == "global_step_2"
     assert state["steps"] == [1, 2]
-    assert "SIGTERM: checkpoint and stop" in runs["procs"]["stopped"].stderr
+    assert "SIGTERM: checkpoint and stop" in runs["procs"]["stopped_stderr"]
 
 
 def test_resume_reproduces_metrics_and_params_exactly(runs):
-    assert "resumed from" in runs["procs"]["resumed"].stdout
-    full, resumed = metrics(runs["full"]), metrics(runs["stopped"])
+    assert "resumed from" in runs["procs"]["resumed_stdout"]
+    full, resumed = metrics(runs["full"]), metrics(runs["resumed"])
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert resumed == full
-    a, b = final_params(runs["full"]), final_params(runs["stopped"])
+    a, b = final_params(runs["full"]), final_params(runs["resumed"])
     assert sorted(a) == sorted(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -107,8 +113,8 @@ def test_sigkill_restart_resumes_to_the_same_params(runs):
 def test_each_run_releases_the_output_folder_and_a_resume_keeps_its_files_in_place(runs):
     # SIGTERM's checkpoint-and-stop exits through the normal path, so the resumed run found no lock to take
     # over; a restart after SIGKILL found its killed attempt's lock free; every finished run left none.
-    assert "took over" not in runs["procs"]["resumed"].stderr
-    for name in ("full", "stopped", "faulted"):
+    assert "took over" not in runs["procs"]["resumed_stderr"]
+    for name in ("full", "stopped", "resumed", "faulted"):
         assert not (runs[name] / "spmdrl.lock").exists(), name
         assert not (runs[name] / "previous").exists(), name  # resumed in place: nothing set aside
 

@@ -11,17 +11,15 @@
 - max_staleness 1 on 1 rollout + 2 training ranks, with DAPO's dynamic sampling, takes its steps one
   update apart: batch k+1 is generated with the weights of update k-1; validating after update 2 holds
   batch 3 (the last) while the rollout rank validates, and the final weights are validated too.
+
+Every run is in the shared jobs (tests/e2e/shared_runs.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from conftest import REPO, TINY, read_metrics, train
+from conftest import TINY
+from shared_runs import declare
 
 pytestmark = pytest.mark.e2e
 
@@ -35,20 +33,35 @@ COMPARED = ["reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl_lo
 VAL = ["--trainer.val_before_train", "true", "--trainer.test_freq", "2", "--rollout.val_kwargs.n", "2",
        "--rollout.val_kwargs.do_sample", "true", "--rollout.val_kwargs.temperature", "1.0"]
 VAL_REWARD = "val-aux/spmdrl/arith/reward/mean@2"
+STALE = {s: ["--config", "configs/grpo.yaml", *SHORT, "--trainer.total_steps", str(4 + s), *FLOAT32,
+             "--rollout.max_staleness", str(s)] for s in (1, 2)}
+
+# The runs, in the shared jobs (tests/e2e/shared_runs.py: one thread a rank, so that the matmuls round alike
+# on one rank and two).
+PLACED = {"colocated": (1, []), "split": (2, SPLIT)}
+for _name, (_nproc, _placed) in PLACED.items():
+    _s0 = ["--rollout.max_staleness", "0"] if _placed else []
+    declare(f"split/{_name}", ["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *VAL, *_placed, *_s0,
+                               "--trainer.output_dir", f"{{base}}/split/{_name}",
+                               "--trainer.rollout_data_dir", "generations"], nproc=_nproc)
+    declare(f"split/val_only_{_name}", ["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *VAL,
+                                        "--trainer.val_only", "true", *_placed,
+                                        "--trainer.output_dir", f"{{base}}/split/val_only_{_name}"],
+            nproc=_nproc)
+declare("split/dapo3", ["--config", "configs/dapo.yaml", *SHORT, *SPLIT, "--trainer.test_freq", "2",
+                        "--trainer.output_dir", "{base}/split/dapo3"], nproc=3)
+for _s in (1, 2):
+    declare(f"split/stale{_s}", [*STALE[_s], *SPLIT, "--trainer.test_freq", "2", "--trainer.output_dir",
+                                 f"{{base}}/split/stale{_s}"])
+    declare(f"split/scripted{_s}", [*STALE[_s], "--trainer.output_dir", f"{{base}}/split/scripted{_s}"],
+            nproc=1, stale=True)
 
 
-def test_split_without_staleness_equals_the_colocated_run(tmp_path, spmdrl_cache):
-    runs = {}
-    for name, nproc, extra in (("colocated", 1, []), ("split", 2, [*SPLIT, "--rollout.max_staleness", "0"])):
-        out = tmp_path / name
-        # One thread in both, so that the matmuls round alike.
-        train(["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *VAL, *extra, "--trainer.output_dir",
-               str(out), "--trainer.rollout_data_dir", "generations"], cache=spmdrl_cache, nproc=nproc,
-              env={"OMP_NUM_THREADS": "1"})
-        runs[name] = read_metrics(out)
+def test_split_without_staleness_equals_the_colocated_run(shared):
+    runs = {name: shared.rows(f"split/{name}") for name in ("colocated", "split")}
     # verl's generation dump (written by the rollout rank under split): the same lines.
     for step in (1, 2, 3):
-        dumped = [(tmp_path / name / "generations" / f"{step}.jsonl").read_text() for name in runs]
+        dumped = [shared.path(f"split/{name}/generations/{step}.jsonl").read_text() for name in runs]
         assert dumped[0] == dumped[1] and dumped[0].count("\n") == 8 * 4
     # Validation before training (step 0), after update 2 and after the last one.
     validated = [(r["step"], VAL_REWARD in r) for r in runs["split"]]
@@ -62,25 +75,16 @@ def test_split_without_staleness_equals_the_colocated_run(tmp_path, spmdrl_cache
         assert b["rollout_ranks/timing/rollout"] > 0 and "timing/wait_rollout" in b
 
 
-def test_validation_alone_on_split_placement(tmp_path, spmdrl_cache):
+def test_validation_alone_on_split_placement(shared):
     """trainer.val_only: the rollout rank validates the initial weights and both roles end; the metrics
     are the colocated run's."""
-    runs = {}
-    for name, nproc, extra in (("colocated", 1, []), ("split", 2, SPLIT)):
-        out = tmp_path / name
-        train(["--config", "configs/grpo.yaml", *SHORT, *FLOAT32, *VAL, "--trainer.val_only", "true", *extra,
-               "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=nproc,
-              env={"OMP_NUM_THREADS": "1"})
-        runs[name] = read_metrics(out)
+    runs = {name: shared.rows(f"split/val_only_{name}") for name in ("colocated", "split")}
     assert [r["step"] for r in runs["split"]] == [0] and VAL_REWARD in runs["split"][0]
     assert runs["split"] == runs["colocated"]
 
 
-def test_one_step_off_policy_on_one_rollout_and_two_training_ranks(tmp_path, spmdrl_cache):
-    out = tmp_path / "run"
-    train(["--config", "configs/dapo.yaml", *SHORT, *SPLIT, "--trainer.test_freq", "2",
-           "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=3)
-    rows = read_metrics(out)
+def test_one_step_off_policy_on_one_rollout_and_two_training_ranks(shared):
+    rows = shared.rows("split/dapo3")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [any(k.startswith("val-core/") for k in r) for r in rows] == [False, True, True]
     # Batch 1 and 2 come from the initial weights, batch 3 from update 1: one update old from step 2 on.
@@ -95,23 +99,12 @@ def test_one_step_off_policy_on_one_rollout_and_two_training_ranks(tmp_path, spm
 
 
 @pytest.mark.parametrize("staleness", [1, 2])
-def test_off_policy_trains_on_what_a_scripted_stale_run_produces(staleness, tmp_path, spmdrl_cache):
+def test_off_policy_trains_on_what_a_scripted_stale_run_produces(staleness, shared):
     """The split run also validates every 2 steps (its training is the same with or without: validation
     samples on a stream of its own): the weights of update 2 go out with the request, ahead of the rollout's
     batches 3 .. 2 + staleness, which the training rank holds meanwhile; update 4's go out as usual."""
     steps = 4 + staleness
-    args = ["--config", "configs/grpo.yaml", *SHORT, "--trainer.total_steps", str(steps), *FLOAT32,
-            "--rollout.max_staleness", str(staleness)]
-    out = tmp_path / "split"
-    train([*args, *SPLIT, "--trainer.test_freq", "2", "--trainer.output_dir", str(out)], cache=spmdrl_cache,
-          nproc=2, env={"OMP_NUM_THREADS": "1"})
-    split = read_metrics(out)
-    results = tmp_path / "scripted.json"
-    env = {**os.environ, "SPMDRL_CACHE": spmdrl_cache, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    driver = REPO / "tests" / "e2e" / "stale_driver.py"
-    subprocess.run([sys.executable, str(driver), str(results), "--", *args, "--trainer.output_dir",
-                    str(tmp_path / "scripted")], cwd=REPO, env=env, check=True, timeout=600)
-    scripted = json.loads(results.read_text())
+    split, scripted = shared.rows(f"split/stale{staleness}"), shared.scripted(f"split/scripted{staleness}")
     # Batch k is generated with the weights of update k - 1 - staleness (the initial ones before that).
     ks = list(range(1, steps + 1))
     assert [r["async/weights_version"] for r in split] == [max(0, k - 1 - staleness) for k in ks]

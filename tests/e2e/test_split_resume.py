@@ -5,8 +5,10 @@ off-policy by one update and by two, the tiny GRPO config.
     stopped    the same, with a SIGTERM on the training rank at step 1 -> checkpoint at step 2, exit 0;
                batch 3 is in flight then (generated with the weights of update 1), and under staleness 2
                batch 4 too (batch 3 with the initial weights, 4 with update 1's)
-    resumed    ``stopped``'s folder again: auto-resume from step 2 to 4, the batches in flight from the
-               checkpoint
+    resumed    a copy of ``stopped``'s folder (what the stop left stays for the tests): auto-resume from
+               step 2 to 4, the batches in flight from the checkpoint
+
+(in the shared jobs, tests/e2e/shared_runs.py)
 
 The resumed run must equal the uninterrupted one: every metric that is not a time or a size, and the final
 parameters, bitwise.
@@ -19,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics, train
+from conftest import read_metrics
+from shared_runs import declare
 
 pytestmark = pytest.mark.e2e
 
@@ -36,26 +39,27 @@ def metrics(out: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in read_metrics(out)]
 
 
+SIGTERM = {"SPMDRL_FAULT_INJECT_STEP": "1", "SPMDRL_FAULT_INJECT_RANK": "0",  # the training rank
+           "SPMDRL_FAULT_INJECT_SIGNAL": "SIGTERM"}
+for _s in (1, 2):
+    _args, _base = [*ARGS, "--rollout.max_staleness", str(_s)], f"{{base}}/split_resume{_s}"
+    declare(f"split_resume{_s}/full", [*_args, "--trainer.output_dir", f"{_base}/full"])
+    declare(f"split_resume{_s}/stopped", [*_args, "--trainer.output_dir", f"{_base}/stopped"], env=SIGTERM)
+    declare(f"split_resume{_s}/resumed", [*_args, "--trainer.output_dir", f"{_base}/resumed"],
+            copy=(f"{_base}/stopped", f"{_base}/resumed"))
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["staleness1", "staleness2"])
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, spmdrl_cache: str) -> dict:
-    base = tmp_path_factory.mktemp("split_resume")
-    procs = {}
-    args = [*ARGS, "--rollout.max_staleness", str(request.param)]
-
-    def torchrun(name: str, out: Path, env: dict | None = None) -> None:
-        procs[name] = proc = train([*args, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=2,
-                                   env=env, check=False)
-        (base / f"{name}.log").write_text(proc.stdout + proc.stderr)
-        assert proc.returncode == 0, f"{name} run failed:\n{proc.stderr[-4000:]}"
-
-    torchrun("full", base / "full")
-    torchrun("stopped", base / "stopped", env={"SPMDRL_FAULT_INJECT_STEP": "1",
-                                               "SPMDRL_FAULT_INJECT_RANK": "0",  # the training rank
-                                               "SPMDRL_FAULT_INJECT_SIGNAL": "SIGTERM"})
+def runs(request: pytest.FixtureRequest, shared) -> dict:
+    name = f"split_resume{request.param}"
+    for run in ("full", "stopped", "resumed"):
+        shared.ran(f"{name}/{run}")
+    base = shared.path(name)
     stopped = {"steps": [row["step"] for row in metrics(base / "stopped")],
                "checkpoints": sorted(p.name for p in (base / "stopped" / "checkpoints").iterdir())}
-    torchrun("resumed", base / "stopped")
-    return {"base": base, "procs": procs, "stopped": stopped, "staleness": request.param}
+    return {"base": base, "stopped": stopped, "staleness": request.param,
+            "stopped_stderr": shared.stderr(f"{name}/stopped"),
+            "resumed_stdout": shared.stdout(f"{name}/resumed")}
 
 
 def test_a_sigterm_on_the_training_rank_checkpoints_the_batches_in_flight(runs):
@@ -68,20 +72,20 @@ def test_a_sigterm_on_the_training_rank_checkpoints_the_batches_in_flight(runs):
     assert [(i["step"], i["version"], i["last"]) for i in held] == want
     assert held[-1]["data"]["position"] == 2 + len(want)
     assert all((saved / f"batch{i}.safetensors").stat().st_size > 0 for i in range(len(want)))
-    assert "SIGTERM: checkpoint and stop" in runs["procs"]["stopped"].stderr
+    assert "SIGTERM: checkpoint and stop" in runs["stopped_stderr"]
 
 
 def test_the_resumed_split_run_equals_the_uninterrupted_one(runs):
     from spmdrl.export import read_model_state
 
-    assert "resumed from" in runs["procs"]["resumed"].stdout
-    full, resumed = metrics(runs["base"] / "full"), metrics(runs["base"] / "stopped")
+    assert "resumed from" in runs["resumed_stdout"]
+    full, resumed = metrics(runs["base"] / "full"), metrics(runs["base"] / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     s = runs["staleness"]
     assert [r["async/staleness"] for r in resumed] == [float(min(k - 1, s)) for k in (1, 2, 3, 4)]
     assert resumed == full
     a = read_model_state(runs["base"] / "full" / "checkpoints" / "global_step_4")
-    b = read_model_state(runs["base"] / "stopped" / "checkpoints" / "global_step_4")
+    b = read_model_state(runs["base"] / "resumed" / "checkpoints" / "global_step_4")
     assert sorted(a) == sorted(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -6,7 +6,8 @@ Sampling noise is keyed by (seed, step, prompt id, sample, position), never by r
 batch of another size runs the same matmuls in another blocking, and a token whose probability sits at
 the drawn uniform's edge can flip. A run resumed from the 2-rank run's step-1 checkpoint on 4 ranks
 continues with the samples of the uninterrupted 2-rank run. The validation before training, sampled at
-temperature 1, scores the same on every world size.
+temperature 1, scores the same on every world size. The runs are in the shared jobs
+(tests/e2e/shared_runs.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import TINY, read_metrics, train
+from conftest import TINY, read_metrics
+from shared_runs import declare
 
 pytestmark = pytest.mark.e2e
 
@@ -44,19 +46,20 @@ def _same(a: dict, b: dict) -> float:
     return sum(a[k]["output"] == b[k]["output"] for k in a) / len(a)
 
 
+for _n in (1, 2, 4):
+    _save = ["--trainer.save_freq", "1", "--trainer.keep_last", "3"] if _n == 2 else []
+    declare(f"world_size/ranks{_n}", [*COMMON, "--trainer.output_dir", f"{{base}}/world_size/ranks{_n}",
+                                      *_save], nproc=_n)
+declare("world_size/resumed", [*COMMON, "--trainer.output_dir", "{base}/world_size/resumed",
+                               "--trainer.resume", "{base}/world_size/ranks2/checkpoints/global_step_1",
+                               "--trainer.val_before_train", "false"], nproc=4)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, spmdrl_cache) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("world_size")
-    out = {f"ranks{n}": base / f"ranks{n}" for n in (1, 2, 4)}
-    for n in (1, 2, 4):
-        save = ["--trainer.save_freq", "1", "--trainer.keep_last", "3"] if n == 2 else []
-        train([*COMMON, "--trainer.output_dir", str(out[f"ranks{n}"]), *save], cache=spmdrl_cache, nproc=n)
-    out["resumed"] = base / "resumed"
-    checkpoint = out["ranks2"] / "checkpoints" / "global_step_1"
-    run = train([*COMMON, "--trainer.output_dir", str(out["resumed"]), "--trainer.resume", str(checkpoint),
-                 "--trainer.val_before_train", "false"], cache=spmdrl_cache, nproc=4)
-    assert "resumed from" in run.stdout + run.stderr
-    return out
+def runs(shared) -> dict[str, Path]:
+    run = shared.stdout("world_size/resumed") + shared.stderr("world_size/resumed")
+    assert "resumed from" in run
+    return {name: shared.path(f"world_size/{name}") for name in ("ranks1", "ranks2", "ranks4", "resumed")}
 
 
 def test_one_two_and_four_ranks_draw_the_same_samples(runs):
