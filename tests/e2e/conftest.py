@@ -57,9 +57,8 @@ SAMPLED_VAL = ["--trainer.val_before_train", "true", "--rollout.val_kwargs.n", "
 SAMPLED_VAL_REWARD = "val-aux/spmdrl/arith/reward/mean@4"
 
 
-def main_job_short(out: Path, cache: str, steps: int, env: dict | None = None):
-    """The main job for ``steps`` steps with sampled validation before and after; (run, metrics rows)."""
-    run = train(["--config", "configs/grpo.yaml", "--trainer.total_steps", str(steps),
-                 "--trainer.test_freq", str(steps), *SAMPLED_VAL, "--trainer.progress_bar", "false",
-                 "--trainer.resume", "off", "--trainer.output_dir", str(out)], cache=cache, nproc=2, env=env)
-    return run, read_metrics(out)
+def main_job_argv(out: str, steps: int) -> list[str]:
+    """The main job's arguments for ``steps`` steps with sampled validation before and after."""
+    return ["--config", "configs/grpo.yaml", "--trainer.total_steps", str(steps), "--trainer.test_freq",
+            str(steps), *SAMPLED_VAL, "--trainer.progress_bar", "false", "--trainer.resume", "off",
+            "--trainer.output_dir", out]

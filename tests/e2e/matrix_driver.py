@@ -57,6 +57,7 @@ def run_case(argv: list[str]) -> dict:
 
     from spmdrl.loop import run
     from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
+    from spmdrl.plan import heap
     from spmdrl.split import run_split
 
     start = time.perf_counter()
@@ -68,6 +69,8 @@ def run_case(argv: list[str]) -> dict:
     lock = OutputLock.acquire(output_dir(cfg)) if os.environ["RANK"] == "0" else None
     try:
         device_type = resolve_device_type(cfg.trainer.device)
+        if device_type == "cpu":  # as spmdrl.train does
+            heap.return_large_frees()
         _, world_size = init_distributed(device_type)
         dims = ParallelDims.of(cfg, world_size, device_type=device_type).build()
         (run_split if dims.split else run)(cfg, dims, None)  # None: build() makes the memory plan

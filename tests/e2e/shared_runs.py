@@ -38,6 +38,7 @@ class Declared:
     env: dict[str, str] = field(default_factory=dict)
     stale: bool = False  # stale_driver.py's scripted stale run instead of spmdrl.train's (one rank)
     copy: tuple[str, str] | None = None  # (src, dst): a folder to copy before the run ("{base}" too)
+    job_env: dict[str, str] = field(default_factory=dict)  # read at process start: a job of their own
 
 
 DECLARED: dict[str, Declared] = {}
@@ -45,16 +46,18 @@ PREPARE: list[Callable[[Path], None]] = []
 
 
 def declare(name: str, argv: list[str], *, nproc: int = 2, env: dict[str, str] | None = None,
-            stale: bool = False, copy: tuple[str, str] | None = None) -> str:
+            stale: bool = False, copy: tuple[str, str] | None = None,
+            job_env: dict[str, str] | None = None) -> str:
     """Add a run (``spmdrl.train``'s arguments) to the shared jobs; returns ``name``. ``stale``: the
     scripted stale run of ``stale_driver.py`` on those arguments instead, its rows read by ``scripted``.
     ``copy``: (src, dst) folders: dst becomes a copy of src (an earlier run's) before this run, so that a
-    resume in dst leaves what src's run left for its tests."""
+    resume in dst leaves what src's run left for its tests. ``job_env``: variables the process reads when it
+    starts (the ISA caps of test_isa_hidden.py): the runs with the same ones share a job of their own."""
     if name in DECLARED:
         raise ValueError(f"shared run {name!r} is declared twice")
     if stale and nproc != 1:
         raise ValueError(f"shared run {name!r}: the scripted stale run takes one rank")
-    DECLARED[name] = Declared(name, list(argv), nproc, dict(env or {}), stale, copy)
+    DECLARED[name] = Declared(name, list(argv), nproc, dict(env or {}), stale, copy, dict(job_env or {}))
     return name
 
 
@@ -104,15 +107,18 @@ class SharedRuns:
 
 
 def run_all(base: Path, cache: str) -> SharedRuns:
-    """Every declared run, one torchrun job per rank count, fewest ranks first."""
+    """Every declared run, one torchrun job per rank count (and ``job_env``), fewest ranks first."""
     logs = base / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for fn in PREPARE:
         fn(base)
     results: dict[str, dict] = {}
-    for nproc in sorted({d.nproc for d in DECLARED.values()}):
+    jobs: dict[tuple, list[Declared]] = {}
+    for d in DECLARED.values():
+        jobs.setdefault((d.nproc, tuple(sorted(d.job_env.items()))), []).append(d)
+    for k, ((nproc, job_env), declared) in enumerate(sorted(jobs.items(), key=lambda job: job[0][0])):
         cases = []
-        for d in (d for d in DECLARED.values() if d.nproc == nproc):
+        for d in declared:
             case = {"name": d.name.replace("/", "--"), "env": d.env, "logs": str(logs),
                     "argv": [a.replace("{base}", str(base)) for a in d.argv]}
             if d.stale:
@@ -120,11 +126,11 @@ def run_all(base: Path, cache: str) -> SharedRuns:
             if d.copy:
                 case["copy"] = [c.replace("{base}", str(base)) for c in d.copy]
             cases.append(case)
-        cases_file, results_file = base / f"cases{nproc}.json", base / f"results{nproc}.json"
+        cases_file, results_file = base / f"cases{k}.json", base / f"results{k}.json"
         cases_file.write_text(json.dumps(cases, indent=1))
         proc = torchrun([str(DRIVER), str(cases_file), str(results_file)], nproc=nproc,
-                        env={"SPMDRL_CACHE": cache}, timeout=1500, check=False)
-        (base / f"job{nproc}.log").write_text(proc.stdout + proc.stderr)
+                        env={"SPMDRL_CACHE": cache, **dict(job_env)}, timeout=1500, check=False)
+        (base / f"job{k}.log").write_text(proc.stdout + proc.stderr)
         got = json.loads(results_file.read_text()) if results_file.exists() else {}
         for case in cases:
             name = case["name"].replace("--", "/")

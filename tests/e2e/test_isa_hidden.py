@@ -8,7 +8,7 @@ nothing and these tests repeat the plain ones; on an AVX-512 machine they take
 the paths an AVX2 machine takes: float32 by ``auto``, no bf16 prepacking,
 AVX2 kernels. Picked for the hardware decisions they exercise: the decisions
 themselves, the rollout engine's tests, the main job (short) and a
-checkpoint/resume.
+checkpoint/resume (the last two in a shared job of their own, tests/e2e/shared_runs.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, SAMPLED_VAL_REWARD, TINY, main_job_short, read_metrics, train
+from conftest import REPO, SAMPLED_VAL_REWARD, TINY, main_job_argv
+from shared_runs import declare
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +36,13 @@ print(json.dumps({
     "capability": torch.backends.cpu.get_cpu_capability(),
 }))
 """
+
+
+declare("isa_hidden/grpo", main_job_argv("{base}/isa_hidden/grpo", steps=40), job_env=HIDDEN)
+CKPT = ["--config", "configs/grpo.yaml", *TINY[:-2], "--rollout.n", "2", "--trainer.save_freq", "2",
+        "--trainer.output_dir", "{base}/isa_hidden/ckpt"]
+declare("isa_hidden/ckpt", [*CKPT, "--trainer.total_steps", "2"], job_env=HIDDEN)
+declare("isa_hidden/ckpt_resumed", [*CKPT, "--trainer.total_steps", "3"], job_env=HIDDEN)
 
 
 def _python(code_or_args: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -63,20 +71,18 @@ def test_rollout_tests_with_isa_hidden(spmdrl_cache):
     print("\n" + out.stdout.strip().splitlines()[-1])
 
 
-def test_main_job_short_with_isa_hidden(tmp_path, spmdrl_cache):
+def test_main_job_short_with_isa_hidden(shared):
     """The README's main job with the defaults, shortened, in float32: 2 ranks, sampled validation accuracy
     rises from the SFT warm start (tests/e2e/test_learning.py: the same check in this machine's precision)."""
-    run, rows = main_job_short(tmp_path / "grpo", spmdrl_cache, steps=40, env=HIDDEN)
-    assert "precision: compute float32, rollout float32 (auto: ONEDNN_MAX_CPU_ISA=AVX2" in run.stdout
+    rows = shared.rows("isa_hidden/grpo")
+    assert "precision: compute float32, rollout float32 (auto: ONEDNN_MAX_CPU_ISA=AVX2" in shared.stdout(
+        "isa_hidden/grpo")
     before, after = rows[0][SAMPLED_VAL_REWARD], rows[-1][SAMPLED_VAL_REWARD]
     assert after > before + 0.04, (before, after)
 
 
-def test_checkpoint_resume_with_isa_hidden(tmp_path, spmdrl_cache):
-    out = tmp_path / "run"
-    args = ["--config", "configs/grpo.yaml", *TINY[:-2], "--rollout.n", "2", "--trainer.save_freq", "2",
-            "--trainer.output_dir", str(out)]
-    train([*args, "--trainer.total_steps", "2"], cache=spmdrl_cache, nproc=2, env=HIDDEN)
-    run = train([*args, "--trainer.total_steps", "3"], cache=spmdrl_cache, nproc=2, env=HIDDEN)
-    assert "resumed from" in run.stdout and "at step 2" in run.stdout
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+def test_checkpoint_resume_with_isa_hidden(shared):
+    shared.ran("isa_hidden/ckpt")
+    run = shared.stdout("isa_hidden/ckpt_resumed")
+    assert "resumed from" in run and "at step 2" in run
+    assert [r["step"] for r in shared.rows("isa_hidden/ckpt_resumed", out="isa_hidden/ckpt")] == [1, 2, 3]

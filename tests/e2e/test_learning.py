@@ -4,7 +4,7 @@
 SFT steps of the random-init tiny model on the task); GRPO then raises the sampled accuracy. The training
 reward of one step swings by ~0.1 (16 prompts), so the check reads validation instead: 4 sampled answers
 (temperature 1, as in training) to each of the 128 validation prompts, before the first step and after the
-last.
+last. The run is in the shared 2-rank job (tests/e2e/shared_runs.py).
 """
 
 import json
@@ -13,15 +13,19 @@ from pathlib import Path
 
 import pytest
 from conftest import SAMPLED_VAL_REWARD as KEY
-from conftest import main_job_short
+from conftest import main_job_argv
+from shared_runs import declare
 
 from spmdrl.builtin.models import WARM_START_VERSION
 
 pytestmark = pytest.mark.e2e
 
-def test_sft_warm_start_then_grpo_raises_accuracy(tmp_path, spmdrl_cache):
-    run, rows = main_job_short(tmp_path / "grpo", spmdrl_cache, steps=40)
-    assert "[rank 1/2]" in run.stdout and "[rank 0/2]" in run.stdout  # one start-up line per rank
+declare("learning", main_job_argv("{base}/learning", steps=40))
+
+
+def test_sft_warm_start_then_grpo_raises_accuracy(shared, spmdrl_cache):
+    rows, run = shared.rows("learning"), shared.stdout("learning")
+    assert "[rank 1/2]" in run and "[rank 0/2]" in run  # one start-up line per rank
     assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, 41))
     # The warm start is spmdrl.sft's export, its SFT metrics and recipe kept beside the weights.
     warm = Path(spmdrl_cache) / "models" / f"tiny-arith-v{WARM_START_VERSION}-seed0"

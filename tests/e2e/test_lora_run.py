@@ -1,7 +1,8 @@
 """GRPO with a LoRA actor under torchrun (2 CPU ranks, the tiny model): the rollout engine runs the merged
 weights (its log-probs match the actor's), the reference is the base (the KL loss starts at 0 and moves),
 the checkpoint holds only adapters and resumes, and it exports as a PEFT adapter folder that peft merges
-onto the base into exactly the run's merged Hugging Face export."""
+onto the base into exactly the run's merged Hugging Face export. Both runs are in the shared 2-rank job
+(tests/e2e/shared_runs.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, read_metrics, train
+from conftest import TINY, read_metrics
+from shared_runs import declare
 
 pytestmark = pytest.mark.e2e
 
@@ -21,14 +23,15 @@ LORA = ["--config", "configs/grpo.yaml", *TINY, "--model.path", "builtin:tiny", 
         "--trainer.export_hf_on_save", "true"]
 
 
+declare("lora/run", [*LORA, "--trainer.total_steps", "2", "--trainer.output_dir", "{base}/lora/run"])
+declare("lora/resumed", [*LORA, "--trainer.total_steps", "3", "--trainer.output_dir", "{base}/lora/run",
+                         "--trainer.resume", "auto"])
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, spmdrl_cache):
-    out = tmp_path_factory.mktemp("lora") / "run"
-    train([*LORA, "--trainer.total_steps", "2", "--trainer.output_dir", str(out)], cache=spmdrl_cache,
-          nproc=2)
-    resumed = train([*LORA, "--trainer.total_steps", "3", "--trainer.output_dir", str(out),
-                     "--trainer.resume", "auto"], cache=spmdrl_cache, nproc=2)
-    return out, resumed
+def run(shared):
+    shared.ran("lora/run")
+    return shared.path("lora/run"), shared.stdout("lora/resumed") + shared.stderr("lora/resumed")
 
 
 def test_rollout_runs_the_merged_weights_and_the_reference_is_the_base(run):
@@ -44,7 +47,7 @@ def test_rollout_runs_the_merged_weights_and_the_reference_is_the_base(run):
 def test_checkpoint_holds_adapters_resumes_and_exports_a_peft_folder(run, tmp_path, spmdrl_cache,
                                                                      monkeypatch):
     out, resumed = run
-    assert "resumed from" in resumed.stdout + resumed.stderr
+    assert "resumed from" in resumed
     step = out / "checkpoints" / "global_step_2"
     shapes = json.loads((step / "manifest.json").read_text())["model_shapes"]["actor"]
     assert shapes and all(".lora_A." in n or ".lora_B." in n for n in shapes)
