@@ -122,6 +122,37 @@ def case_logs(folder: str | None, name: str) -> Iterator[None]:
             os.close(saved[1])
 
 
+def run_sft(argv: list[str]) -> dict:
+    """One case as ``spmdrl.sft``'s main runs it: refused with its sentence, or trained."""
+    from dataclasses import asdict
+
+    import torch.distributed as dist
+
+    from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
+    from spmdrl.plan import heap
+    from spmdrl.sft.config import check_sft_config, parse_sft_config
+    from spmdrl.sft.loop import run
+
+    start = time.perf_counter()
+    try:
+        cfg, _ = parse_sft_config(argv)
+        check_sft_config(cfg, int(os.environ["WORLD_SIZE"]))
+    except ConfigError as err:
+        return {"status": "refused", "message": str(err), "seconds": time.perf_counter() - start}
+    lock = OutputLock.acquire(output_dir(cfg)) if os.environ["RANK"] == "0" else None
+    try:
+        device_type = resolve_device_type(cfg.trainer.device)
+        if device_type == "cpu":
+            heap.return_large_frees()
+        _, world_size = init_distributed(device_type)
+        run(cfg, ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build())
+    finally:
+        if lock is not None:
+            lock.release()
+    dist.barrier()
+    return {"status": "ran", "seconds": time.perf_counter() - start}
+
+
 def copy_folder(src: str, dst: str) -> None:
     """Rank 0 copies ``src`` to ``dst``; every rank waits for it."""
     import torch.distributed as dist
@@ -146,6 +177,7 @@ def run_stale(results: str, argv: list[str]) -> dict:
 
 
 def main(cases_file: str, results_file: str) -> int:
+    import torch
     import torch.distributed as dist
 
     cases = json.loads(Path(cases_file).read_text())
@@ -161,9 +193,16 @@ def main(cases_file: str, results_file: str) -> int:
         try:
             if "copy" in case:
                 copy_folder(*case["copy"])
+            # Compiled kernels from an earlier case would be reused with dynamic shapes, which round
+            # differently from the static ones a fresh process compiles: each case compiles afresh.
+            torch._dynamo.reset()
             with case_env(case.get("env", {})), case_logs(case.get("logs"), case["name"]):
-                results[case["name"]] = (run_stale(case["stale"], case["argv"]) if "stale" in case
-                                         else run_case(case["argv"]))
+                if "stale" in case:
+                    results[case["name"]] = run_stale(case["stale"], case["argv"])
+                elif case.get("sft"):
+                    results[case["name"]] = run_sft(case["argv"])
+                else:
+                    results[case["name"]] = run_case(case["argv"])
         except BaseException as err:
             results[case["name"]] = {"status": "crashed", "message": f"{type(err).__name__}: {err}",
                                      "traceback": traceback.format_exc()[-3000:]}

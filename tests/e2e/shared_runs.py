@@ -39,6 +39,8 @@ class Declared:
     stale: bool = False  # stale_driver.py's scripted stale run instead of spmdrl.train's (one rank)
     copy: tuple[str, str] | None = None  # (src, dst): a folder to copy before the run ("{base}" too)
     job_env: dict[str, str] = field(default_factory=dict)  # read at process start: a job of their own
+    sft: bool = False  # spmdrl.sft's run, not spmdrl.train's
+    late: bool = False  # after the job's other runs (Megatron's process groups outlive its run)
 
 
 DECLARED: dict[str, Declared] = {}
@@ -47,17 +49,20 @@ PREPARE: list[Callable[[Path], None]] = []
 
 def declare(name: str, argv: list[str], *, nproc: int = 2, env: dict[str, str] | None = None,
             stale: bool = False, copy: tuple[str, str] | None = None,
-            job_env: dict[str, str] | None = None) -> str:
+            job_env: dict[str, str] | None = None, sft: bool = False, late: bool = False) -> str:
     """Add a run (``spmdrl.train``'s arguments) to the shared jobs; returns ``name``. ``stale``: the
     scripted stale run of ``stale_driver.py`` on those arguments instead, its rows read by ``scripted``.
     ``copy``: (src, dst) folders: dst becomes a copy of src (an earlier run's) before this run, so that a
     resume in dst leaves what src's run left for its tests. ``job_env``: variables the process reads when it
-    starts (the ISA caps of test_isa_hidden.py): the runs with the same ones share a job of their own."""
+    starts (the ISA caps of test_isa_hidden.py): the runs with the same ones share a job of their own.
+    ``sft``: ``spmdrl.sft``'s arguments, not ``spmdrl.train``'s. ``late``: run after the job's other runs
+    (a Megatron run leaves Megatron's global process groups behind; the runs before it never see them)."""
     if name in DECLARED:
         raise ValueError(f"shared run {name!r} is declared twice")
     if stale and nproc != 1:
         raise ValueError(f"shared run {name!r}: the scripted stale run takes one rank")
-    DECLARED[name] = Declared(name, list(argv), nproc, dict(env or {}), stale, copy, dict(job_env or {}))
+    DECLARED[name] = Declared(name, list(argv), nproc, dict(env or {}), stale, copy, dict(job_env or {}),
+                              sft, late)
     return name
 
 
@@ -118,13 +123,15 @@ def run_all(base: Path, cache: str) -> SharedRuns:
         jobs.setdefault((d.nproc, tuple(sorted(d.job_env.items()))), []).append(d)
     for k, ((nproc, job_env), declared) in enumerate(sorted(jobs.items(), key=lambda job: job[0][0])):
         cases = []
-        for d in declared:
+        for d in sorted(declared, key=lambda d: d.late):  # stable: declaration order otherwise
             case = {"name": d.name.replace("/", "--"), "env": d.env, "logs": str(logs),
                     "argv": [a.replace("{base}", str(base)) for a in d.argv]}
             if d.stale:
                 case["stale"] = str(logs / f"{case['name']}.json")
             if d.copy:
                 case["copy"] = [c.replace("{base}", str(base)) for c in d.copy]
+            if d.sft:
+                case["sft"] = True
             cases.append(case)
         cases_file, results_file = base / f"cases{k}.json", base / f"results{k}.json"
         cases_file.write_text(json.dumps(cases, indent=1))

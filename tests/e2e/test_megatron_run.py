@@ -1,6 +1,8 @@
 """``actor.strategy: megatron`` end to end: a 2-rank torchrun GRPO run (actor TP=2, reference, native
 rollout with weight sync) takes the steps the FSDP2 engine takes on the same seed, and a run resumed
-from its step-1 checkpoint takes the same second step."""
+from its step-1 checkpoint takes the same second step. The 2-rank runs are in the shared 2-rank job, after
+its other runs (tests/e2e/shared_runs.py); the split ones (3 ranks, Megatron's groups made afresh) run
+alone."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 
 import pytest
 from conftest import REPO, TINY, read_metrics, train
+from shared_runs import declare
 
 pytestmark = pytest.mark.e2e
 
@@ -24,18 +27,30 @@ COMMON = ["--config", "configs/grpo.yaml", *TINY, "--trainer.total_steps", str(S
           "--model.fused_kernels", "off"]
 
 
-def test_megatron_grpo_matches_fsdp2(tmp_path, spmdrl_cache):
-    runs = {}
-    megatron_args = ["--actor.strategy", "megatron", "--parallel.tp", "2"]
-    saves = ["--trainer.export_hf_on_save", "true"]
-    for name, extra in (("fsdp2", [*saves, "--trainer.save_freq", "2"]),
-                        ("megatron", [*megatron_args, *saves, "--trainer.save_freq", "1"]),
-                        ("resumed", [*megatron_args, "--trainer.resume",
-                                     str(tmp_path / "megatron" / "checkpoints" / "global_step_1")])):
-        out = train([*COMMON, *extra, "--trainer.output_dir", str(tmp_path / name)], cache=spmdrl_cache,
-                    nproc=2)
-        runs[name] = read_metrics(tmp_path / name)
-    assert "tp=1" in out.stdout  # rank 1 sat on TP coordinate 1 of the megatron run
+MEGATRON = ["--actor.strategy", "megatron", "--parallel.tp", "2"]
+SAVES = ["--trainer.export_hf_on_save", "true"]
+for _name, _extra in (("fsdp2", [*SAVES, "--trainer.save_freq", "2"]),
+                      ("megatron", [*MEGATRON, *SAVES, "--trainer.save_freq", "1"]),
+                      ("resumed", [*MEGATRON, "--trainer.resume",
+                                   "{base}/megatron/megatron/checkpoints/global_step_1"])):
+    declare(f"megatron/{_name}", [*COMMON, *_extra, "--trainer.output_dir", f"{{base}}/megatron/{_name}"],
+            late=_name != "fsdp2")
+declare("megatron/ppo", ["--config", "configs/ppo.yaml", *TINY, "--trainer.total_steps", str(STEPS),
+                         "--actor.strategy", "megatron", "--parallel.pp", "2",
+                         "--actor.param_dtype", "float32", "--model.fused_kernels", "off",
+                         "--trainer.save_freq", str(STEPS),
+                         "--trainer.output_dir", "{base}/megatron/ppo"], late=True)
+SPLIT_ARGS = ["--config", "configs/grpo.yaml", *TINY, "--trainer.total_steps", "3", "--rollout.n", "4",
+              "--actor.strategy", "megatron", "--parallel.tp", "2", "--actor.param_dtype", "float32",
+              "--rollout.dtype", "float32"]
+declare("megatron/split_colocated", [*SPLIT_ARGS, "--trainer.output_dir", "{base}/megatron/split_colocated"],
+        late=True)
+
+
+def test_megatron_grpo_matches_fsdp2(tmp_path, shared):
+    runs = {name: shared.rows(f"megatron/{name}") for name in ("fsdp2", "megatron", "resumed")}
+    assert "tp=1" in shared.stdout("megatron/resumed")  # rank 1 sat on TP coordinate 1 of the megatron run
+    base = shared.path("megatron")
     fsdp2, megatron = runs["fsdp2"], runs["megatron"]
     assert len(fsdp2) == len(megatron) == STEPS
     # Step 1 starts from the same weights and samples: the same loss, entropy and gradient norm.
@@ -53,16 +68,15 @@ def test_megatron_grpo_matches_fsdp2(tmp_path, spmdrl_cache):
     # The Hugging Face folders written at step 2: the same weights, up to float noise next to the step.
     from safetensors.torch import load_file
 
-    hf = {n: load_file(str(tmp_path / n / "checkpoints" / "global_step_2" / "hf" / "model.safetensors"))
+    hf = {n: load_file(str(base / n / "checkpoints" / "global_step_2" / "hf" / "model.safetensors"))
           for n in ("fsdp2", "megatron")}
-    first = load_file(str(tmp_path / "megatron" / "checkpoints" / "global_step_1" / "hf"
-                          / "model.safetensors"))
+    first = load_file(str(base / "megatron" / "checkpoints" / "global_step_1" / "hf" / "model.safetensors"))
     assert sorted(hf["fsdp2"]) == sorted(hf["megatron"])
     norm = lambda a, b: sum(float((a[k] - b[k]).norm() ** 2) for k in a) ** 0.5  # noqa: E731
     assert norm(hf["megatron"], hf["fsdp2"]) < 1e-3 * norm(hf["megatron"], first)
     # spmdrl.export reads the Megatron checkpoint offline (the engine's own reader): the live export's
     # weights.
-    done = subprocess.run([sys.executable, "-m", "spmdrl.export", "--checkpoint", str(tmp_path / "megatron"),
+    done = subprocess.run([sys.executable, "-m", "spmdrl.export", "--checkpoint", str(base / "megatron"),
                            "--out", str(tmp_path / "export")], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -72,15 +86,10 @@ def test_megatron_grpo_matches_fsdp2(tmp_path, spmdrl_cache):
         assert tensor.equal(hf["megatron"][name]), name
 
 
-def test_megatron_ppo_trains_the_critic(tmp_path, spmdrl_cache):
+def test_megatron_ppo_trains_the_critic(shared):
     """PPO (GAE) with the Megatron actor, reference and critic cut into 2 pipeline stages: the loop's
     critic values feed GAE, the critic's update reports finite metrics, and its checkpoint is written."""
-    out_dir = tmp_path / "ppo"
-    train(["--config", "configs/ppo.yaml", *TINY, "--trainer.total_steps", str(STEPS), "--actor.strategy",
-           "megatron", "--parallel.pp", "2", "--actor.param_dtype", "float32", "--model.fused_kernels", "off",
-           "--trainer.save_freq", str(STEPS), "--trainer.output_dir", str(out_dir)], cache=spmdrl_cache,
-          nproc=2)
-    metrics = read_metrics(out_dir)
+    out_dir, metrics = shared.path("megatron/ppo"), shared.rows("megatron/ppo")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         for key in ("critic/vf_loss", "critic/vpred_mean", "critic/grad_norm", "critic/lr", "actor/pg_loss"):
@@ -90,22 +99,19 @@ def test_megatron_ppo_trains_the_critic(tmp_path, spmdrl_cache):
     assert (out_dir / "checkpoints" / f"global_step_{STEPS}" / "critic").is_dir()
 
 
-def test_megatron_on_split_placement(tmp_path, spmdrl_cache):
+def test_megatron_on_split_placement(tmp_path, spmdrl_cache, shared):
     """Megatron trains on split placement's training ranks: its model-parallel groups cover those ranks only
     (TP 2 over ranks 0-1, the rollout on rank 2). Without staleness the run equals the colocated Megatron
     TP 2 run on 2 ranks, the update's metrics bitwise (float32, one thread); a checkpoint holding the batch
     in flight resumes to the same last step."""
     split = ["--rollout.placement", "split", "--rollout.nnodes", "1", "--rollout.n_gpus_per_node", "1",
              "--rollout.max_staleness", "0"]
-    args = ["--config", "configs/grpo.yaml", *TINY, "--trainer.total_steps", "3", "--rollout.n", "4",
-            "--actor.strategy", "megatron", "--parallel.tp", "2", "--actor.param_dtype", "float32",
-            "--rollout.dtype", "float32"]
     saved = tmp_path / "split" / "checkpoints" / "global_step_2"
-    runs = {}
-    for name, nproc, extra in (("colocated", 2, []), ("split", 3, [*split, "--trainer.save_freq", "2"]),
-                               ("resumed", 3, [*split, "--trainer.resume", str(saved)])):
-        out = train([*args, *extra, "--trainer.output_dir", str(tmp_path / name)], cache=spmdrl_cache,
-                    nproc=nproc)
+    runs = {"colocated": shared.rows("megatron/split_colocated")}
+    for name, extra in (("split", [*split, "--trainer.save_freq", "2"]),
+                        ("resumed", [*split, "--trainer.resume", str(saved)])):
+        out = train([*SPLIT_ARGS, *extra, "--trainer.output_dir", str(tmp_path / name)], cache=spmdrl_cache,
+                    nproc=3)
         runs[name] = read_metrics(tmp_path / name)
     assert "[rank 2/3] rollout only" in out.stdout
     assert [m["step"] for m in runs["split"]] == [1, 2, 3] and [m["step"] for m in runs["resumed"]] == [3]

@@ -3,17 +3,23 @@
 Runs shared by the tests (each a few seconds of training):
 
     full       2 ranks, 4 steps, checkpoints at 2 and 4, val/loss at the end, HF export   (the reference)
-    stopped    the same, SIGTERM on rank 1 at step 1 -> checkpoint at step 2 and exit; then resumed to 4
+    stopped    the same, SIGTERM on rank 1 at step 1 -> checkpoint at step 2 and exit
+    resumed    a copy of ``stopped``'s folder, resumed to 4
     one        1 rank, the same 4 steps: the loss is a token mean over the global batch, so it agrees
+
+These, verl's SFT command line, the Megatron pair and the LoRA run are in the shared jobs
+(tests/e2e/shared_runs.py); a refused start and a held folder run as processes of their own.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
 import torch
 from conftest import read_metrics, train
+from shared_runs import declare, prepare
 
 pytestmark = pytest.mark.e2e
 
@@ -40,16 +46,52 @@ def params(out, step=4) -> dict[str, torch.Tensor]:
     return read_model_state(out / "checkpoints" / f"global_step_{step}")
 
 
+def declare_sft(name: str, *extra: str, nproc: int = 2, **kw) -> None:
+    declare(f"sft/{name}", [*RUN, "--trainer.output_dir", f"{{base}}/sft/{name}", *extra], nproc=nproc,
+            sft=True, **kw)
+
+
+declare_sft("full")
+declare_sft("stopped", env={"SPMDRL_FAULT_INJECT_STEP": "1", "SPMDRL_FAULT_INJECT_SIGNAL": "SIGTERM"})
+declare_sft("resumed", copy=("{base}/sft/stopped", "{base}/sft/resumed"))
+declare_sft("one", "--trainer.save_freq", "-1", nproc=1)
+SHORT = ["--trainer.total_steps", "2", "--trainer.save_freq", "-1", "--data.val_files", "null"]
+declare_sft("fsdp2", *SHORT)
+if importlib.util.find_spec("megatron") is not None:  # the test skips without it
+    declare_sft("megatron", *SHORT, "--actor.strategy", "megatron", "--parallel.tp", "2", late=True)
+declare_sft("lora", "--trainer.total_steps", "2", "--trainer.save_freq", "2", "--data.val_files", "null",
+            "--model.lora_rank", "8", "--actor.lr", "1e-2", nproc=1)
+
+
+@prepare
+def _verl_data(base) -> None:
+    from spmdrl.builtin.models import build_model
+    from spmdrl.builtin.tasks import generate_arith_sft, write_parquet
+
+    rows = [{"extra_info": {"question": r["prompt"], "answer": r["response"]}}
+            for r in generate_arith_sft("train", 32, 0)]
+    (base / "sft").mkdir(exist_ok=True)
+    write_parquet(rows, base / "sft" / "verl_train.parquet")
+    build_model(base / "sft" / "tiny", "tiny", seed=0)
+
+
+declare("sft/verl", [
+    "data.train_files={base}/sft/verl_train.parquet", "data.val_files={base}/sft/verl_train.parquet",
+    "data.prompt_key=extra_info", "data.response_key=extra_info", "+data.prompt_dict_keys=['question']",
+    "+data.response_dict_keys=['answer']", "data.micro_batch_size_per_gpu=2", "data.train_batch_size=8",
+    "data.max_length=64", "model.partial_pretrain={base}/sft/tiny", "optim.lr=1e-3",
+    "trainer.total_training_steps=2", "trainer.default_local_dir={base}/sft/verl", "trainer.logger=console",
+    "trainer.project_name=p", "trainer.experiment_name=e", "ulysses_sequence_parallel_size=1",
+    "use_remove_padding=true", "trainer.n_gpus_per_node=2"], sft=True)
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, spmdrl_cache):
-    base = tmp_path_factory.mktemp("sft")
-    out = {name: base / name for name in ("full", "stopped", "one")}
-    procs = {"full": sft(out["full"], spmdrl_cache),
-             "stopped": sft(out["stopped"], spmdrl_cache,
-                            env={"SPMDRL_FAULT_INJECT_STEP": "1", "SPMDRL_FAULT_INJECT_SIGNAL": "SIGTERM"})}
-    procs["stopped_steps"] = [row["step"] for row in read_metrics(out["stopped"])]
-    procs["resumed"] = sft(out["stopped"], spmdrl_cache)
-    procs["one"] = sft(out["one"], spmdrl_cache, "--trainer.save_freq", "-1", nproc=1)
+def runs(shared):
+    out = {name: shared.path(f"sft/{name}") for name in ("full", "stopped", "resumed", "one")}
+    for name in out:
+        shared.ran(f"sft/{name}")
+    procs = {"stopped_steps": [row["step"] for row in read_metrics(out["stopped"])],
+             "resumed_stdout": shared.stdout("sft/resumed")}
     return {**out, "procs": procs}
 
 
@@ -72,9 +114,9 @@ def test_two_ranks_learn_validate_plot_and_export(runs):
 
 def test_resume_continues_exactly(runs):
     assert runs["procs"]["stopped_steps"] == [1, 2]
-    assert "resumed from" in runs["procs"]["resumed"].stdout
-    assert steady(runs["stopped"]) == steady(runs["full"])
-    a, b = params(runs["full"]), params(runs["stopped"])
+    assert "resumed from" in runs["procs"]["resumed_stdout"]
+    assert steady(runs["resumed"]) == steady(runs["full"])
+    a, b = params(runs["full"]), params(runs["resumed"])
     assert sorted(a) == sorted(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -102,32 +144,13 @@ def test_bad_sft_data_stops_before_work_with_one_sentence(tmp_path, spmdrl_cache
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
-def test_verl_sft_command_line_runs_with_only_the_module_renamed(tmp_path, spmdrl_cache, tiny_model_dir):
-    from spmdrl.builtin.tasks import generate_arith_sft, write_parquet
-
-    rows = [{"extra_info": {"question": r["prompt"], "answer": r["response"]}}
-            for r in generate_arith_sft("train", 32, 0)]
-    data = write_parquet(rows, tmp_path / "train.parquet")
-    words = [f"data.train_files={data}", f"data.val_files={data}", "data.prompt_key=extra_info",
-             "data.response_key=extra_info", "+data.prompt_dict_keys=['question']",
-             "+data.response_dict_keys=['answer']", "data.micro_batch_size_per_gpu=2",
-             "data.train_batch_size=8",
-             "data.max_length=64", f"model.partial_pretrain={tiny_model_dir}", "optim.lr=1e-3",
-             "trainer.total_training_steps=2", f"trainer.default_local_dir={tmp_path / 'out'}",
-             "trainer.logger=console", "trainer.project_name=p", "trainer.experiment_name=e",
-             "ulysses_sequence_parallel_size=1", "use_remove_padding=true", "trainer.n_gpus_per_node=2"]
-    train(words, cache=spmdrl_cache, nproc=2, module="spmdrl.sft")
-    rows = read_metrics(tmp_path / "out")
+def test_verl_sft_command_line_runs_with_only_the_module_renamed(shared):
+    rows = shared.rows("sft/verl")
     assert [r["step"] for r in rows] == [1, 2] and "val/loss" in rows[-1]
-    assert (tmp_path / "out" / "hf" / "model.safetensors").exists()
-
-
-def test_megatron_takes_the_fsdp2_steps(tmp_path, spmdrl_cache):
+    assert shared.path("sft/verl/hf/model.safetensors").exists()
+def test_megatron_takes_the_fsdp2_steps(shared):
     pytest.importorskip("megatron.core")
-    extra = ["--trainer.total_steps", "2", "--trainer.save_freq", "-1", "--data.val_files", "null"]
-    sft(tmp_path / "fsdp2", spmdrl_cache, *extra)
-    sft(tmp_path / "megatron", spmdrl_cache, *extra, "--actor.strategy", "megatron", "--parallel.tp", "2")
-    fsdp2, megatron = read_metrics(tmp_path / "fsdp2"), read_metrics(tmp_path / "megatron")
+    fsdp2, megatron = shared.rows("sft/fsdp2"), shared.rows("sft/megatron")
     # The same initial weights and rows: the loss agrees to float32 rounding (1e-5) at step 1 and after one
     # AdamW step (1e-4); the gradient norm, summed in another order over other shards, to 3e-4.
     for step, tol in ((0, 1e-5), (1, 1e-4)):
@@ -156,16 +179,15 @@ def test_fresh_start_keeps_an_earlier_run_and_a_held_folder_is_refused(tmp_path,
     assert [r["step"] for r in read_metrics(out)] == [1] and (out / "hf" / "model.safetensors").exists()
 
 
-def test_lora_sft_trains_adapters_and_exports_merged_weights(tmp_path, spmdrl_cache, monkeypatch):
+def test_lora_sft_trains_adapters_and_exports_merged_weights(shared, spmdrl_cache, monkeypatch):
     import json
 
     from safetensors.torch import load_file
 
     from spmdrl.builtin.models import resolve_builtin_model
 
-    out = tmp_path / "lora"
-    sft(out, spmdrl_cache, "--trainer.total_steps", "2", "--trainer.save_freq", "2", "--data.val_files",
-        "null", "--model.lora_rank", "8", "--actor.lr", "1e-2", nproc=1)
+    out = shared.path("sft/lora")
+    shared.ran("sft/lora")
     shapes = json.loads((out / "checkpoints" / "global_step_2" / "manifest.json").read_text())["model_shapes"]
     assert all(".lora_A." in n or ".lora_B." in n for n in shapes["actor"])
     monkeypatch.setenv("SPMDRL_CACHE", spmdrl_cache)

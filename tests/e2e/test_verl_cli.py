@@ -4,7 +4,8 @@ sizes, for 2 steps on 2 ranks.
 The GRPO run serves three checks: its resolved config equals the spmdrl YAML of the same run written by
 hand; tensorboard's event file and wandb's offline run folder hold each step's metrics. The PPO quickstart
 (docs/start/quickstart.rst: a critic, several mini-batches, verl's defaults for everything else, so no
-rollout log-probs) takes its steps with its critic.
+rollout log-probs) takes its steps with its critic. The runs are in the shared 2-rank job
+(tests/e2e/shared_runs.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import read_metrics, train
+from shared_runs import declare, prepare
 from verl_recipes import ONE_STEP_OFF_POLICY, gsm8k_parquet
 
 pytestmark = pytest.mark.e2e
@@ -154,27 +155,38 @@ PPO_QUICKSTART = """
 """
 
 
-@pytest.fixture(scope="module")
-def gsm8k(tmp_path_factory) -> Path:
-    """verl's GSM8K parquet layout, made by spmdrl.builtin.gsm8k from GSM8K-style JSONL rows."""
-    return gsm8k_parquet(tmp_path_factory.mktemp("gsm8k"))
+@prepare
+def _inputs(base: Path) -> None:
+    """verl's GSM8K parquet layout, made by spmdrl.builtin.gsm8k from GSM8K-style JSONL rows, and the tiny
+    model's folder."""
+    from spmdrl.builtin.models import build_model
+
+    (base / "verl").mkdir()
+    gsm8k_parquet(base / "verl")
+    build_model(base / "verl" / "tiny", "tiny", seed=0)
+
+
+PATHS = dict(data="{base}/verl/data", model="{base}/verl/tiny")
+declare("verl/grpo", [*shlex.split(VERL_COMMAND.format(**PATHS, out="{base}/verl/grpo")),
+                      "--trainer.progress_bar", "false"], env={"WANDB_MODE": "offline"})
+declare("verl/ppo", [*shlex.split(PPO_QUICKSTART.format(**PATHS, out="{base}/verl/ppo")),
+                     "--trainer.progress_bar", "false"])
+declare("verl/one_step_off", [*shlex.split(ONE_STEP_OFF_POLICY.format(**PATHS, out="{base}/verl/one_step_off",
+                                                                      engine="")),
+                              "--trainer.progress_bar", "false"])
 
 
 @pytest.fixture(scope="module")
-def verl_run(tmp_path_factory, tiny_model_dir, spmdrl_cache, gsm8k) -> dict:
-    paths = dict(data=gsm8k, model=tiny_model_dir, out=tmp_path_factory.mktemp("verl_cli") / "out")
-    argv = shlex.split(VERL_COMMAND.format(**paths)) + ["--trainer.progress_bar", "false"]
-    proc = train(argv, cache=spmdrl_cache, nproc=2, env={"WANDB_MODE": "offline"})
-    return dict(paths, proc=proc, rows=read_metrics(paths["out"]))
+def verl_run(shared) -> dict:
+    paths = {k: shared.path(v.replace("{base}/", "")) for k, v in PATHS.items()}
+    return dict(paths, out=shared.path("verl/grpo"), stderr=shared.stderr("verl/grpo"),
+                rows=shared.rows("verl/grpo"))
 
 
-def test_ppo_quickstart_takes_its_steps(tmp_path, tiny_model_dir, spmdrl_cache, gsm8k):
+def test_ppo_quickstart_takes_its_steps(shared):
     """verl's first command: PPO with a critic, several mini-batches and verl's defaults (no rollout
     log-probs, so the old log-probs come from the actor alone)."""
-    out = tmp_path / "out"
-    argv = shlex.split(PPO_QUICKSTART.format(data=gsm8k, model=tiny_model_dir, out=out))
-    train(argv + ["--trainer.progress_bar", "false"], cache=spmdrl_cache, nproc=2)
-    rows = read_metrics(out)
+    out, rows = shared.path("verl/ppo"), shared.rows("verl/ppo")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert {"critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "actor/ppo_kl"} <= set(r)
@@ -198,7 +210,7 @@ def test_resolved_config_equals_the_hand_written_spmdrl_config(verl_run, tmp_pat
     resolved = yaml.safe_load((verl_run["out"] / "config.yaml").read_text())
     assert resolved == yaml.safe_load(yaml.safe_dump(expected, sort_keys=False))
     assert [r["step"] for r in verl_run["rows"]] == [0, 1, 2]  # validation before training, then 2 steps
-    info = [line for line in verl_run["proc"].stderr.splitlines()
+    info = [line for line in verl_run["stderr"].splitlines()
             if "verl keys accepted with no effect" in line]
     assert info == []  # every key of this command line has an effect (optimizer_offload: trainer.offload)
 
@@ -266,13 +278,13 @@ def test_wandb_offline_run_holds_each_steps_metrics(verl_run):
     assert config["actor"]["lr"] == 1e-6 and config["algorithm"]["adv_estimator"] == "grpo"
 
 
-def test_one_step_off_policy_recipe_runs_split(tmp_path, tiny_model_dir, spmdrl_cache, gsm8k, monkeypatch,
-                                               capsys):
+def test_one_step_off_policy_recipe_runs_split(tmp_path, shared, monkeypatch, capsys):
     """verl's recipe as written (rollout.name=vllm) where vLLM is not installed: refused by name before any
     work (tests/vllm_engine/test_vllm_loop.py runs vLLM split where it is); with the native engine it runs."""
     from spmdrl.train import main
 
-    paths = dict(data=gsm8k, model=tiny_model_dir, out=tmp_path / "out")
+    paths = {k: shared.path(v.replace("{base}/", "")) for k, v in PATHS.items()}
+    paths["out"] = tmp_path / "out"
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as stopped:  # refused before any process group or model
         main(shlex.split(ONE_STEP_OFF_POLICY.format(**paths, engine="actor_rollout_ref.rollout.name=vllm")))
@@ -281,15 +293,13 @@ def test_one_step_off_policy_recipe_runs_split(tmp_path, tiny_model_dir, spmdrl_
     assert not paths["out"].exists()
     monkeypatch.delenv("WORLD_SIZE")
 
-    argv = shlex.split(ONE_STEP_OFF_POLICY.format(**paths, engine="")) + ["--trainer.progress_bar", "false"]
-    proc = train(argv, cache=spmdrl_cache, nproc=2)
-    assert "verl keys accepted with no effect here: actor_rollout_ref.rollout.load_format" in proc.stderr
-    rows = read_metrics(paths["out"])
+    err, rows = shared.stderr("verl/one_step_off"), shared.rows("verl/one_step_off")
+    assert "verl keys accepted with no effect here: actor_rollout_ref.rollout.load_format" in err
     assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then 2 steps
     assert [r["async/staleness"] for r in rows[1:]] == [0.0, 1.0]
     # verl's default leaves the rollout's log-probs out: the actor's own are the old ones, as in its recipe.
     assert not [k for k in rows[2] if k.startswith("training/rollout_")]
     assert any(k.startswith("val-core/openai/gsm8k/") for k in rows[0]) and any(
         k.startswith("val-core/openai/gsm8k/") for k in rows[2])
-    resolved = yaml.safe_load((paths["out"] / "config.yaml").read_text())
+    resolved = yaml.safe_load(shared.path("verl/one_step_off/config.yaml").read_text())
     assert resolved["rollout"]["placement"] == "split" and resolved["rollout"]["calculate_log_probs"] is False
