@@ -25,6 +25,9 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path, split: bool = F
             "false", "--trainer.resume", "off",
             # float32 on both sides whatever auto picks on this CPU (the tolerance below is a float32 one)
             "--rollout.dtype", "float32", "--actor.param_dtype", "float32",
+            # eager RMSNorm/SwiGLU: the compiled ones cost ~3 s a rank to trace and load, and are no part of
+            # what this checks (tests/unit/test_fused.py holds them to eager)
+            "--model.fused_kernels", "off",
             # each phase's own RSS peak, to hold the plan against; the longest arith prompt
             "--trainer.exact_memory", "true", "--data.max_prompt_length", "27"]
     if split:  # one rollout TP group (tp ranks) and one training rank

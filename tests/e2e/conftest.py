@@ -14,10 +14,14 @@ from torchrun import child_env, run_in_repo, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Small sizes that keep one step to about a second on 2 CPU cores.
+# Small sizes that keep one step to about a second on 2 CPU cores. Eager RMSNorm/SwiGLU: the compiled ones
+# cost a run ~3 s of tracing and loading (even from inductor's cache) for nothing these runs check; they are
+# checked against eager in tests/unit/test_fused.py and run in the default-config runs (the main job in
+# test_learning.py and test_isa_hidden.py, the combination matrix).
 TINY = [
     "--data.train_batch_size", "4", "--actor.ppo_mini_batch_size", "4", "--critic.ppo_mini_batch_size", "4",
-    "--data.max_response_length", "8", "--trainer.progress_bar", "false", "--trainer.resume", "off",
+    "--data.max_response_length", "8", "--model.fused_kernels", "off", "--trainer.progress_bar", "false",
+    "--trainer.resume", "off",
 ]
 
 

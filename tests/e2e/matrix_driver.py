@@ -3,17 +3,25 @@ and the shared runs' (tests/e2e/shared_runs.py).
 
     torchrun --standalone --nproc-per-node 2 tests/e2e/matrix_driver.py CASES.json RESULTS.json
 
-CASES.json is a list of ``{"name": ..., "argv": [...]}``, each optionally with ``"env"`` (variables set for
-that case only: the fault-injection hook's, say) and ``"logs"`` (a folder: the case's stdout and stderr go to
-``NAME.rankR.stdout`` / ``.stderr`` there, file descriptors included, as if it ran alone) or ``"stale"`` (a
-results file: the case is ``stale_driver.py``'s scripted stale run instead, on a job of one rank). Each case
-goes through what ``python -m spmdrl.train`` does (``parse_config``, ``validate_config``, the output lock,
-``ParallelDims``, then ``loop.run``, or ``split.run_split`` under ``rollout.placement split``) on the same
-process group, so the ranks start once for all of them instead of once per run (~10 s each on 2 cores); each
-case builds its own meshes and, under split placement, its own process groups. A case whose config is refused
-(ConfigError before any model is built) records the sentence and the next one runs. Any other error ends the
-job at once, after rank 0 wrote what ran so far and the error: the ranks may disagree about where they are, so
-nothing after it can be trusted.
+CASES.json is a list of ``{"name": ..., "argv": [...]}``. Each case goes through what ``python -m
+spmdrl.train`` does (``parse_config``, ``validate_config``, the output lock, ``ParallelDims``, then
+``loop.run``, or ``split.run_split`` under ``rollout.placement split``) on the same process group, so the
+ranks start once for all of them instead of once per run (~10 s each on 2 cores); each case builds its own
+meshes and, under split placement, its own process groups. A case whose config is refused (ConfigError
+before any model is built) records the sentence and the next one runs. Any other error ends the job at once,
+after rank 0 wrote what ran so far and the error: the ranks may disagree about where they are, so nothing
+after it can be trusted.
+
+A case may also hold (the shared runs' do, tests/e2e/shared_runs.py):
+- ``"env"``: variables set for that case only (the fault-injection hook's, say);
+- ``"logs"``: a folder; the case's stdout and stderr go to ``NAME.rankR.stdout`` / ``.stderr`` there, file
+  descriptors included, as if it ran alone;
+- ``"fresh": true``: dynamo's compiled kernels dropped first, as in a new process;
+- ``"copy": [SRC, DST]``: rank 0 copies an earlier case's folder first (a resume that must leave what the
+  stopped run left as it was);
+- ``"sft": true``: the case is ``spmdrl.sft``'s (its config, checks and loop);
+- ``"stale": RESULTS``: the case is ``stale_driver.py``'s scripted stale run instead (a job of one rank).
+
 ``rollout.engine: scripted`` is the deterministic tool-calling policy of ``scripted_policy.py``;
 ``rollout.engine: colocated_only`` is the same policy as an engine that does not declare ``runs_split``
 (every shipped engine does), for the refusal a new backend meets under split placement.
@@ -193,9 +201,11 @@ def main(cases_file: str, results_file: str) -> int:
         try:
             if "copy" in case:
                 copy_folder(*case["copy"])
-            # Compiled kernels from an earlier case would be reused with dynamic shapes, which round
-            # differently from the static ones a fresh process compiles: each case compiles afresh.
-            torch._dynamo.reset()
+            if case.get("fresh"):
+                # Kernels compiled for an earlier case (another dtype or shape) can round differently
+                # from the ones a fresh process compiles: a run compared bitwise with a run in another
+                # job must compile its own.
+                torch._dynamo.reset()
             with case_env(case.get("env", {})), case_logs(case.get("logs"), case["name"]):
                 if "stale" in case:
                     results[case["name"]] = run_stale(case["stale"], case["argv"])

@@ -14,7 +14,8 @@ A test module declares its runs when it is imported, and its tests take the sess
 ``{base}`` in an argument is the session's folder of shared runs; ``@prepare`` functions write inputs (a
 parquet file) there first. Runs go through ``matrix_driver.py`` in declaration order, the jobs in rank-count
 order (a run may resume from a run of fewer or as many ranks declared before it), each run with its own
-environment variables on top of the job's (``env``) and its own stdout/stderr files, as if it ran alone.
+environment variables on top of the job's (``env``), its own stdout/stderr files and its own compiled
+kernels, as if it ran alone.
 What needs a process of its own stays out: a run killed or restarted by torchrun, a hang, a launcher flag.
 """
 
@@ -124,7 +125,7 @@ def run_all(base: Path, cache: str) -> SharedRuns:
     for k, ((nproc, job_env), declared) in enumerate(sorted(jobs.items(), key=lambda job: job[0][0])):
         cases = []
         for d in sorted(declared, key=lambda d: d.late):  # stable: declaration order otherwise
-            case = {"name": d.name.replace("/", "--"), "env": d.env, "logs": str(logs),
+            case = {"name": d.name.replace("/", "--"), "env": d.env, "logs": str(logs), "fresh": True,
                     "argv": [a.replace("{base}", str(base)) for a in d.argv]}
             if d.stale:
                 case["stale"] = str(logs / f"{case['name']}.json")
