@@ -23,8 +23,8 @@ def overlong_penalty(
     """0 up to ``max_response_length - buffer_len`` tokens, then linear down to ``-penalty_factor``
     at ``max_response_length``.
 
-    Returns float32 [B]. Lengths past the maximum (which generation should not
-    produce) stay at ``-penalty_factor``.
+    Returns float32 [B]. Lengths past ``max_response_length`` (possible when it is verl's ``max_resp_len``,
+    set below the generation limit) go on down the same line, as verl's DAPO reward manager has them.
     """
     if not 0 < buffer_len <= max_response_length:
         raise ValueError(
@@ -33,7 +33,7 @@ def overlong_penalty(
         )
     expected = max_response_length - buffer_len
     exceed = response_lengths.to(torch.float32) - expected  # [B]
-    return (-exceed / buffer_len * penalty_factor).clamp(min=-penalty_factor, max=0.0)
+    return (-exceed / buffer_len * penalty_factor).clamp(max=0.0)
 
 
 def filter_groups(scores: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:

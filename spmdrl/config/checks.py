@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 from spmdrl.checkpoint.run_folder import RUN_FILES
 from spmdrl.config.sections import Config, output_dir
@@ -39,6 +39,7 @@ def validate_config(cfg: Config, world_size: int) -> None:
     dims = _check_sizes(cfg, world_size)
     _check_builtin_names(cfg)
     _check_model_folders(cfg)
+    _check_lora_ranks(cfg)
     _check_backends(cfg)
     _check_inputs(cfg, dims)
     _check_data(cfg)
@@ -180,9 +181,10 @@ def _check_kl_and_dapo(cfg: Config) -> None:
            f"algorithm.filter_groups.enable is true with rollout.n {r.n}: a group of one response always "
            f"has equal rewards and would be dropped; filter_groups needs rollout.n >= 2")
     if ob.enable:
-        _check(0 < ob.len <= d.max_response_length,
-               f"reward.overlong_buffer.len is {ob.len}; it must be in (0, data.max_response_length="
-               f"{d.max_response_length}]")
+        limit, name = ((ob.max_resp_len, "reward.overlong_buffer.max_resp_len") if ob.max_resp_len is not None
+                       else (d.max_response_length, "data.max_response_length"))
+        _check(0 < ob.len <= limit,
+               f"reward.overlong_buffer.len is {ob.len}; it must be in (0, {name}={limit}]")
         _check(ob.penalty_factor >= 0,
                f"reward.overlong_buffer.penalty_factor is {ob.penalty_factor}; it must be >= 0")
 
@@ -398,6 +400,32 @@ def _check_model_folders(cfg: Config) -> None:
         _check(limit is None or limit >= longest,
                f"model.path {cfg.model.path!r} has max_position_embeddings {limit}, fewer than "
                f"data.max_prompt_length + data.max_response_length = {longest} positions a sequence may take")
+
+
+def _check_lora_ranks(cfg: Config) -> None:
+    """A LoRA rank no larger than the narrowest side of a layer it adapts: a wider one adds parameters
+    that cannot add rank (B @ A is at most that wide) and only slows the update."""
+    from spmdrl.config.shape import ModelShape
+
+    m, c = cfg.model, cfg.critic
+    for key, rank, path, targets, exclude in (
+            ("model", m.lora_rank, m.path, m.target_modules, m.exclude_modules),
+            ("critic", c.lora_rank, c.model_path or m.path, c.target_modules, None)):
+        if rank == 0 or (key == "model" and cfg.model.lora_adapter_path is not None):
+            continue
+        dims = ModelShape.of(path).linear_dims()
+        names = [n for n in dims if targets == "all-linear" or n in _names(targets)]
+        names = [n for n in names if n not in _names(exclude)]
+        if not names:
+            continue  # adapters on layers this check does not know (peft checks those)
+        side, name = min((min(dims[n]), n) for n in names)
+        _check(rank <= side, f"{key}.lora_rank is {rank}, but {name} of {path!r} is {dims[name][0]} x "
+                              f"{dims[name][1]}: a LoRA rank can be at most the narrowest side ({side}) of a "
+                              f"layer it adapts")
+
+
+def _names(spec: Union[str, list[str], None]) -> list[str]:
+    return [] if spec is None else [spec] if isinstance(spec, str) else list(spec)
 
 
 def _check_backends(cfg: Config) -> None:

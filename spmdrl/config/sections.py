@@ -443,6 +443,9 @@ class OverlongBufferConfig:
     """Buffer length in tokens."""
     penalty_factor: float = 1.0
     """Penalty at max_response_length."""
+    max_resp_len: Optional[int] = None
+    """The length the penalty counts to (verl's DAPO reward manager's ``max_resp_len``); null:
+    data.max_response_length. A smaller one penalizes past it too, on down the same line."""
 
 
 @dataclass

@@ -75,6 +75,13 @@ class ModelShape:
         """The decoder without an LM head (a critic's or reward model's trunk; their head is H + 1)."""
         return self.layers * self.layer_params + self.vocab * self.hidden + self.hidden
 
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """Each decoder layer's linear layers by their Hugging Face name: (in_features, out_features)."""
+        H, q, kv, inter = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, \
+            self.intermediate
+        return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
+                "gate_proj": (H, inter), "up_proj": (H, inter), "down_proj": (inter, H)}
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token."""
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes

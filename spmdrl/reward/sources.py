@@ -252,7 +252,8 @@ class ToolReward:
 
 
 class OverlongPenalty:
-    """DAPO's soft penalty for responses that run into ``data.max_response_length``."""
+    """DAPO's soft penalty for responses that run into ``data.max_response_length`` (or
+    ``reward.overlong_buffer.max_resp_len``)."""
 
     name, collective, weight = "overlong", False, 1.0
 
@@ -265,8 +266,12 @@ class OverlongPenalty:
         # tool output too (the attended response tokens, as verl's DAPO reward counts them).
         R = batch["response_mask"].shape[1]
         lengths = batch["attention_mask"][:, -R:].sum(-1)  # [N]
-        return SourceScores(overlong_penalty(lengths, max_response_length=self.max_response_length,
-                                             buffer_len=self.buffer_len, penalty_factor=self.penalty_factor))
+        penalty = overlong_penalty(lengths, max_response_length=self.max_response_length,
+                                   buffer_len=self.buffer_len, penalty_factor=self.penalty_factor)  # [N]
+        # verl's dapo manager logs the same two per response (overlong_reward, overlong) with its log flag.
+        metrics = {"reward/overlong/mean": float(penalty.mean()),
+                   "reward/overlong/ratio": float((penalty < 0).float().mean())} if len(penalty) else {}
+        return SourceScores(penalty, metrics)
 
 
 def build_rewards(cfg: "Config", dims: "ParallelDims", device: torch.device, tokenizer: Any,
@@ -302,7 +307,8 @@ def _sources(cfg: "Config", dims: "ParallelDims", device: torch.device, role: Ra
         sources.append(ToolReward())
     ob = cfg.reward.overlong_buffer
     if ob.enable:
-        sources.append(OverlongPenalty(max_response_length=cfg.data.max_response_length, buffer_len=ob.len,
+        limit = ob.max_resp_len if ob.max_resp_len is not None else cfg.data.max_response_length
+        sources.append(OverlongPenalty(max_response_length=limit, buffer_len=ob.len,
                                        penalty_factor=ob.penalty_factor))
     return sources
 

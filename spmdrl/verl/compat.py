@@ -402,7 +402,8 @@ TABLE: list[Rule] = [
            "with the reward model's chat template (what verl does when it is set)"),
     m("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size_per_gpu"),
     m("reward_model.max_length", "reward_model.max_length"),
-    only("reward_model.reward_manager", ("naive",), "rule scores come from reward.function"),
+    only("reward_model.reward_manager", ("naive", "dapo"),
+         "rule scores come from reward.function; dapo's overlong buffer is reward.overlong_buffer"),
     Rule("reward_model.strategy", "", _same_strategy("reward_model.strategy", "reward_model.enable"),
          "must name actor.strategy when reward_model.enable (megatron has no reward model)"),
     m("reward_model.model.use_remove_padding", "reward_model.model.use_remove_padding"),
@@ -417,8 +418,13 @@ TABLE: list[Rule] = [
     ignore("reward_model.enable_resource_pool", PLACEMENT),
     ignore("reward_model.n_gpus_per_node", PLACEMENT),
     ignore("reward_model.nnodes", PLACEMENT),
-    *[m(f"reward_model.overlong_buffer.{k}", f"reward.overlong_buffer.{k}")
+    # the dapo manager's buffer, in verl's older form and in its reward_kwargs form (the recipes' today)
+    *[m(f"reward_model.{prefix}.{k}", f"reward.overlong_buffer.{k}")
+      for prefix in ("overlong_buffer", "reward_kwargs.overlong_buffer_cfg")
       for k in ("enable", "len", "penalty_factor")],
+    ignore("reward_model.reward_kwargs.overlong_buffer_cfg.log",
+           "the penalty is logged as reward/overlong/mean and /ratio whenever it is on"),
+    m("reward_model.reward_kwargs.max_resp_len", "reward.overlong_buffer.max_resp_len"),
     Rule("custom_reward_function.path", "reward.function", _custom_reward,
          "with custom_reward_function.name: path.py:name"),
     Rule("custom_reward_function.name", "reward.function", lambda v, ctx: {},
@@ -530,14 +536,9 @@ def translate(verl: dict[str, Any], world_size: int, *, table: Optional[list[Rul
                   if t not in verl and s in verl and rule_for(t, table).spmdrl not in given}
         verl = {**linked, **verl}
     ctx = Ctx(world_size, verl, frozenset(given))
-    unknown = [k for k in verl if rule_for(k, table) is None and not _is_empty(verl[k])]
-    if unknown:
-        key = unknown[0]
-        if key in spmdrl_keys(config_cls):
-            raise ConfigError(f"{key}={verl[key]!r} is a spmdrl key, not a verl key; write it as --{key} "
-                              f"{verl[key]!r} (key=value words are verl's keys, see docs/verl.md)")
-        raise ConfigError(f"verl key {key}={verl[key]!r} has no spmdrl equivalent yet; remove it "
-                          f"(docs/verl.md lists every verl key spmdrl maps)")
+    # Every key that cannot run is named at once: a recipe with several should not take a run per key.
+    problems = [_unknown(k, verl[k], config_cls) for k in verl
+                if rule_for(k, table) is None and not _is_empty(verl[k])]
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
     why: dict[str, list[str]] = {"null or empty, so they set nothing":
@@ -548,11 +549,30 @@ def translate(verl: dict[str, Any], world_size: int, *, table: Optional[list[Rul
             if rule.ignored:
                 why.setdefault(rule.note, []).append(key)
                 continue
-            for target, value in rule.convert(verl[key], ctx).items():
+            try:
+                converted = rule.convert(verl[key], ctx)
+            except ConfigError as err:
+                problems.append(str(err))
+                continue
+            for target, value in converted.items():
                 out[target] = value
                 origin[target] = key
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} verl keys cannot run here: "
+                          + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
     notes = [f"{', '.join(keys)} ({reason})" for reason, keys in why.items() if keys]
     return out, origin, notes
+
+
+def _unknown(key: str, value: Any, config_cls: Optional[type]) -> str:
+    """Why a key with no rule stops the run."""
+    if key in spmdrl_keys(config_cls):
+        return (f"{key}={value!r} is a spmdrl key, not a verl key; write it as --{key} {value!r} (key=value "
+                f"words are verl's keys, see docs/verl.md)")
+    return f"verl key {key}={value!r} has no spmdrl equivalent yet; remove it (docs/verl.md lists every " \
+           f"verl key spmdrl maps)"
 
 
 def check_world_size(verl: dict[str, Any], world_size: int) -> None:

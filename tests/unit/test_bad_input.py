@@ -93,6 +93,13 @@ VALUES = [
     (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:large-rm"],
      "reward_model.model.path: unknown built-in model 'builtin:large-rm'"),
     (["--data.train_files", "[]"], "data.train_files is empty; give parquet files or builtin:<task>"),
+    # a LoRA rank wider than a layer it adapts (tiny: k_proj and v_proj are 256 x 128)
+    (["--model.lora_rank", "129"], "model.lora_rank is 129, but k_proj of 'builtin:tiny-arith' is 256 x 128: "
+                                   "a LoRA rank can be at most the narrowest side (128)"),
+    (["--model.lora_rank", "300", "--model.target_modules", "[q_proj, o_proj, up_proj]"],
+     "model.lora_rank is 300, but o_proj of 'builtin:tiny-arith' is 256 x 256: a LoRA rank can be at most "
+     "the narrowest side (256)"),
+    (["--algorithm.adv_estimator", "gae", "--critic.lora_rank", "4096"], "critic.lora_rank is 4096"),
 ]
 
 

@@ -10,11 +10,12 @@ T = torch.tensor
 
 def test_overlong_penalty_is_linear_over_the_buffer():
     lengths = T([3, 6, 7, 8, 10, 12])
-    # max 10, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at 10 (and no lower past it)
+    # max 10, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at 10, and on past it as verl's DAPO
+    # reward manager (a max_resp_len below the generation limit)
     out = overlong_penalty(lengths, max_response_length=10, buffer_len=4, penalty_factor=1.0)
-    torch.testing.assert_close(out, T([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    torch.testing.assert_close(out, T([0.0, 0.0, -0.25, -0.5, -1.0, -1.5]))
     out = overlong_penalty(lengths, max_response_length=10, buffer_len=4, penalty_factor=2.0)
-    torch.testing.assert_close(out, T([0.0, 0.0, -0.5, -1.0, -2.0, -2.0]))
+    torch.testing.assert_close(out, T([0.0, 0.0, -0.5, -1.0, -2.0, -3.0]))
 
 
 @pytest.mark.parametrize("buffer_len", [0, 11])

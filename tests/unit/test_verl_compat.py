@@ -252,6 +252,36 @@ def test_bad_verl_input_exits_2_with_one_sentence(argv, fragment, capsys):
     assert err.startswith("spmdrl.train: error: ") and err.count("\n") == 1
 
 
+def test_the_dapo_reward_manager_and_its_overlong_buffer_in_both_forms():
+    """verl's DAPO recipes: reward_manager=dapo with reward_kwargs.overlong_buffer_cfg and max_resp_len (the
+    one-step-off-policy DAPO script), or the older reward_model.overlong_buffer keys."""
+    cfg, _ = parse_config(["reward_model.reward_manager=dapo", "data.max_response_length=32",
+                           "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                           "+reward_model.reward_kwargs.overlong_buffer_cfg.len=8",
+                           "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+                           "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+                           "+reward_model.reward_kwargs.max_resp_len=24"])
+    ob = cfg.reward.overlong_buffer
+    assert (ob.enable, ob.len, ob.penalty_factor, ob.max_resp_len) == (True, 8, 0.5, 24)
+    cfg, _ = parse_config(["reward_model.reward_manager=dapo", "data.max_response_length=32",
+                           "reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=4"])
+    ob = cfg.reward.overlong_buffer
+    assert (ob.enable, ob.len, ob.max_resp_len) == (True, 4, None)
+
+
+def test_several_bad_keys_are_named_in_one_sentence(capsys):
+    """A recipe with several keys spmdrl cannot take learns of all of them from one run."""
+    code, err = run_main(["actor_rollout_ref.actor.use_fancy_thing=True", "trainer.total_steps=3",
+                          "actor_rollout_ref.rollout.mode=async", "reward_model.reward_manager=prime"],
+                         capsys)
+    assert code == 2 and err.startswith("spmdrl.train: error: 4 verl keys cannot run here: (1) verl key "
+                                        "actor_rollout_ref.actor.use_fancy_thing=True has no spmdrl"), err
+    assert err.count("\n") == 1
+    for fragment in ("(2) trainer.total_steps=3 is a spmdrl key", "rollout.mode='async' is not supported",
+                     "reward_model.reward_manager='prime'", "(4) "):
+        assert fragment in err, (fragment, err)
+
+
 def test_world_size_from_torchrun(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg, _ = parse_config(["trainer.n_gpus_per_node=2", "trainer.nnodes=1", "data.train_batch_size=4",
