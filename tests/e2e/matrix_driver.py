@@ -59,29 +59,37 @@ ROLLOUT_ENGINES["scripted"] = lambda: ScriptedRollout
 ROLLOUT_ENGINES["colocated_only"] = lambda: ColocatedOnlyRollout
 
 
-def run_case(argv: list[str]) -> dict:
-    """One case as ``spmdrl.train.main`` runs it: refused with its sentence, or trained."""
+def run_case(argv: list[str], sft: bool = False) -> dict:
+    """One case as ``spmdrl.train``'s main (``sft``: ``spmdrl.sft``'s) runs it: refused with its
+    sentence, or trained."""
+    from dataclasses import asdict
+
     import torch.distributed as dist
 
     from spmdrl.loop import run
     from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
     from spmdrl.plan import heap
+    from spmdrl.sft.config import check_sft_config, parse_sft_config
+    from spmdrl.sft.loop import run as run_sft
     from spmdrl.split import run_split
 
     start = time.perf_counter()
     try:
-        cfg, _ = parse_config(argv)
-        validate_config(cfg, int(os.environ["WORLD_SIZE"]))
+        cfg, _ = (parse_sft_config if sft else parse_config)(argv)
+        (check_sft_config if sft else validate_config)(cfg, int(os.environ["WORLD_SIZE"]))
     except ConfigError as err:
         return {"status": "refused", "message": str(err), "seconds": time.perf_counter() - start}
     lock = OutputLock.acquire(output_dir(cfg)) if os.environ["RANK"] == "0" else None
     try:
         device_type = resolve_device_type(cfg.trainer.device)
-        if device_type == "cpu":  # as spmdrl.train does
+        if device_type == "cpu":  # as the mains do
             heap.return_large_frees()
         _, world_size = init_distributed(device_type)
-        dims = ParallelDims.of(cfg, world_size, device_type=device_type).build()
-        (run_split if dims.split else run)(cfg, dims, None)  # None: build() makes the memory plan
+        if sft:
+            run_sft(cfg, ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build())
+        else:
+            dims = ParallelDims.of(cfg, world_size, device_type=device_type).build()
+            (run_split if dims.split else run)(cfg, dims, None)  # None: build() makes the memory plan
     finally:
         if lock is not None:
             lock.release()
@@ -128,37 +136,6 @@ def case_logs(folder: str | None, name: str) -> Iterator[None]:
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
-
-
-def run_sft(argv: list[str]) -> dict:
-    """One case as ``spmdrl.sft``'s main runs it: refused with its sentence, or trained."""
-    from dataclasses import asdict
-
-    import torch.distributed as dist
-
-    from spmdrl.parallel import ParallelDims, init_distributed, resolve_device_type
-    from spmdrl.plan import heap
-    from spmdrl.sft.config import check_sft_config, parse_sft_config
-    from spmdrl.sft.loop import run
-
-    start = time.perf_counter()
-    try:
-        cfg, _ = parse_sft_config(argv)
-        check_sft_config(cfg, int(os.environ["WORLD_SIZE"]))
-    except ConfigError as err:
-        return {"status": "refused", "message": str(err), "seconds": time.perf_counter() - start}
-    lock = OutputLock.acquire(output_dir(cfg)) if os.environ["RANK"] == "0" else None
-    try:
-        device_type = resolve_device_type(cfg.trainer.device)
-        if device_type == "cpu":
-            heap.return_large_frees()
-        _, world_size = init_distributed(device_type)
-        run(cfg, ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build())
-    finally:
-        if lock is not None:
-            lock.release()
-    dist.barrier()
-    return {"status": "ran", "seconds": time.perf_counter() - start}
 
 
 def copy_folder(src: str, dst: str) -> None:
@@ -209,10 +186,8 @@ def main(cases_file: str, results_file: str) -> int:
             with case_env(case.get("env", {})), case_logs(case.get("logs"), case["name"]):
                 if "stale" in case:
                     results[case["name"]] = run_stale(case["stale"], case["argv"])
-                elif case.get("sft"):
-                    results[case["name"]] = run_sft(case["argv"])
                 else:
-                    results[case["name"]] = run_case(case["argv"])
+                    results[case["name"]] = run_case(case["argv"], sft=case.get("sft", False))
         except BaseException as err:
             results[case["name"]] = {"status": "crashed", "message": f"{type(err).__name__}: {err}",
                                      "traceback": traceback.format_exc()[-3000:]}
