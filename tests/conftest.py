@@ -1,10 +1,13 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures and hooks."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+MULTIPROC = Path(__file__).parent / "multiproc"
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +41,13 @@ def _seeded_torch() -> None:
     import torch
 
     torch.manual_seed(0)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The multi-process tier's ranks (tests/multiproc/dist_utils.py) stay up across its tests and end with
+    it, not with the session, so that the tests after it have the memory back. (A hook here rather than in
+    a tests/multiproc/conftest.py, which would shadow tests/e2e's conftest module for ``from conftest``.)"""
+    leaving = nextitem is None or MULTIPROC not in Path(nextitem.path).parents
+    dist_utils = sys.modules.get("dist_utils")  # imported by the tier's modules
+    if MULTIPROC in Path(item.path).parents and leaving and dist_utils is not None:
+        dist_utils.close_all()

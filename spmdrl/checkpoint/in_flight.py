@@ -43,6 +43,13 @@ class InFlight:
         """The first held batch and its info, once (None when nothing is held)."""
         return self.queue.pop(0) if self.queue else None
 
+    def retarget(self, total_steps: int) -> None:
+        """The resumed run's ``trainer.total_steps`` in place of the checkpointed run's: a held batch past it
+        is never trained, the one at it is the last, and one after which the data ran out stays the last.
+        (A checkpoint written before batches said so counts none as the end of the data.)"""
+        self.queue = [(batch, {**info, "last": info["step"] >= total_steps or info.get("exhausted", False)})
+                      for batch, info in self.queue if info["step"] <= total_steps]
+
     @property
     def ends(self) -> bool:
         """Whether the run's last batch is held."""

@@ -87,6 +87,7 @@ def _training(r: TrainingRun, ex: Exchange, preemption: Preemption) -> None:
              "rng": RNGState(None, r.device, r.cfg.trainer.seed), "in_flight": held}
     ckpt = checkpoints(r, parts, group=r.dims.group("train_cpu"))
     resumed = training_role.restore(r, ex, ckpt)
+    held.retarget(r.total_steps)  # the batches in flight against this run's total_steps, which may differ
     # Rank 0 sets an earlier run's files aside before the rollout ranks start (they write generation dumps).
     sink = r.open_output(resumed)
     try:

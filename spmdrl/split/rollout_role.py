@@ -52,11 +52,13 @@ def run_rollout(r: RolloutRun, ex: Exchange, preemption: Preemption) -> None:
         batch, metrics = r.experience.step_batch(r.train_loader, step, r.tokenizer,
                                                  dump_to=r.out_dir / dump if dump else None)
         r.experience.warn_failures(step, r.rank)
-        last = step == r.total_steps or r.train_loader.exhausted
+        exhausted = r.train_loader.exhausted
+        last = step == r.total_steps or exhausted
         metrics.update(t.pop())
         metrics = _prefixed(reduce_metrics(metrics, r.group))
         metrics["async/weights_version"] = float(version)
-        info = {"step": step, "version": version, "last": last, "metrics": metrics,
+        # "exhausted": the data ran out, which a resume with another trainer.total_steps keeps as the end.
+        info = {"step": step, "version": version, "last": last, "exhausted": exhausted, "metrics": metrics,
                 "data": r.train_loader.state_dict(), "stop": preemption.signalled}
         with t.phase("send_batch"):  # under staleness 2+ in the background: the next batch starts at once
             ex.send_batch(batch, info, overlap=s >= 2)

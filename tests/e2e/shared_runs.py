@@ -41,7 +41,7 @@ class Declared:
     copy: tuple[str, str] | None = None  # (src, dst): a folder to copy before the run ("{base}" too)
     job_env: dict[str, str] = field(default_factory=dict)  # read at process start: a job of their own
     sft: bool = False  # spmdrl.sft's run, not spmdrl.train's
-    late: bool = False  # after the job's other runs (Megatron's process groups outlive its run)
+    late: bool = False  # after the job's other runs
 
 
 DECLARED: dict[str, Declared] = {}
@@ -57,7 +57,8 @@ def declare(name: str, argv: list[str], *, nproc: int = 2, env: dict[str, str] |
     resume in dst leaves what src's run left for its tests. ``job_env``: variables the process reads when it
     starts (the ISA caps of test_isa_hidden.py): the runs with the same ones share a job of their own.
     ``sft``: ``spmdrl.sft``'s arguments, not ``spmdrl.train``'s. ``late``: run after the job's other runs
-    (a Megatron run leaves Megatron's global process groups behind; the runs before it never see them)."""
+    (a Megatron run leaves Megatron's global process groups behind, which the runs before it never see; a
+    run that could hang ends the job with no other run still to come)."""
     if name in DECLARED:
         raise ValueError(f"shared run {name!r} is declared twice")
     if stale and nproc != 1:

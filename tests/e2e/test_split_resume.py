@@ -49,6 +49,22 @@ for _s in (1, 2):
             copy=(f"{_base}/stopped", f"{_base}/resumed"))
 
 
+# trainer.total_steps changed on resume (from full's step-2 checkpoint, into a folder of its own): fewer
+# steps under staleness 1 (its held batch 3 becomes the last), more under staleness 2 (its held batch 4 is
+# no longer the last), against an uninterrupted run of that many steps. A hang fails in a minute (and, late
+# in the job, takes no other run with it).
+declare("split_resume2/longer", [*ARGS, "--rollout.max_staleness", "2", "--trainer.total_steps", "6",
+                                 "--trainer.resume", "{base}/split_resume2/full/checkpoints/global_step_2",
+                                 "--trainer.hang_timeout_s", "60",
+                                 "--trainer.output_dir", "{base}/split_resume2/longer"])
+declare("split_resume2/full6", [*ARGS, "--rollout.max_staleness", "2", "--trainer.total_steps", "6",
+                                "--trainer.output_dir", "{base}/split_resume2/full6"])
+declare("split_resume1/shorter", [*ARGS, "--rollout.max_staleness", "1", "--trainer.total_steps", "3",
+                                  "--trainer.resume", "{base}/split_resume1/full/checkpoints/global_step_2",
+                                  "--trainer.hang_timeout_s", "60",
+                                  "--trainer.output_dir", "{base}/split_resume1/shorter"], late=True)
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["staleness1", "staleness2"])
 def runs(request: pytest.FixtureRequest, shared) -> dict:
     name = f"split_resume{request.param}"
@@ -89,3 +105,24 @@ def test_the_resumed_split_run_equals_the_uninterrupted_one(runs):
     assert sorted(a) == sorted(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_a_resume_with_fewer_steps_trains_its_held_batch_last_and_ends(shared):
+    """Staleness 1, 4 steps cut to 3 at the resume: batch 3, held with the step-2 checkpoint, is the last;
+    the rollout rank generates no batch 4 for nobody to receive."""
+    shared.ran("split_resume1/shorter")  # it ended (it used to hang in the end's barrier)
+    rows = metrics(shared.path("split_resume1/shorter"))
+    full = metrics(shared.path("split_resume1/full"))
+    assert [r["step"] for r in rows] == [3]
+    assert rows[0] == full[2]
+
+
+def test_a_resume_with_more_steps_takes_them_all(shared):
+    """Staleness 2, 4 steps raised to 6 at the resume: the held batch 4 is not the last any more, so the
+    rollout rank goes on to batches 5 and 6, each two updates behind, as in an uninterrupted 6-step run."""
+    shared.ran("split_resume2/longer")
+    rows = metrics(shared.path("split_resume2/longer"))
+    full6 = metrics(shared.path("split_resume2/full6"))
+    assert [r["step"] for r in rows] == [3, 4, 5, 6]
+    assert [r["async/staleness"] for r in rows] == [2.0] * 4
+    assert rows == full6[2:]
