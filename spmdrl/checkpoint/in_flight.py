@@ -66,6 +66,9 @@ class InFlight:
         (folder / "batch.json").write_text(json.dumps({"batches": saved}, default=str))
 
     def load_files(self, folder: Path) -> None:
+        if not (folder / "batch.json").is_file():  # a colocated run's checkpoint: nothing was in flight
+            self.queue = []
+            return
         saved = json.loads((folder / "batch.json").read_text())
         if "batches" not in saved:  # one batch or none, as checkpoints before the queue wrote it
             one = saved["batch"]

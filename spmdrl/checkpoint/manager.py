@@ -402,6 +402,13 @@ class CheckpointManager:
                           f"trainer.resume to a checkpoint")
 
     def _check_compatible(self, path: Path, manifest: dict, live: dict[str, dict[str, list[int]]]) -> None:
+        held = _batches_in_flight(path) if "in_flight" not in self.parts else []
+        if held:  # a colocated run would load the data position after them and never train them
+            raise ConfigError(
+                f"checkpoint {str(path)!r} was saved by a split placement run with the batches of steps "
+                f"{', '.join(map(str, held))} in flight, which a colocated run cannot train; resume it with "
+                f"rollout.placement split (its config.yaml), or from a checkpoint that holds none"
+            )
         if sorted(live) != sorted(manifest["roles"]):
             raise ConfigError(
                 f"checkpoint {str(path)!r} holds {', '.join(manifest['roles'])} but this run trains "
@@ -422,3 +429,13 @@ class CheckpointManager:
                         f"{saved.get(name)} there and {shapes.get(name)} in this run's model; resume "
                         f"with the model.path that saved it"
                     )
+
+
+def _batches_in_flight(path: Path) -> list[int]:
+    """The steps of the batches a split placement checkpoint holds in flight (none for a colocated one)."""
+    saved = path / "in_flight" / "batch.json"
+    if not saved.is_file():
+        return []
+    parts = json.loads(saved.read_text())
+    batches = parts.get("batches") or ([parts] if parts.get("batch") is not None else [])
+    return [int(b["info"]["step"]) for b in batches]

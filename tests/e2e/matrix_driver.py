@@ -8,7 +8,8 @@ spmdrl.train`` does (``parse_config``, ``validate_config``, the output lock, ``P
 ``loop.run``, or ``split.run_split`` under ``rollout.placement split``) on the same process group, so the
 ranks start once for all of them instead of once per run (~10 s each on 2 cores); each case builds its own
 meshes and, under split placement, its own process groups. A case whose config is refused (ConfigError
-before any model is built) records the sentence and the next one runs. Any other error ends the job at once,
+before any model is built, or, as spmdrl.train exits 2 for it, once files are read) records the sentence
+and the next one runs. Any other error ends the job at once,
 after rank 0 wrote what ran so far and the error: the ranks may disagree about where they are, so nothing
 after it can be trusted.
 
@@ -85,11 +86,16 @@ def run_case(argv: list[str], sft: bool = False) -> dict:
         if device_type == "cpu":  # as the mains do
             heap.return_large_frees()
         _, world_size = init_distributed(device_type)
-        if sft:
-            run_sft(cfg, ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build())
-        else:
-            dims = ParallelDims.of(cfg, world_size, device_type=device_type).build()
-            (run_split if dims.split else run)(cfg, dims, None)  # None: build() makes the memory plan
+        try:
+            if sft:
+                dims = ParallelDims(world_size, **asdict(cfg.parallel), device_type=device_type).build()
+                run_sft(cfg, dims)
+            else:
+                dims = ParallelDims.of(cfg, world_size, device_type=device_type).build()
+                (run_split if dims.split else run)(cfg, dims, None)  # None: build() makes the memory plan
+        except ConfigError as err:  # found by every rank at the same point once files are read: exit 2
+            dist.barrier()
+            return {"status": "refused", "message": str(err), "seconds": time.perf_counter() - start}
     finally:
         if lock is not None:
             lock.release()

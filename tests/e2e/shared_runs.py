@@ -89,6 +89,12 @@ class SharedRuns:
         assert got["status"] == "ran", f"shared run {name}: {got['status']}: {got.get('message', '')}\n" \
             f"{got.get('traceback', '')}"
 
+    def refused(self, name: str) -> str:
+        """The sentence a run was refused with (fails the calling test when it was not)."""
+        got = self.results.get(name, {"status": "not run", "message": "not declared"})
+        assert got["status"] == "refused", f"shared run {name}: {got['status']}, not refused: {got}"
+        return got["message"]
+
     def rows(self, name: str, out: str | None = None) -> list[dict]:
         """The run's metrics.jsonl rows (``out``: its output folder under base, when not ``name``)."""
         self.ran(name)

@@ -64,6 +64,18 @@ declare("split_resume1/shorter", [*ARGS, "--rollout.max_staleness", "1", "--trai
                                   "--trainer.hang_timeout_s", "60",
                                   "--trainer.output_dir", "{base}/split_resume1/shorter"], late=True)
 
+# Placement changed on resume: a split checkpoint with a batch in flight resumed colocated is refused (it
+# would skip that batch); a colocated checkpoint resumed split starts the rollout from its data position
+# and weights.
+COLOCATED = ARGS[:ARGS.index("--rollout.placement")]
+declare("split_resume1/as_colocated", [*COLOCATED, "--trainer.resume",
+                                       "{base}/split_resume1/full/checkpoints/global_step_2",
+                                       "--trainer.output_dir", "{base}/split_resume1/as_colocated"])
+declare("split_resume1/colocated", [*COLOCATED, "--trainer.output_dir", "{base}/split_resume1/colocated"])
+declare("split_resume1/from_colocated", [*ARGS, "--rollout.max_staleness", "1", "--trainer.resume",
+                                         "{base}/split_resume1/colocated/checkpoints/global_step_2",
+                                         "--trainer.output_dir", "{base}/split_resume1/from_colocated"])
+
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["staleness1", "staleness2"])
 def runs(request: pytest.FixtureRequest, shared) -> dict:
@@ -126,3 +138,17 @@ def test_a_resume_with_more_steps_takes_them_all(shared):
     assert [r["step"] for r in rows] == [3, 4, 5, 6]
     assert [r["async/staleness"] for r in rows] == [2.0] * 4
     assert rows == full6[2:]
+
+
+def test_a_split_checkpoint_with_a_batch_in_flight_resumed_colocated_is_refused(shared):
+    said = shared.refused("split_resume1/as_colocated")
+    assert "split placement run with the batches of steps 3 in flight" in said
+    assert "resume it with rollout.placement split" in said and "\n" not in said
+
+
+def test_a_colocated_checkpoint_resumed_split_goes_on_from_it(shared):
+    shared.ran("split_resume1/from_colocated")
+    rows = metrics(shared.path("split_resume1/from_colocated"))
+    assert [r["step"] for r in rows] == [3, 4]
+    # Batch 3 from the checkpoint's weights (update 2), batch 4 from them too: one update behind.
+    assert [(r["async/weights_version"], r["async/staleness"]) for r in rows] == [(2.0, 0.0), (2.0, 1.0)]
