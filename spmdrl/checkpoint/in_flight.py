@@ -23,6 +23,7 @@ from typing import Any, Optional
 from safetensors.torch import load_file, save_file
 
 from spmdrl.batch import Batch
+from spmdrl.errors import ConfigError
 
 
 class InFlight:
@@ -30,8 +31,10 @@ class InFlight:
 
     checkpoint_layout = "files"
 
-    def __init__(self) -> None:
+    def __init__(self, max_staleness: int) -> None:
         self.queue: list[tuple[Batch, dict[str, Any]]] = []
+        self.max_staleness = max_staleness  # this run's, saved with the batches
+        self.saved_max_staleness: Optional[int] = None  # the checkpointed run's (None: not recorded)
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -42,6 +45,17 @@ class InFlight:
     def take(self) -> Optional[tuple[Batch, dict[str, Any]]]:
         """The first held batch and its info, once (None when nothing is held)."""
         return self.queue.pop(0) if self.queue else None
+
+    def check_staleness(self, where: Path) -> None:
+        """Batches in flight were generated for the checkpointed run's ``rollout.max_staleness``; under
+        another, the two roles would disagree on which weights the next batches take: refused."""
+        if self.queue and self.saved_max_staleness not in (None, self.max_staleness):
+            steps = ", ".join(str(info["step"]) for _, info in self.queue)
+            raise ConfigError(f"checkpoint {str(where)!r} holds the batches of steps {steps} in flight, "
+                              f"generated under rollout.max_staleness {self.saved_max_staleness}, but this "
+                              f"run's is "
+                              f"{self.max_staleness}; resume with rollout.max_staleness "
+                              f"{self.saved_max_staleness}, or from a checkpoint that holds none")
 
     def retarget(self, total_steps: int) -> None:
         """The resumed run's ``trainer.total_steps`` in place of the checkpointed run's: a held batch past it
@@ -63,13 +77,15 @@ class InFlight:
             saved.append({"non_tensor": batch.non_tensor, "info": info})
         # default=str: a list item JSON lacks (a numpy scalar in extra_info) keeps its text, as in the
         # exchange.
-        (folder / "batch.json").write_text(json.dumps({"batches": saved}, default=str))
+        (folder / "batch.json").write_text(json.dumps({"batches": saved, "max_staleness": self.max_staleness},
+                                                      default=str))
 
     def load_files(self, folder: Path) -> None:
         if not (folder / "batch.json").is_file():  # a colocated run's checkpoint: nothing was in flight
             self.queue = []
             return
         saved = json.loads((folder / "batch.json").read_text())
+        self.saved_max_staleness = saved.get("max_staleness")
         if "batches" not in saved:  # one batch or none, as checkpoints before the queue wrote it
             one = saved["batch"]
             self.queue = [] if one is None else [

@@ -79,15 +79,14 @@ def run_split(cfg: "Config", dims: ParallelDims, plan: Optional["Plan"] = None) 
 def _training(r: TrainingRun, ex: Exchange, preemption: Preemption) -> None:
     if scored_at_rollout(r.cfg):  # the rollout ranks ask this reward model as they generate
         ex.scorer = lambda asks: training_role.model_scores(r, asks)
-    held = InFlight()
+    held = InFlight(r.cfg.rollout.max_staleness)
     tr = r.training
     # What a checkpoint holds: the colocated run's parts (the data position is the rollout's, sent with each
     # batch) and the batches in flight; the rollout ranks' sampling is keyed, so they save nothing.
     parts = {"actor": tr.actor, "critic": tr.critic, "data": r.train_loader, "kl_ctrl": tr.kl_ctrl,
              "rng": RNGState(None, r.device, r.cfg.trainer.seed), "in_flight": held}
     ckpt = checkpoints(r, parts, group=r.dims.group("train_cpu"))
-    resumed = training_role.restore(r, ex, ckpt)
-    held.retarget(r.total_steps)  # the batches in flight against this run's total_steps, which may differ
+    resumed = training_role.restore(r, ex, ckpt, held)
     # Rank 0 sets an earlier run's files aside before the rollout ranks start (they write generation dumps).
     sink = r.open_output(resumed)
     try:

@@ -28,16 +28,20 @@ from spmdrl.run.upkeep import StepEnd
 from spmdrl.split.exchange import Exchange
 
 
-def restore(r: TrainingRun, ex: Exchange, ckpt: CheckpointManager) -> bool:
-    """Restore ``trainer.resume``'s checkpoint; whether it resumed. A failure reaches the rollout ranks too
-    (they wait for the start message)."""
+def restore(r: TrainingRun, ex: Exchange, ckpt: CheckpointManager, held: InFlight) -> bool:
+    """Restore ``trainer.resume``'s checkpoint; whether it resumed. Its batches in flight are held against
+    this run's ``trainer.total_steps`` (which may differ) and must have its ``rollout.max_staleness``. A
+    failure reaches the rollout ranks too (they wait for the start message)."""
     try:
-        resumed = ckpt.resume() is not None
+        path = ckpt.resume()
+        if path is not None:
+            held.check_staleness(path)
+        held.retarget(r.total_steps)
     except Exception as err:
         ex.send_start_error(str(err), isinstance(err, ConfigError))
         raise
     r.step = ckpt.resumed_step
-    return resumed
+    return path is not None
 
 
 def start(r: TrainingRun, ex: Exchange, held: InFlight, resumed: bool) -> bool:

@@ -71,6 +71,12 @@ COLOCATED = ARGS[:ARGS.index("--rollout.placement")]
 declare("split_resume1/as_colocated", [*COLOCATED, "--trainer.resume",
                                        "{base}/split_resume1/full/checkpoints/global_step_2",
                                        "--trainer.output_dir", "{base}/split_resume1/as_colocated"])
+# rollout.max_staleness changed with batches in flight: the roles would disagree on the weights of the
+# next batches; refused.
+declare("split_resume2/staleness1", [*ARGS, "--rollout.max_staleness", "1", "--trainer.resume",
+                                     "{base}/split_resume2/full/checkpoints/global_step_2",
+                                     "--trainer.hang_timeout_s", "60",
+                                     "--trainer.output_dir", "{base}/split_resume2/staleness1"], late=True)
 declare("split_resume1/colocated", [*COLOCATED, "--trainer.output_dir", "{base}/split_resume1/colocated"])
 declare("split_resume1/from_colocated", [*ARGS, "--rollout.max_staleness", "1", "--trainer.resume",
                                          "{base}/split_resume1/colocated/checkpoints/global_step_2",
@@ -152,3 +158,9 @@ def test_a_colocated_checkpoint_resumed_split_goes_on_from_it(shared):
     assert [r["step"] for r in rows] == [3, 4]
     # Batch 3 from the checkpoint's weights (update 2), batch 4 from them too: one update behind.
     assert [(r["async/weights_version"], r["async/staleness"]) for r in rows] == [(2.0, 0.0), (2.0, 1.0)]
+
+
+def test_a_resume_under_another_staleness_with_batches_in_flight_is_refused(shared):
+    said = shared.refused("split_resume2/staleness1")
+    assert "holds the batches of steps 3, 4 in flight, generated under rollout.max_staleness 2, but this " \
+           "run's is 1; resume with rollout.max_staleness 2" in said and "\n" not in said
