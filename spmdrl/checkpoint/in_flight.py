@@ -53,8 +53,7 @@ class InFlight:
             steps = ", ".join(str(info["step"]) for _, info in self.queue)
             raise ConfigError(f"checkpoint {str(where)!r} holds the batches of steps {steps} in flight, "
                               f"generated under rollout.max_staleness {self.saved_max_staleness}, but this "
-                              f"run's is "
-                              f"{self.max_staleness}; resume with rollout.max_staleness "
+                              f"run's is {self.max_staleness}; resume with rollout.max_staleness "
                               f"{self.saved_max_staleness}, or from a checkpoint that holds none")
 
     def retarget(self, total_steps: int) -> None:
@@ -81,15 +80,29 @@ class InFlight:
                                                       default=str))
 
     def load_files(self, folder: Path) -> None:
-        if not (folder / "batch.json").is_file():  # a colocated run's checkpoint: nothing was in flight
-            self.queue = []
-            return
-        saved = json.loads((folder / "batch.json").read_text())
+        saved = _read(folder)
         self.saved_max_staleness = saved.get("max_staleness")
-        if "batches" not in saved:  # one batch or none, as checkpoints before the queue wrote it
-            one = saved["batch"]
-            self.queue = [] if one is None else [
-                (Batch(load_file(str(folder / "batch.safetensors")), one["non_tensor"]), saved["info"])]
-            return
-        self.queue = [(Batch(load_file(str(folder / f"batch{i}.safetensors")), part["non_tensor"]),
-                       part["info"]) for i, part in enumerate(saved["batches"])]
+        self.queue = [(Batch(load_file(str(folder / name)), part["non_tensor"]), part["info"])
+                      for name, part in _parts(saved)]
+
+    @staticmethod
+    def saved_steps(folder: Path) -> list[int]:
+        """The steps of the batches a checkpoint's ``folder`` holds in flight (none for a colocated run's,
+        which has no such folder), without loading them."""
+        return [int(part["info"]["step"]) for _, part in _parts(_read(folder))]
+
+
+def _read(folder: Path) -> dict[str, Any]:
+    """batch.json, or nothing held when the checkpoint has none (a colocated run's)."""
+    f = folder / "batch.json"
+    return json.loads(f.read_text()) if f.is_file() else {"batches": []}
+
+
+def _parts(saved: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(tensor file, {non_tensor, info}) of each batch held, in order. Checkpoints written before the queue
+    hold one batch or none: ``batch.safetensors`` and ``{"batch": ..., "info": ...}``."""
+    if "batches" not in saved:
+        one = saved["batch"]
+        return [] if one is None else [("batch.safetensors", {"non_tensor": one["non_tensor"],
+                                                              "info": saved["info"]})]
+    return [(f"batch{i}.safetensors", part) for i, part in enumerate(saved["batches"])]

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl import __version__
+from spmdrl.checkpoint.in_flight import InFlight
 from spmdrl.checkpoint.layout import (
     CHECKPOINTS,
     DIGESTS,
@@ -402,7 +403,7 @@ class CheckpointManager:
                           f"trainer.resume to a checkpoint")
 
     def _check_compatible(self, path: Path, manifest: dict, live: dict[str, dict[str, list[int]]]) -> None:
-        held = _batches_in_flight(path) if "in_flight" not in self.parts else []
+        held = InFlight.saved_steps(path / "in_flight") if "in_flight" not in self.parts else []
         if held:  # a colocated run would load the data position after them and never train them
             raise ConfigError(
                 f"checkpoint {str(path)!r} was saved by a split placement run with the batches of steps "
@@ -429,13 +430,3 @@ class CheckpointManager:
                         f"{saved.get(name)} there and {shapes.get(name)} in this run's model; resume "
                         f"with the model.path that saved it"
                     )
-
-
-def _batches_in_flight(path: Path) -> list[int]:
-    """The steps of the batches a split placement checkpoint holds in flight (none for a colocated one)."""
-    saved = path / "in_flight" / "batch.json"
-    if not saved.is_file():
-        return []
-    parts = json.loads(saved.read_text())
-    batches = parts.get("batches") or ([parts] if parts.get("batch") is not None else [])
-    return [int(b["info"]["step"]) for b in batches]
