@@ -63,9 +63,14 @@ def declare(name: str, argv: list[str], *, nproc: int = 2, env: dict[str, str] |
         raise ValueError(f"shared run {name!r} is declared twice")
     if stale and nproc != 1:
         raise ValueError(f"shared run {name!r}: the scripted stale run takes one rank")
-    DECLARED[name] = Declared(name, list(argv), nproc, dict(env or {}), stale, copy, dict(job_env or {}),
-                              sft, late)
+    DECLARED[name] = Declared(name, list(argv), nproc, env=dict(env or {}), stale=stale, copy=copy,
+                              job_env=dict(job_env or {}), sft=sft, late=late)
     return name
+
+
+def file_name(name: str) -> str:
+    """A run's name as the driver and its log files have it (no folder separators)."""
+    return name.replace("/", "--")
 
 
 def prepare(fn: Callable[[Path], None]) -> Callable[[Path], None]:
@@ -104,11 +109,11 @@ class SharedRuns:
     def scripted(self, name: str) -> list[dict]:
         """A ``stale`` run's rows, one per step."""
         self.ran(name)
-        return json.loads((self.base / "logs" / f"{name.replace('/', '--')}.json").read_text())
+        return json.loads((self.base / "logs" / f"{file_name(name)}.json").read_text())
 
     def _logs(self, name: str, stream: str) -> str:
         self.ran(name)
-        files = sorted((self.base / "logs").glob(f"{name.replace('/', '--')}.rank*.{stream}"))
+        files = sorted((self.base / "logs").glob(f"{file_name(name)}.rank*.{stream}"))
         return "".join(f.read_text() for f in files)
 
     def stdout(self, name: str) -> str:
@@ -130,9 +135,10 @@ def run_all(base: Path, cache: str) -> SharedRuns:
     for d in DECLARED.values():
         jobs.setdefault((d.nproc, tuple(sorted(d.job_env.items()))), []).append(d)
     for k, ((nproc, job_env), declared) in enumerate(sorted(jobs.items(), key=lambda job: job[0][0])):
+        declared = sorted(declared, key=lambda d: d.late)  # stable: declaration order otherwise
         cases = []
-        for d in sorted(declared, key=lambda d: d.late):  # stable: declaration order otherwise
-            case = {"name": d.name.replace("/", "--"), "env": d.env, "logs": str(logs), "fresh": True,
+        for d in declared:
+            case = {"name": file_name(d.name), "env": d.env, "logs": str(logs), "fresh": True,
                     "argv": [a.replace("{base}", str(base)) for a in d.argv]}
             if d.stale:
                 case["stale"] = str(logs / f"{case['name']}.json")
@@ -147,9 +153,8 @@ def run_all(base: Path, cache: str) -> SharedRuns:
                         env={"SPMDRL_CACHE": cache, **dict(job_env)}, timeout=1500, check=False)
         (base / f"job{k}.log").write_text(proc.stdout + proc.stderr)
         got = json.loads(results_file.read_text()) if results_file.exists() else {}
-        for case in cases:
-            name = case["name"].replace("--", "/")
-            results[name] = got.get(case["name"], {
+        for d, case in zip(declared, cases):
+            results[d.name] = got.get(case["name"], {
                 "status": "not run", "message": f"the {nproc}-rank shared job ended (exit {proc.returncode}) "
                                                 f"before it:\n{proc.stderr[-3000:]}"})
     return SharedRuns(base, results)
