@@ -228,6 +228,11 @@ def figures(rows: list[dict], *, world: int, responses: int, params: int, weight
                          "peak_gb": {p: peak(f"memory/{p}_peak_gb") for p in phases},
                          "nvml_gb": {p: peak(f"memory/{p}_nvml_gb") for p in phases},
                          "overall_peak_gb": peak("memory/overall_peak_gb"),
+                         # The rollout's log-probs against the actor's (a weight-sync check: at bf16 noise
+                         # when the weights pushed after a CUDA graph's capture reach it; needs
+                         # rollout.calculate_log_probs, the session's "gap" variant).
+                         "rollout_gap": {"kl": peak("rollout_corr/kl"),
+                                         "log_ppl_abs_diff": peak("rollout_corr/log_ppl_abs_diff")},
                          "params": params, "weight_gb": params * weight_bytes / 1e9}
     f["offload_s"] = (f["phase_s"].get("offload") or 0.0) + (f["phase_s"].get("onload") or 0.0)
     rollout, update = f["phase_s"].get("rollout"), f["phase_s"].get("update")

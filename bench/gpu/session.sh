@@ -4,11 +4,13 @@
 #
 #   bash bench/gpu/session.sh native        # carry .carry/c1: install it, then the native cells with each
 #                                           # candidate flag on and off, on the 0.5B shape
-#   bash bench/gpu/session.sh native-more   # carry .carry/c1: compile, Megatron, checkpoint, the 1.5B shape
+#   bash bench/gpu/session.sh native-more   # carry .carry/c1: the decode loop without CUDA graphs, Megatron,
+#                                           # checkpoint, the 1.5B shape
 #   bash bench/gpu/session.sh install 2     # carry .carry/c2: install only (and c3 the same)
 #   bash bench/gpu/session.sh vllm 4        # carry .carry/c4, the last of vLLM's chunks (with TRL's wheels;
 #                                           # build_carry.py prints which): install it, then TRL 1.16 with
-#                                           # vLLM, spmdrl with vLLM, and vLLM alone
+#                                           # vLLM, spmdrl with vLLM, vLLM alone, then spmdrl with vLLM
+#                                           # measuring its log-prob gap to the actor (weights reach graphs)
 #   bash bench/gpu/session.sh --dry-run native   # the same cells on CPU at tiny sizes, no install (the test's)
 #
 # Every result and log goes under $OUT/<step>/ (results.json, matrix.log): the device tool brings back at most
@@ -33,24 +35,26 @@ fi
 matrix() { "$python" bench/gpu/matrix.py --out "$out" --runs "$runs" "${sized[@]}" "$@"; }
 
 # The candidate speed-ups, each a flag of spmdrl.train, so one call measures each on and off. "main" is
-# the decode loop as it was before CUDA graphs; the default cell is today's defaults.
+# the decode loop as it was before CUDA graphs, "eager" the training forward without torch.compile (its
+# CUDA default since 2026-11-28); the default cell is today's defaults.
 variants=(
     --variant "main=--rollout.native_cuda_graphs off"
     --variant "awake=--rollout.free_cache_engine false"
-    --variant "compile=--model.use_torch_compile true"
+    --variant "eager=--model.use_torch_compile false"
     --variant "micro128=--actor.ppo_micro_batch_size_per_gpu 128"
+    --variant "gap=--rollout.calculate_log_probs true"
 )
 
 case "$step" in
     native)
         (( dry )) || install=(--install .carry/c1)
         matrix "${install[@]}" --shapes sized "${variants[@]}" \
-            --cells fsdp2-native+main fsdp2-native fsdp2-native+awake fsdp2-native+micro128
+            --cells fsdp2-native fsdp2-native+eager fsdp2-native+micro128 fsdp2-native+awake
         ;;
     native-more)  # what a session with device time to spare adds (c1 again: a fresh machine may run it)
         (( dry )) || install=(--install .carry/c1)
         matrix "${install[@]}" --shapes sized "${variants[@]}" \
-            --cells fsdp2-native+compile megatron-native checkpoint
+            --cells fsdp2-native+main megatron-native checkpoint
         # The same cells on the second size (on CPU the same tiny model again: nothing new to check there).
         (( dry )) || matrix --out "$out-1.5b" --shapes sized-1.5b "${variants[@]}" \
             --cells fsdp2-native+main fsdp2-native
@@ -61,7 +65,8 @@ case "$step" in
         ;;
     vllm)
         (( dry )) || install=(--install ".carry/c${2:?usage: session.sh vllm N}")
-        matrix "${install[@]}" --shapes sized --cells trl-vllm fsdp2-vllm-sleep1 vllm-alone
+        matrix "${install[@]}" --shapes sized "${variants[@]}" \
+            --cells trl-vllm fsdp2-vllm-sleep1 vllm-alone fsdp2-vllm-sleep1+gap
         ;;
     *)
         echo "session.sh: unknown step '$step'; steps: native, native-more, install N, vllm N" >&2

@@ -36,8 +36,8 @@ def test_session_dry_run_on_cpu(tmp_path, spmdrl_cache):
     results = _session("native", tmp_path, spmdrl_cache)
     more = _session("native-more", tmp_path, spmdrl_cache)
     by_cell = {c["cell"]: c for c in results["cells"] + more["cells"]}
-    assert list(by_cell) == ["fsdp2-native+main", "fsdp2-native", "fsdp2-native+awake",
-                             "fsdp2-native+micro128", "fsdp2-native+compile", "megatron-native", "checkpoint"]
+    assert list(by_cell) == ["fsdp2-native", "fsdp2-native+eager", "fsdp2-native+micro128", "fsdp2-native+awake",
+                             "fsdp2-native+main", "megatron-native", "checkpoint"]
     assert results["params"] == more["params"] == {"builtin:tiny": 4_460_800}
     for name, cell in by_cell.items():
         assert cell["rc"] == 0, (name, cell.get("error"))
@@ -51,7 +51,7 @@ def test_session_dry_run_on_cpu(tmp_path, spmdrl_cache):
     # The variants' flags reached their runs: an engine kept awake never sleeps.
     assert "sleep" in by_cell["fsdp2-native"]["figures"]["phase_s"]
     assert "sleep" not in by_cell["fsdp2-native+awake"]["figures"]["phase_s"]
-    assert by_cell["fsdp2-native+compile"]["variant_args"] == ["--model.use_torch_compile", "true"]
+    assert by_cell["fsdp2-native+eager"]["variant_args"] == ["--model.use_torch_compile", "false"]
     ckpt = by_cell["checkpoint"]["checkpoint"]
     assert ckpt["resumed_ok"] and ckpt["resumed_step"] == 2 and ckpt["steps_logged"] == [1, 2, 3]
     assert ckpt["saved_mib"] > 0 and ckpt["save_s"] >= 0
@@ -61,7 +61,7 @@ def test_session_dry_run_on_cpu(tmp_path, spmdrl_cache):
 
     results = _session("vllm", tmp_path, spmdrl_cache)
     by_cell = {c["cell"]: c for c in results["cells"]}
-    assert list(by_cell) == ["trl-vllm", "fsdp2-vllm-sleep1", "vllm-alone"]
+    assert list(by_cell) == ["trl-vllm", "fsdp2-vllm-sleep1", "vllm-alone", "fsdp2-vllm-sleep1+gap"]
     trl = by_cell["trl-vllm"]  # the same figures, from TRL's own timers
     assert trl["rc"] == 0, trl.get("error")
     assert trl["trl"] == {"generate": "transformers", "optimizer_steps_per_step": 1}
@@ -80,6 +80,7 @@ def test_session_dry_run_on_cpu(tmp_path, spmdrl_cache):
         assert by_cell["fsdp2-vllm-sleep1"]["rc"] == 2 and "vLLM is not installed" in by_cell[
             "fsdp2-vllm-sleep1"]["error"]
         assert by_cell["vllm-alone"]["rc"] != 0
+        assert by_cell["fsdp2-vllm-sleep1+gap"]["variant_args"] == ["--rollout.calculate_log_probs", "true"]
     log = (tmp_path / "vllm" / "matrix.log").read_text()
     assert all(f"===== sized {c}" in log for c in by_cell)
     assert "| sized | trl-vllm | 0 |" in results["table"]

@@ -144,3 +144,11 @@ def test_attention_kernel_auto_rule():
     assert resolve_attn_implementation("auto", "cpu", 4096) == "sdpa"  # eager's [L, L] scores get too big
     assert resolve_attn_implementation("auto", "cuda", 80) == "sdpa"
     assert resolve_attn_implementation("eager", "cuda", 4096) == "eager"  # an explicit choice is kept
+
+
+def test_compile_auto_rule():
+    from spmdrl.engines.fsdp2.engine import resolve_compile
+
+    assert resolve_compile("auto", "cuda") is True  # measured best on an H200 (docs/gpu.md, 2026-11-28)
+    assert resolve_compile("auto", "cpu") is False  # a short CPU run pays more compile than it wins
+    assert resolve_compile(True, "cpu") is True and resolve_compile(False, "cuda") is False

@@ -92,6 +92,11 @@ def resolve_attn_implementation(name: str, device_type: str, max_len: int) -> st
     return "eager" if device_type == "cpu" and max_len <= 2048 else "sdpa"
 
 
+def resolve_compile(setting: bool | str, device_type: str) -> bool:
+    """The config's ``model.use_torch_compile``, with "auto" on for CUDA training and off elsewhere."""
+    return device_type == "cuda" if setting == "auto" else bool(setting)
+
+
 def _mixed_precision(role: ModelRole, dtype: torch.dtype, param_dtype: torch.dtype | str | None,
                      reduce_dtype: torch.dtype | str | None
                      ) -> tuple[torch.dtype, torch.dtype | None, torch.dtype | None]:
@@ -281,7 +286,7 @@ class FSDP2Engine(TrainEngine):
                 m.attn_implementation, torch.device(device).type,
                 cfg.data.max_prompt_length + cfg.data.max_response_length,
             ),
-            compile=m.use_torch_compile,
+            compile=resolve_compile(m.use_torch_compile, torch.device(device).type),
             fused_kernels=resolve_fused_kernels(
                 m.fused_kernels, torch.device(device).type, tp_mesh.size() if tp_mesh is not None else 1
             ),
