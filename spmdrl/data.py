@@ -13,20 +13,22 @@ Message lists go through the tokenizer's chat template with
 Every rank reads and tokenises the whole dataset (prompts are small next to a
 rollout) so that filtering and shuffling need no communication: the global
 order of epoch e is a shuffle seeded by (seed, e), and rank r of W takes the
-r-th contiguous block of each global batch. One rank and four ranks therefore
-train on the same global batches, and the n responses of a prompt stay on the
-rank that owns the prompt.
+r-th contiguous block of each mini-batch slot of each global batch
+(spmdrl/placement.py). One rank and four ranks therefore train on the same
+global batches and the same global mini-batches, and the n responses of a
+prompt stay on the rank that owns the prompt.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 from spmdrl.errors import ConfigError
+from spmdrl.placement import slot_positions, slot_prompts
 
 if TYPE_CHECKING:
     from spmdrl.config import Config, DataConfig
@@ -48,6 +50,7 @@ class PromptItem:
     ground_truth: Any  # reward_model.ground_truth, passed to the scorer untouched
     extra_info: dict = field(default_factory=dict)
     chat: list = field(default_factory=list)  # the prompt as chat messages (a plain string: one user turn)
+    order: int = -1  # position in the run's training stream (the loader's; spmdrl/placement.py), else -1
 
 
 def data_files(files: Union[str, Sequence[str], None]) -> list[str]:
@@ -290,9 +293,12 @@ class PromptLoader:
 
     Each step takes the next ``batch_size`` prompts of the epoch's global order
     (an incomplete last batch is dropped) and returns rank ``rank``'s
-    contiguous ``batch_size / world_size`` of them. ``state_dict`` records
-    (epoch, position); a loader restored from it continues with the same
-    prompts the original would have produced.
+    ``batch_size / world_size`` of them: its contiguous block of each ``slot``
+    (prompts inside one mini-batch of every trained model, spmdrl/placement.py;
+    by default the whole batch), so that every global mini-batch holds the same
+    prompts at any world size. Each item's ``order`` is its position in the
+    run's stream. ``state_dict`` records (epoch, position); a loader restored
+    from it continues with the same prompts the original would have produced.
     """
 
     def __init__(
@@ -305,6 +311,7 @@ class PromptLoader:
         shuffle: bool = True,
         seed: int = 0,
         num_epochs: Optional[int] = None,
+        slot: Optional[int] = None,
     ) -> None:
         _check_rank(rank, world_size)
         if batch_size < 1 or batch_size % world_size:
@@ -323,6 +330,7 @@ class PromptLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.num_epochs = num_epochs
+        self.slot = slot or batch_size
         self.epoch = 0
         self.position = 0  # next batch within the epoch
         self._order_epoch = -1
@@ -361,8 +369,10 @@ class PromptLoader:
         if self.num_epochs is not None and self.epoch >= self.num_epochs:
             raise StopIteration
         batch = self.global_indices(self.epoch, self.position)
+        first = (self.epoch * self.steps_per_epoch + self.position) * self.batch_size
         self.position += 1
-        return [self.dataset[i] for i in batch[_share(len(batch), self.rank, self.world_size)]]
+        return [replace(self.dataset[batch[p]], order=first + p)
+                for p in slot_positions(len(batch), self.slot, self.rank, self.world_size)]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
@@ -415,14 +425,14 @@ def _dataset(cfg: "DataConfig", files: list[str], tokenizer: Any,
 
 def build_train_loader(
     cfg: "DataConfig", tokenizer: Any, *, rank: int, world_size: int, seed: int,
-    num_epochs: Optional[int] = None, tools: Optional[list[dict]] = None,
+    num_epochs: Optional[int] = None, tools: Optional[list[dict]] = None, slot: Optional[int] = None,
 ) -> PromptLoader:
     """The training loader of ``cfg``; ``seed`` orders the prompts; ``tools`` (function schemas) go to the
-    chat template."""
+    chat template; ``slot``: prompts per mini-batch slot (``placement.slot_prompts``)."""
     files = data_files(cfg.train_files)
     return PromptLoader(
         _dataset(cfg, files, tokenizer, tools), batch_size=cfg.train_batch_size, rank=rank,
-        world_size=world_size, shuffle=cfg.shuffle, seed=seed, num_epochs=num_epochs,
+        world_size=world_size, shuffle=cfg.shuffle, seed=seed, num_epochs=num_epochs, slot=slot,
     )
 
 
@@ -451,7 +461,8 @@ def build_loaders(cfg: "Config", tokenizer: Any, *, rank: int, world_size: int
         # (DAPO's extra rounds): the loader stops there, as verl's epoch loop does.
         epochs = cfg.trainer.total_epochs if cfg.trainer.total_steps is None else None
         train = build_train_loader(cfg.data, tokenizer, rank=rank, world_size=world_size,
-                                   seed=cfg.trainer.seed, num_epochs=epochs, tools=tools)
+                                   seed=cfg.trainer.seed, num_epochs=epochs, tools=tools,
+                                   slot=slot_prompts(cfg))
         val = build_val_loader(cfg.data, tokenizer, rank=rank, world_size=world_size, tools=tools)
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from err

@@ -9,13 +9,15 @@ One training step's experience (``produce``): the rollout engine wakes with the
 actor's current weights (``RolloutSession``), generates ``rollout.n`` responses
 per prompt (single-turn, or multi-turn with tools through ``ToolAgent``), the
 reward sources score them (``spmdrl.reward.sources``), DAPO's dynamic sampling
-(``algorithm.filter_groups``) generates more prompts until every rank has its
-share of informative groups, ReMax's greedy responses give each prompt its
-baseline (``batch["baseline"]``), and the engine sleeps. Also here: the
+(``algorithm.filter_groups``) generates more prompts until the ranks together
+kept a batch of informative groups, ReMax's greedy responses give each prompt
+its baseline (``batch["baseline"]``), and the engine sleeps. Also here: the
 rollout-vs-actor log-prob gap and the batch's reward and length metrics.
 
 Everything is this rank's share of the batch; the only collectives are DAPO's
-agreement on how many groups every rank keeps and a reward model's forward.
+count of the groups kept, the placement of the groups on their ranks
+(``spmdrl.placement``: rows move only when DAPO or rollout TP left them
+elsewhere) and a reward model's forward.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from spmdrl.algos.registry import ADVANTAGES
 from spmdrl.batch import Batch, add_scores, from_generation
 from spmdrl.errors import ConfigError
 from spmdrl.parallel import rollout_tp_rank
+from spmdrl.placement import place_groups, slot_prompts
 from spmdrl.rollout import rollout_engine_class
 from spmdrl.rollout.base import SamplingParams, eos_ids_from_folder, sleep_level
 from spmdrl.rollout.generations import dump_generations
@@ -121,6 +124,7 @@ class Experience:
         else:
             gen, trajectories = self.session.generate(ids, sampling), None
         batch = from_generation(gen, torch.tensor([p.index for p in prompts], dtype=torch.long))
+        batch["order"] = torch.tensor([p.order for p in prompts], dtype=torch.long)[gen.prompt_index]  # [N]
         if sampling.logprobs:  # [N, R] under the sampling distribution (rollout/sampling.py)
             batch["rollout_logp"] = gen.logprobs
         per_row = gen.prompt_index.tolist()
@@ -220,11 +224,14 @@ class Experience:
 
     def _collect(self, prompts: list["PromptItem"], more_prompts: Iterator[list["PromptItem"]]
                  ) -> tuple[Batch, dict[str, float]]:
-        """Rollout + reward; with DAPO dynamic sampling, more prompts until every rank has its share of
-        groups, or the training set's epochs run out (then the groups kept so far)."""
+        """Rollout + reward; with DAPO dynamic sampling, more prompts until the ranks together kept a batch of
+        groups, or the training set's epochs run out (then the groups kept so far). Each rank then holds its
+        share of the first kept groups in global prompt order (``place_groups``: the same groups, and the
+        same mini-batches, at any world size)."""
         sampling = sampling_params(self.cfg)
         fg = self.cfg.algorithm.filter_groups
-        want = self.session.share(len(prompts))  # groups this rank trains on (under rollout TP, its share)
+        want = self.cfg.data.train_batch_size  # groups the step trains on, over all ranks
+        n = self.cfg.rollout.n
         kept: list[Batch] = []
         metrics: dict[str, float] = {}
         rounds = 0
@@ -232,28 +239,32 @@ class Experience:
             batch = self._round(prompts, sampling, metrics, draw=rounds)
             rounds += 1
             if not fg.enable:
-                return batch, metrics
+                kept = [batch]
+                break
             keep, counts = filter_groups(batch["scores"], batch["index"])
             kept.append(batch.select(keep.nonzero().squeeze(-1)))
             for k, v in counts.items():
                 metrics[f"dapo/{k}"] = metrics.get(f"dapo/{k}", 0.0) + v
-            have = torch.tensor([sum(len(b) for b in kept) // self.cfg.rollout.n], dtype=torch.long)
-            dist.all_reduce(have, op=dist.ReduceOp.MIN, group=self.group)
+            # Rollout TP ranks keep disjoint shares of their group's responses: the sum counts each group once.
+            have = torch.tensor([sum(len(b) for b in kept) // n], dtype=torch.long)
+            dist.all_reduce(have, group=self.group)
             if have.item() >= want or (fg.max_num_gen_batches and rounds >= fg.max_num_gen_batches):
                 break
             # Every rank's loader is at the same position, so all of them run out together.
             prompts = next(more_prompts, None)
             if prompts is None:
                 break
-        metrics["dapo/num_gen_batches"] = float(rounds)
-        # Every rank keeps the same number of whole groups so the update's collectives line up.
-        groups = min(int(have.item()), want)
-        if groups == 0:
+        if fg.enable:
+            metrics["dapo/num_gen_batches"] = float(rounds)
+        ranks = dist.get_world_size(self.group)
+        placed = place_groups(Batch.cat(kept), n, want, slot_prompts(self.cfg), self.group,
+                              torch.device("cpu"))  # the batch group's gloo side on either device
+        if len(placed) == 0:
             raise RuntimeError(
-                f"dynamic sampling kept no group on some rank after {rounds} generation batches; raise "
-                f"algorithm.filter_groups.max_num_gen_batches or make the task less all-or-nothing"
+                f"dynamic sampling kept fewer groups than the {ranks} ranks after {rounds} generation batches; "
+                f"raise algorithm.filter_groups.max_num_gen_batches or make the task less all-or-nothing"
             )
-        return Batch.cat(kept).select(slice(0, groups * self.cfg.rollout.n)), metrics
+        return placed, metrics
 
     def _greedy_baseline(self, prompts: list["PromptItem"], batch: Batch) -> torch.Tensor:
         """ReMax: the reward of a greedy response to each prompt, as the baseline of its samples [N] (timed

@@ -137,23 +137,32 @@ def _nvml_used_gb(device: torch.device) -> float:
         return float("nan")
 
 
-def reduce_metrics(metrics: dict[str, float], group: dist.ProcessGroup) -> dict[str, float]:
-    """Mean over the ranks of ``group`` that report each key; ``*/max`` keys take the max, ``*/min`` the min.
+# Counts over the batch: summed over ranks (each rank counts its own rows), so that one rank and k ranks log
+# the same number. Every other key is a mean over rows (equal on every rank: the batch's placement gives
+# each as many), a max or a min, or a batch-wide figure already reduced where it was computed.
+COUNTS = frozenset({"batch/responses", "dapo/kept_groups", "dapo/dropped_groups", "reward/num_errors",
+                    "reward/num_timeouts"})
 
-    Memory and timing keys take the max too (the slowest / largest rank matters).
+
+def reduce_metrics(metrics: dict[str, float], group: dist.ProcessGroup) -> dict[str, float]:
+    """Each key over the ranks of ``group`` that report it: counts (``COUNTS``) summed, ``*/max`` keys the max,
+    ``*/min`` the min, memory and timing keys the max (the slowest / largest rank matters), the rest the mean.
+
     Ranks may report different keys (a scorer's extras depend on the data
     source a rank happened to get), so the key set is agreed first: a
     collective over mismatched tensors would hang.
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(metrics)
-    all_keys: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(all_keys, sorted(metrics), group=group)
+    from spmdrl.placement import gather_bytes
+
+    all_keys = [json.loads(b) for b in gather_bytes(json.dumps(sorted(metrics)).encode(), group)]
     keys = sorted({k for ks in all_keys for k in ks})
     present = torch.tensor([k in metrics for k in keys], dtype=torch.float64)
     vals = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)
     is_max = torch.tensor([k.endswith("/max") or k.startswith(("memory/", "timing/")) for k in keys])
     is_min = torch.tensor([k.endswith("/min") for k in keys])
+    is_count = torch.tensor([k in COUNTS for k in keys])
     summed, count = vals * present, present.clone()
     maxed = torch.where(present.bool(), vals, torch.full_like(vals, -math.inf))
     mined = torch.where(present.bool(), vals, torch.full_like(vals, math.inf))
@@ -161,7 +170,7 @@ def reduce_metrics(metrics: dict[str, float], group: dist.ProcessGroup) -> dict[
     dist.all_reduce(count, group=group)
     dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(mined, op=dist.ReduceOp.MIN, group=group)
-    out = torch.where(is_max, maxed, torch.where(is_min, mined, summed / count))
+    out = torch.where(is_max, maxed, torch.where(is_min, mined, torch.where(is_count, summed, summed / count)))
     return dict(zip(keys, out.tolist()))
 
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from spmdrl.engines.base import Layout
     from spmdrl.rollout.base import EngineMemory
 
-PHASES = ("rollout", "weight_sync", "old_logp", "ref", "values", "update")
+PHASES = ("rollout", "weight_sync", "reward", "old_logp", "ref", "values", "update")
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,13 @@ def step_phases(models: list[Model], engine: "EngineMemory", cfg: "Config", s: S
                     "engine temporaries": engine.temporaries},
         "weight_sync": {**awake, "engine KV cache": engine.kept_kv, "sync transfer": engine.sync},
     }
+    if "reward" in by_role:
+        # The reward model scores each generation round inside the engine's awake window (colocated; split
+        # placement's training ranks score what they received, and hold no engine).
+        rm = cfg.reward_model
+        phases["reward"] = {**awake, "engine KV cache": engine.kept_kv,
+                            **pass_("reward", rm.micro_batch_size_per_gpu, held,
+                                    _budget(rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu), False)}
     if _old_logp_pass(cfg, mini["actor"], held):
         logp_budget = _budget(a.log_prob_use_dynamic_bsz, a.log_prob_max_token_len_per_gpu)
         phases["old_logp"] = {**training, **pass_("actor", a.log_prob_micro_batch_size_per_gpu, held,

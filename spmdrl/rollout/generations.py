@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
+from spmdrl.placement import gather_bytes
 
 
 def sample_numbers(index: torch.Tensor) -> list[int]:
@@ -48,24 +49,10 @@ def generation_lines(batch: Batch, tokenizer: Any, step: int) -> list[str]:
     return lines
 
 
-def _gather_bytes(data: bytes, group: dist.ProcessGroup) -> list[bytes]:
-    """Every rank's ``data``, on every rank: lengths first, then equal-sized uint8 tensors."""
-    world = dist.get_world_size(group)
-    length = torch.tensor([len(data)], dtype=torch.long)
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    most = max(int(n) for n in lengths)
-    mine = torch.zeros(most, dtype=torch.uint8)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-    parts = [torch.empty(most, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    return [bytes(p[:int(n)].tolist()) for p, n in zip(parts, lengths)]
-
-
 def dump_generations(batch: Batch, tokenizer: Any, step: int, folder: Path, group: dist.ProcessGroup) -> None:
     """Write ``{folder}/{step}.jsonl`` on rank 0 from every rank's rows of this step (a collective)."""
     mine = "\n".join(generation_lines(batch, tokenizer, step)).encode()
-    parts = _gather_bytes(mine, group)
+    parts = gather_bytes(mine, group)
     if dist.get_rank(group) != 0:
         return
     rows = [json.loads(line) for p in parts if p for line in p.decode().split("\n")]

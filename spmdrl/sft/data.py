@@ -47,6 +47,7 @@ class SFTItem:
     index: int  # position in the dataset
     input_ids: list[int]
     loss_mask: list[int]  # 1 on tokens that are trained as targets (never the first token)
+    order: int = -1  # position in the run's stream (set by the loader, spmdrl.data.PromptLoader)
 
 
 def _read_table(path: str, columns: list[str]) -> dict[str, list]:

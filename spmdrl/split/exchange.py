@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from spmdrl.batch import Batch
 from spmdrl.parallel import ParallelDims
+from spmdrl.placement import own_groups
 from spmdrl.rollout.base import buckets
 from spmdrl.rollout.flat import flatten, unflatten
 from spmdrl.validation import ValidationRows
@@ -197,12 +198,13 @@ class Exchange:
             else:  # every training rank is in the group's broadcast
                 _recv(0, group, self.device, (Kind.ANSWER,))
 
-    def own_rows(self, batch: Batch) -> Batch:
-        """(training rank) This rank's contiguous slice of a whole batch's rows: whole groups of n, the same
-        number on every training rank so that the update's collectives line up (DAPO may keep a number of
-        groups the training ranks do not divide: the rest is dropped)."""
-        rows = len(batch) // self.n // self.dims.train_ranks * self.n
-        return batch.select(slice(self.rank * rows, (self.rank + 1) * rows))
+    def own_rows(self, batch: Batch, slot: int) -> Batch:
+        """(training rank) This rank's rows of a whole batch: its block of each mini-batch slot of ``slot``
+        prompts in global prompt order (``placement.own_groups``: the same global mini-batches at any number
+        of rollout and training ranks), whole groups of n, the same number on every training rank so that
+        the update's collectives line up (DAPO may keep a number of groups the training ranks do not divide:
+        the last ones are dropped)."""
+        return own_groups(batch, self.n, len(batch) // self.n, slot, self.rank, self.dims.train_ranks)
 
     # ---- training rank 0 -> every rollout rank: the start, the weights, a stop ----------------------
 

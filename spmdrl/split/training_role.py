@@ -20,6 +20,7 @@ from spmdrl.checkpoint.in_flight import InFlight
 from spmdrl.checkpoint.manager import CheckpointManager
 from spmdrl.errors import ConfigError
 from spmdrl.experience import batch_metrics
+from spmdrl.placement import slot_prompts
 from spmdrl.precision import resolve_dtype
 from spmdrl.reward.sources import score_in_shares, scored_at_rollout
 from spmdrl.run.build import TrainingRun
@@ -78,7 +79,7 @@ def run_training(r: TrainingRun, ex: Exchange, end: StepEnd, held: InFlight) -> 
             if not early:  # (unless they went out with the last step's validation request)
                 _send_weights(r, ex, overlap=True)  # sent while the update runs
             early = False
-        batch = ex.own_rows(whole)
+        batch = ex.own_rows(whole, slot_prompts(cfg))
         scored = _score(r, batch)
         metrics, tokens = learn(r, r.training, batch, bypass=bypass)
         validate = r.validation.due(step, last)

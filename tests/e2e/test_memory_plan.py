@@ -42,6 +42,10 @@ RUNS = {
     # 1 rollout + 1 training rank, one-step off-policy (3 steps: step 2 sends weights, measured).
     "split": (2, ["--config", "configs/grpo.yaml", "--rollout.placement", "split",
                   "--rollout.n_gpus_per_node", "1"]),
+    # The reward model's forward, by its micro-batch (the whole batch of 64 responses in one).
+    "reward model": (1, ["--config", "configs/grpo.yaml", "--reward_model.enable", "true",
+                         "--reward_model.model.path", "builtin:tiny-rm", "--data.train_batch_size", "8",
+                         "--actor.ppo_mini_batch_size", "8", "--reward_model.micro_batch_size_per_gpu", "64"]),
     "0.5B shape": (1, ["--config", "configs/grpo.yaml", "--model.path", "builtin:qwen2.5-0.5b-shape",
                        *SMALL_BATCH]),
     "0.5B shape, LoRA": (1, ["--config", "configs/grpo.yaml", "--model.path", "builtin:qwen2.5-0.5b-shape",
@@ -76,7 +80,7 @@ def test_planned_peaks_are_within_15_percent_of_the_measured_ones(name, tmp_path
     train([*argv, *MEASURED, *steps, "--trainer.output_dir", str(out)], cache=spmdrl_cache, nproc=nproc)
     pairs = planned_vs_measured(out)
     want = {"weight_sync", "update", "rollout ranks: rollout"} if "split" in name else \
-        {"rollout", "weight_sync", "update"}
+        {"rollout", "weight_sync", "update"} | ({"reward"} if name == "reward model" else set())
     assert want <= set(pairs), set(pairs)
     off = {p: (round(a, 3), round(b, 3)) for p, (a, b) in pairs.items() if abs(a - b) > TOLERANCE * b}
     assert not off, f"{name}: planned vs measured GB outside {TOLERANCE:.0%}: {off}"

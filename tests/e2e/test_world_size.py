@@ -1,4 +1,5 @@
-"""The same run on 1, 2 and 4 ranks draws the same samples, and so does a resume on another world size.
+"""The same run on 1, 2 and 4 ranks draws the same samples and trains the same updates, and a resume on
+another world size draws the samples of the uninterrupted run.
 
 Sampling noise is keyed by (seed, step, prompt id, sample, position), never by rank or batch slot
 (``spmdrl/rollout/sampling.py``), so in float32 the runs' responses, compared one by one in
@@ -6,8 +7,13 @@ Sampling noise is keyed by (seed, step, prompt id, sample, position), never by r
 batch of another size runs the same matmuls in another blocking, and a token whose probability sits at
 the drawn uniform's edge can flip. A run resumed from the 2-rank run's step-1 checkpoint on 4 ranks
 continues with the samples of the uninterrupted 2-rank run. The validation before training, sampled at
-temperature 1, scores the same on every world size. The runs are in the shared jobs
-(tests/e2e/shared_runs.py).
+temperature 1, scores the same on every world size.
+
+The updates agree too, with several mini-batches and epochs (each global mini-batch holds the same
+prompts at any world size: spmdrl/placement.py), with a critic (configs/ppo.yaml) and with DAPO's dynamic
+sampling (configs/dapo.yaml: the first kept groups in global prompt order, whatever rank drew them): in
+float32, every logged metric but timings and memory within 1e-5 (relative for gradient norms and
+other large values), counts included. The runs are in the shared jobs (tests/e2e/shared_runs.py).
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ pytestmark = pytest.mark.e2e
 STEPS = 3
 COMMON = [
     "--config", "configs/grpo.yaml", *TINY, "--trainer.total_steps", str(STEPS),
-    "--data.train_batch_size", "8",
-    "--actor.ppo_mini_batch_size", "8", "--rollout.n", "4", "--data.max_response_length", "16",
+    "--data.train_batch_size", "8", "--actor.ppo_epochs", "2",
+    "--actor.ppo_mini_batch_size", "4", "--rollout.n", "4", "--data.max_response_length", "16",
     "--actor.param_dtype", "float32", "--rollout.dtype", "float32", "--model.fused_kernels", "off",
     "--trainer.rollout_data_dir", "generations", "--trainer.val_before_train", "true",
     "--rollout.val_kwargs.n", "2", "--rollout.val_kwargs.do_sample", "true",
@@ -55,6 +61,33 @@ declare("world_size/resumed", [*COMMON, "--trainer.output_dir", "{base}/world_si
                                "--trainer.val_before_train", "false"], nproc=4)
 
 
+# The shipped configs as they are (several mini-batches; PPO's critic with mini-batches of its own; DAPO's
+# rounds), two steps, in float32.
+F32 = ["--actor.param_dtype", "float32", "--rollout.dtype", "float32", "--model.fused_kernels", "off",
+       "--trainer.total_steps", "2", "--trainer.progress_bar", "false", "--trainer.resume", "off",
+       "--trainer.test_freq", "-1"]
+for _config in ("ppo", "dapo"):
+    for _n in (1, 2, 4):
+        declare(f"world_size/{_config}{_n}", ["--config", f"configs/{_config}.yaml", *F32,
+                                               "--trainer.output_dir", f"{{base}}/world_size/{_config}{_n}"],
+                nproc=_n)
+
+
+def _differences(rows: list[list[dict]], step: int) -> list[str]:
+    """The metrics of ``step`` that differ between the runs beyond float32 rounding: 1e-5, relative above 1."""
+    at = [next(r for r in run if r.get("step") == step and "reward/mean" in r) for run in rows]
+    keys = set().union(*at) - {"step"}
+    out = []
+    for k in sorted(keys):
+        if k.startswith(("timing/", "memory/", "perf/")):
+            continue  # how long and how much, not what was computed
+        vals = [m.get(k) for m in at]
+        if any(v is None for v in vals) or any(not math.isclose(v, vals[0], rel_tol=1e-5, abs_tol=1e-5)
+                                               for v in vals):
+            out.append(f"{k}: {vals}")
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(shared) -> dict[str, Path]:
     run = shared.stdout("world_size/resumed") + shared.stderr("world_size/resumed")
@@ -81,3 +114,19 @@ def test_a_resume_on_another_world_size_draws_the_uninterrupted_samples(runs):
     assert not (runs["resumed"] / "generations" / "1.jsonl").exists()  # it started after step 1
     for step in (2, 3):
         assert _same(_generations(runs["resumed"], step), _generations(runs["ranks2"], step)) >= 0.99, step
+
+
+def test_the_updates_agree_on_one_two_and_four_ranks_with_several_mini_batches_and_epochs(runs):
+    rows = [read_metrics(runs[f"ranks{n}"]) for n in (1, 2, 4)]
+    assert rows[0][1]["batch/responses"] == 32  # a count is the batch's, not a rank's share
+    assert _differences(rows, 1) == []
+    if all(_generations(runs[f"ranks{n}"], 2) == _generations(runs["ranks1"], 2) for n in (2, 4)):
+        assert _differences(rows, 2) == []
+
+
+@pytest.mark.parametrize("config", ["ppo", "dapo"])
+def test_the_shipped_critic_and_dapo_configs_train_the_same_on_one_two_and_four_ranks(shared, config):
+    rows = [read_metrics(shared.path(f"world_size/{config}{n}")) for n in (1, 2, 4)]
+    assert _differences(rows, 1) == []
+    if config == "dapo":  # the same groups kept, however many rounds each rank needed
+        assert rows[0][0]["dapo/kept_groups"] >= 16 and rows[0][0]["batch/responses"] == 16 * 8

@@ -108,6 +108,7 @@ def _experience(cfg: Config, engine: RolloutEngine, tok, sources=None, agent=Non
 def _cfg(**algorithm) -> Config:
     cfg = Config()
     cfg.rollout.n, cfg.data.max_response_length = N, 8
+    cfg.data.train_batch_size = cfg.actor.ppo_mini_batch_size = 4  # the tests' loaders: 4 prompts a step
     for key, value in algorithm.items():
         setattr(cfg.algorithm.filter_groups, key, value)
     return cfg
@@ -145,7 +146,7 @@ def test_dapo_generates_until_every_group_it_keeps_is_informative(tok, tmp_path)
     odd = [p for p in ds.items if int(p.extra_info["a"]) % 2 == 1]
     rounds = int(metrics["dapo/num_gen_batches"])
     seen = 4 * rounds  # prompts generated for
-    assert len(batch) == 4 * N  # exactly the rank's share of groups, whole
+    assert len(batch) == 4 * N  # exactly the step's groups, whole
     kept = sorted(set(batch["index"].tolist()))
     assert kept == [p.index for p in odd if p.index < seen][:4]  # the first informative groups, in order
     assert metrics["dapo/kept_groups"] + metrics["dapo/dropped_groups"] == seen
@@ -209,23 +210,6 @@ def test_remax_with_dynamic_sampling_gives_every_kept_row_its_baseline(tok, tmp_
     rounds = int(metrics["dapo/num_gen_batches"])
     assert rounds > 1 and batch["baseline"].tolist() == [1.0] * (4 * N)  # greedy answers right
     assert [(c.n, c.greedy) for c in engine.calls] == [(N, False), (1, True)] * rounds
-
-
-def test_dapo_under_rollout_tp_collects_this_ranks_share(tok, tmp_path) -> None:
-    """Under rollout TP 2 every rank of the group generates the group's 4 prompts and keeps 2 of them, so it
-    trains on 2 groups, not 4 (and stops generating once it has them)."""
-    ds = _prompts(tok, generate_arith("train", 64, seed=0), tmp_path)
-    loader = PromptLoader(ds, batch_size=4, rank=0, world_size=1, shuffle=False, seed=0)
-    engine = ArithAnswers(tok)
-    exp = _experience(_cfg(enable=True, max_num_gen_batches=10), engine, tok)
-    exp.session = RolloutSession(engine, lambda: [], sleep_level=1, sleeps=True, tp_rank=0, tp=2)
-    batch, metrics = exp.produce(next(loader), more_prompts=loader)
-    rounds = int(metrics["dapo/num_gen_batches"])
-    # Rank 0 keeps the first 2 prompts of each round; its informative ones are those with an odd a.
-    mine = [p for k in range(rounds) for p in ds.items[4 * k:4 * k + 2]]
-    odd = [p.index for p in mine if int(p.extra_info["a"]) % 2 == 1]
-    assert len(batch) == 2 * N and sorted(set(batch["index"].tolist())) == odd[:2]
-    assert len(odd[:-1]) < 2 <= len(odd)  # the last round completed the share
 
 
 def test_dapo_stops_drawing_when_the_epochs_run_out(tok, tmp_path) -> None:

@@ -60,3 +60,16 @@ def test_split_placement_plans_each_role_for_what_it_holds(monkeypatch):
     assert rollout.kv_fraction == round((0.9 * gpu - 2 * whole) / gpu, 3) and colocated.kv_fraction
     assert any("what the received weights leave free" in d for d in rollout.decisions)
     assert "GB per training rank" in training.table() and "GB per rollout rank" in rollout.table()
+
+
+def test_the_reward_models_forward_is_planned_by_its_micro_batch():
+    """The reward model scores each round in a phase of its own, whose activations grow with its micro-batch
+    (issue 44: the plan held its weights only, the same peaks for micro-batches of 1 and 100,000)."""
+    rm = ["--reward_model.enable", "true", "--reward_model.model.path", "builtin:tiny-rm",
+          "--data.train_batch_size", "1024"]
+    small, large = (make_plan(_cfg(*rm, "--reward_model.micro_batch_size_per_gpu", str(m)), 1, 1, "cpu")
+                    for m in (1, 100000))
+    grow = large.phases["reward"]["reward activations"] / small.phases["reward"]["reward activations"]
+    assert grow > 1000  # 8,192 rows in one micro-batch against one row
+    assert sum(large.phases["reward"].values()) > sum(large.phases["update"].values())
+    assert "reward" not in make_plan(_cfg(), 1, 1, "cpu").phases
