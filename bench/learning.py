@@ -3,6 +3,7 @@
     python bench/learning.py                                   # the nine configs, 2 ranks, seed 1
     python bench/learning.py --configs grpo ppo --seeds 1 2 3 --steps 100 --out /tmp/learning
     python bench/learning.py --extra --actor.param_dtype float32 --rollout.dtype float32
+    python bench/learning.py --configs grpo --seeds 1 2 3 4 5  # the main job's seed sweep: a row per seed
 
 Each config runs as the README's main job does (``torchrun --standalone --nproc-per-node N -m
 spmdrl.train --config configs/NAME.yaml``) from the config's own model path, so every row starts from
@@ -92,6 +93,24 @@ def print_table(results: dict[str, list[dict]], seeds: list[int]) -> None:
               f"| {m['entropy0']:.2f} -> {m['entropy_min']:.2f} | {m['collapsed']} | {m['wall']:.0f} |")
 
 
+def learns(row: dict, floor: float = 0.6, gain: float = 0.25) -> bool:
+    """The main job's promise for one seed: the last 10 steps at ``floor`` or more, ``gain`` above the first
+    10, and no collapse."""
+    return row["end"] >= floor and row["end"] >= row["start"] + gain and not row["collapsed"]
+
+
+def print_seeds(results: dict[str, list[dict]], seeds: list[int]) -> None:
+    """One row per config and seed, with whether that seed learns (``learns``)."""
+    print("\n| config | seed | reward first 10 -> best 10 -> last 10 | gain | lowest entropy | collapsed "
+          "| learns (last 10 >= 0.6, gain >= 0.25) | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, rows in results.items():
+        for seed, r in zip(seeds, rows):
+            print(f"| {name} | {seed} | {r['start']:.2f} -> {r['best']:.2f} -> {r['end']:.2f} "
+                  f"| {r['end'] - r['start']:+.2f} | {r['entropy_min']:.2f} | {'yes' if r['collapsed'] else 'no'} "
+                  f"| {'yes' if learns(r) else 'NO'} | {r['wall']:.0f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
@@ -114,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
             results.setdefault(name, []).append(row)
             print(f"{name} seed {seed}: {json.dumps(row)}", flush=True)
     print_table(results, args.seeds)
+    if len(args.seeds) > 1:  # the seed sweep: the main job learns at every seed (README)
+        print_seeds(results, args.seeds)
     from spmdrl.plot import plot_runs
 
     runs = [args.out / f"{name}_seed{args.seeds[0]}" for name in args.configs]

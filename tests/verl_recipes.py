@@ -78,3 +78,87 @@ ONE_STEP_OFF_POLICY = """
     trainer.total_training_steps=2
     trainer.default_local_dir={out}
 """
+
+
+# verl's recipe/one_step_off_policy/shell/dapo_7b_math_fsdp2_64_64.sh, key for key: local model and data, 1
+# training + 1 rollout rank for its 64 + 64 GPUs (gen_tp, sp_size and fsdp_size 1: no sequence parallel
+# here yet), CPU sizes (batch 4 for 512, mini-batch 4 for 32, n 2 for 16, responses of 16 tokens for 28,672
+# with an overlong buffer of 4 for 4,096, prompts of 512 for 2,048 and the token budgets and max_resp_len
+# that follow from them, a warm-up of 1 step for 10 of its 400). Added: the step count and the output
+# folder. {engine}: as ONE_STEP_OFF_POLICY's.
+DAPO_ONE_STEP_OFF_POLICY = """
+    data.train_files={data}/train.parquet
+    data.val_files={data}/test.parquet
+    data.prompt_key=prompt
+    data.truncation='left'
+    data.max_prompt_length=512
+    data.max_response_length=16
+    data.train_batch_size=4
+    actor_rollout_ref.rollout.n=2
+    algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=False
+    algorithm.kl_ctrl.kl_coef=0.0
+    actor_rollout_ref.actor.strategy=fsdp2
+    critic.strategy=fsdp2
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.kl_loss_coef=0.0
+    actor_rollout_ref.actor.clip_ratio_low=0.2
+    actor_rollout_ref.actor.clip_ratio_high=0.28
+    actor_rollout_ref.actor.clip_ratio_c=10.0
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.hybrid_engine=False
+    +actor_rollout_ref.model.override_config.max_position_embeddings=32768
+    actor_rollout_ref.actor.use_dynamic_bsz=True
+    actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+    actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1056
+    actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1584
+    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1584
+    actor_rollout_ref.model.path={model}
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.optim.lr_warmup_steps=1
+    actor_rollout_ref.actor.optim.weight_decay=0.1
+    actor_rollout_ref.actor.ppo_mini_batch_size=4
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.actor.grad_clip=1.0
+    actor_rollout_ref.actor.loss_agg_mode=token-mean
+    actor_rollout_ref.actor.ulysses_sequence_parallel_size=1
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.80
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.enable_chunked_prefill=True
+    actor_rollout_ref.rollout.max_num_batched_tokens=528
+    actor_rollout_ref.rollout.temperature=1.0
+    actor_rollout_ref.rollout.top_p=1.0
+    actor_rollout_ref.rollout.top_k=-1
+    actor_rollout_ref.rollout.val_kwargs.temperature=1.0
+    actor_rollout_ref.rollout.val_kwargs.top_p=0.7
+    actor_rollout_ref.rollout.val_kwargs.top_k=-1
+    actor_rollout_ref.rollout.val_kwargs.do_sample=True
+    actor_rollout_ref.rollout.val_kwargs.n=1
+    {engine}
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    actor_rollout_ref.ref.ulysses_sequence_parallel_size=1
+    actor_rollout_ref.actor.fsdp_config.fsdp_size=1
+    reward_model.reward_manager=dapo
+    +reward_model.reward_kwargs.overlong_buffer_cfg.enable=True
+    +reward_model.reward_kwargs.overlong_buffer_cfg.len=4
+    +reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0
+    +reward_model.reward_kwargs.overlong_buffer_cfg.log=False
+    +reward_model.reward_kwargs.max_resp_len=16
+    trainer.logger=['console','tensorboard']
+    trainer.project_name='DAPO'
+    trainer.experiment_name='dapo_qwen2-7B-math_28k_fsdp2_one_step_off_64-64'
+    trainer.val_before_train=True
+    trainer.test_freq=10
+    trainer.save_freq=-1
+    trainer.total_epochs=10
+    trainer.total_training_steps=2
+    trainer.default_local_dir={out}
+    trainer.resume_mode=auto
+    trainer.nnodes=1
+    trainer.n_gpus_per_node=1
+    rollout.nnodes=1
+    rollout.n_gpus_per_node=1
+"""

@@ -394,12 +394,28 @@ def _check_model_folders(cfg: Config) -> None:
                 check_vocab(read_config(cfg.model.path, "model.path"), tokenizer, "model.tokenizer_path", tok)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    override = cfg.model.max_position_embeddings
+    _check(override is None or override >= longest,
+           f"model.max_position_embeddings is {override}, fewer than data.max_prompt_length + "
+           f"data.max_response_length = {longest} positions a sequence may take")
     if not cfg.model.path.startswith("builtin:"):
-        longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-        limit = text_config(read_config(cfg.model.path, "model.path")).get("max_position_embeddings")
+        text = text_config(read_config(cfg.model.path, "model.path"))
+        if override is not None:
+            rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+            kind = rope.get("rope_type", rope.get("type", "default"))
+            # dynamic / longrope scale by it; yarn and llama3 fall back to it without their own original length.
+            reads = kind in ("dynamic", "longrope") or (
+                kind in ("yarn", "llama3") and not rope.get("original_max_position_embeddings"))
+            _check(not reads,
+                   f"model.max_position_embeddings is set, but model.path {cfg.model.path!r} uses {kind!r} "
+                   f"RoPE scaling, whose frequencies depend on it: overriding it would change the model; "
+                   f"leave it unset (null) for this model")
+        limit = override or text.get("max_position_embeddings")
         _check(limit is None or limit >= longest,
                f"model.path {cfg.model.path!r} has max_position_embeddings {limit}, fewer than "
-               f"data.max_prompt_length + data.max_response_length = {longest} positions a sequence may take")
+               f"data.max_prompt_length + data.max_response_length = {longest} positions a sequence may take; "
+               f"model.max_position_embeddings raises it")
 
 
 def _check_lora_ranks(cfg: Config) -> None:

@@ -48,6 +48,13 @@ class ModelConfig:
     """Hugging Face model folder, or ``builtin:tiny`` / ``builtin:small`` (built offline on first use)."""
     tokenizer_path: Optional[str] = None
     """Tokenizer folder when it differs from model.path."""
+    max_position_embeddings: Optional[int] = None
+    """The longest sequence the models are built for, in place of config.json's (verl's
+    ``model.override_config.max_position_embeddings``: a recipe raising a math model's 4,096 positions for
+    long responses). Every engine builds with it (transformers, vLLM's ``hf_overrides``, SGLang's model
+    overrides, the native engine). Refused for a model whose RoPE numbers depend on it (``dynamic`` or
+    ``longrope`` scaling; ``yarn`` or ``llama3`` without their own original length): there it would change
+    the model, not only its limit."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype in which the trained weights are kept (the master copy)."""
     enable_gradient_checkpointing: Union[bool, Literal["auto"]] = "auto"

@@ -337,6 +337,7 @@ class LibraryOptions:
     max_model_len: int = 2048  # longest prompt + response
     gpu_memory_utilization: float = 0.5  # CUDA only
     bucket_bytes: int = 512 << 20  # most exported bytes alive at once during update_weights
+    max_position_embeddings: Optional[int] = None  # model.max_position_embeddings: config.json's, overridden
 
     @classmethod
     def from_config(cls, cfg: "Config", device: torch.device, **own):
@@ -344,7 +345,8 @@ class LibraryOptions:
         return cls(**common_kwargs(cfg, device),
                    max_model_len=r.max_model_len or d.max_prompt_length + d.max_response_length,
                    gpu_memory_utilization=r.gpu_memory_utilization,
-                   bucket_bytes=r.update_weights_bucket_megabytes << 20, **own)
+                   bucket_bytes=r.update_weights_bucket_megabytes << 20,
+                   max_position_embeddings=cfg.model.max_position_embeddings, **own)
 
 
 def library_missing(module: str, name: str) -> Optional[str]:

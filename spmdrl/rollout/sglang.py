@@ -204,6 +204,8 @@ class SGLangRollout(RolloutEngine):
                 # Without it the idle scheduler polls its sockets in a busy loop, a whole core per engine
                 # for the whole run, while the trainer computes next to it.
                 sleep_on_idle=True, **attention, **memory,
+                **(dict(json_model_override_args=json.dumps({"max_position_embeddings": o.max_position_embeddings}))
+                   if o.max_position_embeddings else {}),
             )
         atexit.unregister(engine.shutdown)  # it would kill every child of this process (``close``)
         return engine

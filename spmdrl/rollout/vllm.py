@@ -257,6 +257,8 @@ class _VLLMEngine(RolloutEngine):
             max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
             max_num_batched_tokens=max(o.max_num_batched_tokens, o.max_model_len),
             enforce_eager=o.enforce_eager, **_graph_sizes(o),
+            **(dict(hf_overrides={"max_position_embeddings": o.max_position_embeddings})
+               if o.max_position_embeddings else {}),
             enable_sleep_mode=self.sleep_mode, enable_prefix_caching=True, skip_tokenizer_init=True,
             logprobs_mode="processed_logprobs" if o.logprobs else "raw_logprobs", **memory,
             # Only each call's SamplingParams shape sampling: no defaults (top_k, repetition penalty,

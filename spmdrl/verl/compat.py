@@ -129,16 +129,23 @@ def _per_gpu(spmdrl: str) -> Callable[[Any, Ctx], dict[str, Any]]:
     return convert
 
 
+def _rollout_ranks(verl: dict[str, Any]) -> int:
+    """The ranks that only generate: without the hybrid engine, verl's rollout.* nodes and GPUs."""
+    split = verl.get("actor_rollout_ref.hybrid_engine") is False
+    return verl.get("rollout.n_gpus_per_node", 0) * verl.get("rollout.nnodes", 1) if split else 0
+
+
 def _fsdp_size(value: Any, ctx: Ctx) -> dict[str, Any]:
-    # verl's fsdp_size k shards over groups of k ranks and replicates over the rest: spmdrl's HSDP.
-    if value in (None, -1) or value == ctx.world_size:
+    # verl's fsdp_size k shards over groups of k ranks and replicates over the rest: spmdrl's HSDP. The
+    # ranks are the training ones (split placement's rollout ranks hold no model to shard).
+    train = ctx.world_size - _rollout_ranks(ctx.verl)
+    if value in (None, -1) or value == train:
         return {}
     k = int(value)
-    if k <= 0 or ctx.world_size % k:
+    if k <= 0 or train % k:
         raise ConfigError(f"verl key actor_rollout_ref.actor.fsdp_config.fsdp_size={value} does not divide "
-                          f"the {ctx.world_size} ranks torchrun started; give -1 or a divisor of the world "
-                          f"size")
-    return {"parallel.dp_shard": k, "parallel.dp_replicate": ctx.world_size // k}
+                          f"the {train} training ranks; give -1 or a divisor of their number")
+    return {"parallel.dp_shard": k, "parallel.dp_replicate": train // k}
 
 
 def _clip_ratio(value: Any, ctx: Ctx) -> dict[str, Any]:
@@ -231,6 +238,8 @@ TABLE: list[Rule] = [
     m(f"{AR}.model.enable_gradient_checkpointing", "model.enable_gradient_checkpointing"),
     m(f"{AR}.model.use_liger", "model.fused_kernels", lambda v: "on" if v else "off",
       "true: on, false: off (fused RMSNorm/SwiGLU)"),
+    m(f"{AR}.model.override_config.max_position_embeddings", "model.max_position_embeddings",
+      note="the one config.json override spmdrl takes (its DAPO recipes' longer responses)"),
     m(f"{AR}.model.lora_rank", "model.lora_rank"),
     m(f"{AR}.model.lora_alpha", "model.lora_alpha"),
     m(f"{AR}.model.target_modules", "model.target_modules"),
@@ -582,7 +591,7 @@ def check_world_size(verl: dict[str, Any], world_size: int) -> None:
     per_node, nodes = verl.get("trainer.n_gpus_per_node", 8), verl.get("trainer.nnodes", 1)
     # Without the hybrid engine, verl's trainer.* ranks train and its rollout.* ranks generate: both count.
     split = verl.get("actor_rollout_ref.hybrid_engine") is False
-    rollout = verl.get("rollout.n_gpus_per_node", 0) * verl.get("rollout.nnodes", 1) if split else 0
+    rollout = _rollout_ranks(verl)
     counted = isinstance(per_node, int) and isinstance(nodes, int)
     if not counted or per_node * nodes + rollout != world_size:
         extra = f" (+ {rollout} rollout ranks)" if split else ""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from shared_runs import declare, prepare
-from verl_recipes import ONE_STEP_OFF_POLICY, gsm8k_parquet
+from verl_recipes import DAPO_ONE_STEP_OFF_POLICY, ONE_STEP_OFF_POLICY, gsm8k_parquet
 
 pytestmark = pytest.mark.e2e
 
@@ -175,6 +175,9 @@ declare("verl/one_step_off", [*shlex.split(ONE_STEP_OFF_POLICY.format(**PATHS, o
                                                                       engine="")),
                               "--trainer.progress_bar", "false"])
 
+declare("verl/dapo_one_step_off", [*shlex.split(DAPO_ONE_STEP_OFF_POLICY.format(
+    **PATHS, out="{base}/verl/dapo_one_step_off", engine="")), "--trainer.progress_bar", "false"])
+
 
 @pytest.fixture(scope="module")
 def verl_run(shared) -> dict:
@@ -303,3 +306,17 @@ def test_one_step_off_policy_recipe_runs_split(tmp_path, shared, monkeypatch, ca
         k.startswith("val-core/openai/gsm8k/") for k in rows[2])
     resolved = yaml.safe_load(shared.path("verl/one_step_off/config.yaml").read_text())
     assert resolved["rollout"]["placement"] == "split" and resolved["rollout"]["calculate_log_probs"] is False
+
+
+def test_dapo_one_step_off_policy_recipe_runs_as_written(shared):
+    """verl's DAPO recipe (its dapo reward manager with the overlong buffer as reward_kwargs, max_resp_len,
+    the max_position_embeddings override) runs split for its 2 steps; every key took effect."""
+    err, rows = shared.stderr("verl/dapo_one_step_off"), shared.rows("verl/dapo_one_step_off")
+    assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then 2 steps
+    assert "reward/overlong/mean" in rows[1] and "reward/overlong/ratio" in rows[1]
+    resolved = yaml.safe_load(shared.path("verl/dapo_one_step_off/config.yaml").read_text())
+    assert resolved["rollout"]["placement"] == "split" and resolved["model"]["max_position_embeddings"] == 32768
+    assert resolved["reward"]["overlong_buffer"] == {"enable": True, "len": 4, "penalty_factor": 1.0,
+                                                     "max_resp_len": 16}
+    assert resolved["actor"]["clip_ratio_high"] == 0.28 and resolved["actor"]["loss_agg_mode"] == "token-mean"
+    assert "has no spmdrl equivalent" not in err

@@ -26,6 +26,8 @@ RC = "--algorithm.rollout_correction."
 BAD = [
     # (extra argv, fragment expected in the message)
     (["--actor.lr", "0"], "actor.lr is 0.0; the learning rate must be > 0"),
+    (["--model.max_position_embeddings", "64"], "model.max_position_embeddings is 64, fewer than "
+                                                "data.max_prompt_length + data.max_response_length"),
     (["--critic.lr=-1e-3"], "critic.lr is -0.001"),
     (["--actor.clip_ratio_low", "0"], "actor.clip_ratio_low is 0.0; clip ratios must be > 0"),
     (["--actor.clip_ratio_c", "0.5"], "actor.clip_ratio_c is 0.5; the dual-clip bound must be > 1"),
@@ -285,3 +287,24 @@ def test_sglang_engine_needs_sglang(monkeypatch, capsys):
         assert code == 2 and ("rollout.engine is 'sglang' but SGLang is not installed in this Python "
                               "environment; make its environment with `bash .ci/sglang-venv`" in err), err
         assert err.count("\n") == 1
+
+
+def test_a_position_override_is_refused_where_rope_reads_it(tiny_model_dir, tmp_path, capsys):
+    """model.max_position_embeddings (verl's override_config) raises a limit; on a model whose RoPE
+    frequencies depend on it (dynamic NTK scaling) it would change the model, so it is refused by name."""
+    import json
+    import shutil
+
+    folder = tmp_path / "dynamic"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    key = "rope_parameters" if "rope_parameters" in config else "rope_scaling"  # transformers 5 / 4
+    config[key] = {**(config.get(key) or {}), "rope_type": "dynamic", "factor": 2.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    code, err = run_main(["--config", GRPO, "--model.path", str(folder), "--model.max_position_embeddings",
+                          "32768", "--trainer.plan_only", "true"], capsys)
+    assert code == 2 and "uses 'dynamic' RoPE scaling, whose frequencies depend on it" in err
+    # A model with plain RoPE takes it: the plan is printed and nothing refused.
+    main(["--config", GRPO, "--model.path", str(tiny_model_dir), "--model.max_position_embeddings", "32768",
+          "--trainer.plan_only", "true"])
+    assert "error" not in capsys.readouterr().err

@@ -34,7 +34,7 @@ no-grad forwards, then keeps this rank's rows of the result).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -159,6 +159,7 @@ class FSDP2Engine(TrainEngine):
         compile: bool = False,
         fused_kernels: bool = False,
         attn_implementation: str = "sdpa",
+        max_position_embeddings: Optional[int] = None,
         remove_padding: bool = False,
         temperature: float = 1.0,
         lr: float = 1e-6,
@@ -191,7 +192,7 @@ class FSDP2Engine(TrainEngine):
         dtype, mp_param, mp_reduce = _mixed_precision(role, to_dtype(dtype), param_dtype, reduce_dtype)
         # The dtype of the unsharded parameters in forward (what an all-gather produces).
         self.param_dtype = mp_param or dtype
-        self.model = self._load(model_path, role, dtype, seed, attn_implementation)
+        self.model = self._load(model_path, role, dtype, seed, attn_implementation, max_position_embeddings)
         if role in FROZEN:
             self.model.requires_grad_(False)
         # LoRA goes in first: TP, checkpointing, compile and FSDP then wrap the adapted modules.
@@ -219,17 +220,20 @@ class FSDP2Engine(TrainEngine):
             )
 
     @staticmethod
-    def _load(model_path: str, role: ModelRole, dtype: torch.dtype, seed: int, attn: str) -> nn.Module:
+    def _load(model_path: str, role: ModelRole, dtype: torch.dtype, seed: int, attn: str,
+              positions: Optional[int] = None) -> nn.Module:
         from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
         # Every rank loads the full weights on the CPU; fully_shard then keeps only its shard on the device.
         if role == "reward":
             return RewardModel(AutoModelForSequenceClassification.from_pretrained(
                 model_path, num_labels=1, dtype=dtype, attn_implementation=attn))
+        # model.max_position_embeddings: a config.json value overridden at load (transformers' kwargs).
+        kw = dict(dtype=dtype, attn_implementation=attn, **({"max_position_embeddings": positions}
+                                                            if positions else {}))
         if role == "critic":
-            backbone = AutoModel.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
-            return ValueModel(backbone, seed)
-        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn)
+            return ValueModel(AutoModel.from_pretrained(model_path, **kw), seed)
+        return AutoModelForCausalLM.from_pretrained(model_path, **kw)
 
     @classmethod
     def check_config(cls, cfg: "Config") -> None:
@@ -287,6 +291,7 @@ class FSDP2Engine(TrainEngine):
                 cfg.data.max_prompt_length + cfg.data.max_response_length,
             ),
             compile=resolve_compile(m.use_torch_compile, torch.device(device).type),
+            max_position_embeddings=m.max_position_embeddings,
             fused_kernels=resolve_fused_kernels(
                 m.fused_kernels, torch.device(device).type, tp_mesh.size() if tp_mesh is not None else 1
             ),
@@ -296,7 +301,9 @@ class FSDP2Engine(TrainEngine):
         if role == "ref":
             return cls(model_path, cpu_offload=cfg.ref.offload, remove_padding=m.use_remove_padding, **common)
         if role == "reward":
-            return cls(model_path, remove_padding=cfg.reward_model.model.use_remove_padding, **common)
+            # The reward model is its own folder: the policy's position override is not its.
+            return cls(model_path, remove_padding=cfg.reward_model.model.use_remove_padding,
+                       **{**common, "max_position_embeddings": None})
         if role == "critic":
             c = cfg.critic
             return cls(

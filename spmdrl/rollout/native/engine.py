@@ -134,6 +134,7 @@ class NativeRollout(RolloutEngine):
         prepack: Optional[bool] = None,
         kernels: KernelMode = "auto",
         cuda_graphs: GraphMode = "auto",
+        max_position_embeddings: Optional[int] = None,
     ):
         self.dp_rank, tp = rollout_coords(mesh)
         if tp > 1:
@@ -146,6 +147,8 @@ class NativeRollout(RolloutEngine):
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
         self.config = DecoderConfig.from_folder(model_path)
+        if max_position_embeddings:  # model.max_position_embeddings (the config refuses it where RoPE reads it)
+            self.config = replace(self.config, max_position_embeddings=max_position_embeddings)
         self.model = Decoder(self.config, self.device, self.dtype)
         self.prepack = can_prepack(self.device, self.dtype) if prepack is None else prepack
         if self.prepack and not can_prepack(self.device, self.dtype):
@@ -212,7 +215,7 @@ class NativeRollout(RolloutEngine):
         return cls(model_path, mesh=mesh, device=device, eos_token_ids=eos_token_ids,
                    pad_token_id=pad_token_id, kernels=cfg.rollout.native_kernels,
                    cuda_graphs=cfg.rollout.native_cuda_graphs,
-                   **common_kwargs(cfg, device))
+                   max_position_embeddings=cfg.model.max_position_embeddings, **common_kwargs(cfg, device))
 
     # ---- weights and memory ----------------------------------------------------------------------
 
