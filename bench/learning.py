@@ -107,7 +107,8 @@ def print_seeds(results: dict[str, list[dict]], seeds: list[int]) -> None:
     for name, rows in results.items():
         for seed, r in zip(seeds, rows):
             print(f"| {name} | {seed} | {r['start']:.2f} -> {r['best']:.2f} -> {r['end']:.2f} "
-                  f"| {r['end'] - r['start']:+.2f} | {r['entropy_min']:.2f} | {'yes' if r['collapsed'] else 'no'} "
+                  f"| {r['end'] - r['start']:+.2f} | {r['entropy_min']:.2f} "
+                  f"| {'yes' if r['collapsed'] else 'no'} "
                   f"| {'yes' if learns(r) else 'NO'} | {r['wall']:.0f} |")
 
 

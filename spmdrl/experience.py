@@ -245,7 +245,8 @@ class Experience:
             kept.append(batch.select(keep.nonzero().squeeze(-1)))
             for k, v in counts.items():
                 metrics[f"dapo/{k}"] = metrics.get(f"dapo/{k}", 0.0) + v
-            # Rollout TP ranks keep disjoint shares of their group's responses: the sum counts each group once.
+            # Rollout TP ranks keep disjoint shares of their group's responses: the sum counts each group
+            # once.
             have = torch.tensor([sum(len(b) for b in kept) // n], dtype=torch.long)
             dist.all_reduce(have, group=self.group)
             if have.item() >= want or (fg.max_num_gen_batches and rounds >= fg.max_num_gen_batches):
@@ -261,7 +262,8 @@ class Experience:
                               torch.device("cpu"))  # the batch group's gloo side on either device
         if len(placed) == 0:
             raise RuntimeError(
-                f"dynamic sampling kept fewer groups than the {ranks} ranks after {rounds} generation batches; "
+                f"dynamic sampling kept fewer groups than the {ranks} ranks after {rounds} generation "
+                f"batches; "
                 f"raise algorithm.filter_groups.max_num_gen_batches or make the task less all-or-nothing"
             )
         return placed, metrics

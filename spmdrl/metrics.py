@@ -145,8 +145,9 @@ COUNTS = frozenset({"batch/responses", "dapo/kept_groups", "dapo/dropped_groups"
 
 
 def reduce_metrics(metrics: dict[str, float], group: dist.ProcessGroup) -> dict[str, float]:
-    """Each key over the ranks of ``group`` that report it: counts (``COUNTS``) summed, ``*/max`` keys the max,
-    ``*/min`` the min, memory and timing keys the max (the slowest / largest rank matters), the rest the mean.
+    """Each key over the ranks of ``group`` that report it: counts (``COUNTS``) summed, ``*/max`` keys the
+    max, ``*/min`` the min, memory and timing keys the max (the slowest / largest rank matters), the rest the
+    mean.
 
     Ranks may report different keys (a scorer's extras depend on the data
     source a rank happened to get), so the key set is agreed first: a
@@ -170,7 +171,8 @@ def reduce_metrics(metrics: dict[str, float], group: dist.ProcessGroup) -> dict[
     dist.all_reduce(count, group=group)
     dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(mined, op=dist.ReduceOp.MIN, group=group)
-    out = torch.where(is_max, maxed, torch.where(is_min, mined, torch.where(is_count, summed, summed / count)))
+    mean_or_sum = torch.where(is_count, summed, summed / count)
+    out = torch.where(is_max, maxed, torch.where(is_min, mined, mean_or_sum))
     return dict(zip(keys, out.tolist()))
 
 

@@ -44,8 +44,8 @@ def slot_prompts(cfg: "Config", critic: Optional[bool] = None) -> int:
 
 
 def slot_positions(n: int, slot: int, rank: int, world: int) -> list[int]:
-    """Positions (of ``n`` in global order) that rank ``rank`` of ``world`` holds: its contiguous block of each
-    slot of ``slot`` positions. A slot the world does not divide cannot be shared evenly: then the whole
+    """Positions (of ``n`` in global order) that rank ``rank`` of ``world`` holds: its contiguous block of
+    each slot of ``slot`` positions. A slot the world does not divide cannot be shared evenly: then the whole
     ``n`` is one slot (each rank a contiguous block, sizes differing by at most one)."""
     if slot < 1 or slot % world or n % world:
         slot = n
@@ -97,7 +97,8 @@ def place_groups(batch: Batch, n: int, want: int, slot: int, group: dist.Process
         # Each rank's share is its own first groups, in order: nothing moves.
         return batch.select(slice(0, len(shares[rank]) * n))
     # Every rank's rows, padded to the most groups by repeating its first row (never chosen).
-    fill = torch.cat([torch.arange(len(batch)), torch.zeros((most - int(counts[rank])) * n, dtype=torch.long)])
+    missing = (most - int(counts[rank])) * n
+    fill = torch.cat([torch.arange(len(batch)), torch.zeros(missing, dtype=torch.long)])
     from spmdrl.engines.balance import trim_padding
     from spmdrl.engines.base import gather_rows
 
@@ -105,7 +106,8 @@ def place_groups(batch: Batch, n: int, want: int, slot: int, group: dist.Process
     rows = torch.tensor([(r * most + g) * n + i for r, g in shares[rank] for i in range(n)], dtype=torch.long)
     placed = trim_padding(everyone.select(rows))
     if batch.non_tensor:
-        # As split placement's messages: a value JSON lacks (a numpy scalar in extra_info) travels as its text.
+        # As split placement's messages: a value JSON lacks (a numpy scalar in extra_info) travels as its
+        # text.
         mine = json.dumps(batch.non_tensor, default=str).encode()
         lists = [json.loads(p) for p in gather_bytes(mine, group, comm_device)]
         for key in batch.non_tensor:

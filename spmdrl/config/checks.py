@@ -404,7 +404,8 @@ def _check_model_folders(cfg: Config) -> None:
         if override is not None:
             rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
             kind = rope.get("rope_type", rope.get("type", "default"))
-            # dynamic / longrope scale by it; yarn and llama3 fall back to it without their own original length.
+            # dynamic / longrope scale by it; yarn and llama3 fall back to it without their own original
+            # length.
             reads = kind in ("dynamic", "longrope") or (
                 kind in ("yarn", "llama3") and not rope.get("original_max_position_embeddings"))
             _check(not reads,
@@ -414,7 +415,8 @@ def _check_model_folders(cfg: Config) -> None:
         limit = override or text.get("max_position_embeddings")
         _check(limit is None or limit >= longest,
                f"model.path {cfg.model.path!r} has max_position_embeddings {limit}, fewer than "
-               f"data.max_prompt_length + data.max_response_length = {longest} positions a sequence may take; "
+               f"data.max_prompt_length + data.max_response_length = {longest} positions a sequence may "
+               f"take; "
                f"model.max_position_embeddings raises it")
 
 

@@ -194,6 +194,10 @@ class SGLangRollout(RolloutEngine):
         # Per-request seeds need SGLang's deterministic inference, which refuses torch_native attention.
         attention = (dict(enable_deterministic_inference=True, attention_backend="triton") if o.per_response
                      else dict(attention_backend="torch_native"))
+        # model.max_position_embeddings: config.json's value overridden, as SGLang takes model overrides.
+        positions = o.max_position_embeddings
+        overrides = dict(json_model_override_args=json.dumps({"max_position_embeddings": positions})) \
+            if positions else {}
         with _engine_start_env(self.tp, self.device):
             engine = sglang.Engine(
                 model_path=model_path, dtype=str(o.dtype).removeprefix("torch."),
@@ -203,9 +207,7 @@ class SGLangRollout(RolloutEngine):
                 max_total_tokens=o.max_num_seqs * o.max_model_len, log_level="error",
                 # Without it the idle scheduler polls its sockets in a busy loop, a whole core per engine
                 # for the whole run, while the trainer computes next to it.
-                sleep_on_idle=True, **attention, **memory,
-                **(dict(json_model_override_args=json.dumps({"max_position_embeddings": o.max_position_embeddings}))
-                   if o.max_position_embeddings else {}),
+                sleep_on_idle=True, **attention, **memory, **overrides,
             )
         atexit.unregister(engine.shutdown)  # it would kill every child of this process (``close``)
         return engine

@@ -36,8 +36,8 @@ def test_session_dry_run_on_cpu(tmp_path, spmdrl_cache):
     results = _session("native", tmp_path, spmdrl_cache)
     more = _session("native-more", tmp_path, spmdrl_cache)
     by_cell = {c["cell"]: c for c in results["cells"] + more["cells"]}
-    assert list(by_cell) == ["fsdp2-native", "fsdp2-native+eager", "fsdp2-native+micro128", "fsdp2-native+awake",
-                             "fsdp2-native+main", "megatron-native", "checkpoint"]
+    assert list(by_cell) == ["fsdp2-native", "fsdp2-native+eager", "fsdp2-native+micro128",
+                             "fsdp2-native+awake", "fsdp2-native+main", "megatron-native", "checkpoint"]
     assert results["params"] == more["params"] == {"builtin:tiny": 4_460_800}
     for name, cell in by_cell.items():
         assert cell["rc"] == 0, (name, cell.get("error"))

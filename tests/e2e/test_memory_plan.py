@@ -45,7 +45,8 @@ RUNS = {
     # The reward model's forward, by its micro-batch (the whole batch of 64 responses in one).
     "reward model": (1, ["--config", "configs/grpo.yaml", "--reward_model.enable", "true",
                          "--reward_model.model.path", "builtin:tiny-rm", "--data.train_batch_size", "8",
-                         "--actor.ppo_mini_batch_size", "8", "--reward_model.micro_batch_size_per_gpu", "64"]),
+                         "--actor.ppo_mini_batch_size", "8",
+                         "--reward_model.micro_batch_size_per_gpu", "64"]),
     "0.5B shape": (1, ["--config", "configs/grpo.yaml", "--model.path", "builtin:qwen2.5-0.5b-shape",
                        *SMALL_BATCH]),
     "0.5B shape, LoRA": (1, ["--config", "configs/grpo.yaml", "--model.path", "builtin:qwen2.5-0.5b-shape",

@@ -315,7 +315,8 @@ def test_dapo_one_step_off_policy_recipe_runs_as_written(shared):
     assert [r["step"] for r in rows] == [0, 1, 2]  # validation before training, then 2 steps
     assert "reward/overlong/mean" in rows[1] and "reward/overlong/ratio" in rows[1]
     resolved = yaml.safe_load(shared.path("verl/dapo_one_step_off/config.yaml").read_text())
-    assert resolved["rollout"]["placement"] == "split" and resolved["model"]["max_position_embeddings"] == 32768
+    assert resolved["rollout"]["placement"] == "split"
+    assert resolved["model"]["max_position_embeddings"] == 32768
     assert resolved["reward"]["overlong_buffer"] == {"enable": True, "len": 4, "penalty_factor": 1.0,
                                                      "max_resp_len": 16}
     assert resolved["actor"]["clip_ratio_high"] == 0.28 and resolved["actor"]["loss_agg_mode"] == "token-mean"

@@ -74,7 +74,8 @@ for _config in ("ppo", "dapo"):
 
 
 def _differences(rows: list[list[dict]], step: int) -> list[str]:
-    """The metrics of ``step`` that differ between the runs beyond float32 rounding: 1e-5, relative above 1."""
+    """The metrics of ``step`` that differ between the runs beyond float32 rounding (1e-5, relative above
+    1)."""
     at = [next(r for r in run if r.get("step") == step and "reward/mean" in r) for run in rows]
     keys = set().union(*at) - {"step"}
     out = []

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.dist
 N = 2  # responses per prompt
 
 
-def _rows(orders: list[int], prompt_width: int) -> "Batch":
+def _rows(orders: list[int], prompt_width: int):
     from spmdrl.batch import Batch
 
     rows = len(orders) * N

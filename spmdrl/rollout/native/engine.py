@@ -147,7 +147,8 @@ class NativeRollout(RolloutEngine):
         self.eos_token_ids = list(eos_token_ids) or eos_ids_from_folder(model_path)
         self.pad_token_id = pad_token_id
         self.config = DecoderConfig.from_folder(model_path)
-        if max_position_embeddings:  # model.max_position_embeddings (the config refuses it where RoPE reads it)
+        # model.max_position_embeddings (the config refuses it where RoPE reads it).
+        if max_position_embeddings:
             self.config = replace(self.config, max_position_embeddings=max_position_embeddings)
         self.model = Decoder(self.config, self.device, self.dtype)
         self.prepack = can_prepack(self.device, self.dtype) if prepack is None else prepack
