@@ -39,9 +39,9 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path, split: bool = F
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        # 8 prompts x 8 responses over 2 ranks: 32 rows each, whatever the rollout TP (split: the rollout
-        # ranks count them, each keeping its 1/tp share of its TP group's 64).
-        assert r["batch/responses"] == (64 // tp if split else 32)
+        # 8 prompts x 8 responses: a count is the batch's, summed over the ranks that hold it, whatever the
+        # rollout TP (split: the rollout ranks count them, each keeping its 1/tp share of its TP group's 64).
+        assert r["batch/responses"] == 64
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["response_length/mean"] > 0
         assert r["training/rollout_logp_diff/max"] < LOGP_TOL, r
     # Step 1 generates from the folder's weights; later steps sync the trained ones in first.
