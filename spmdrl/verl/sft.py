@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from spmdrl.errors import ConfigError
-from spmdrl.verl.compat import (
-    PERF,
+from spmdrl.verl.compat import PERF
+from spmdrl.verl.converters import (
     _choice,
     _ckpt_contents,
     _logger,
