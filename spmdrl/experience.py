@@ -257,14 +257,13 @@ class Experience:
                 break
         if fg.enable:
             metrics["dapo/num_gen_batches"] = float(rounds)
-        ranks = dist.get_world_size(self.group)
         placed = place_groups(Batch.cat(kept), n, want, slot_prompts(self.cfg), self.group,
                               torch.device("cpu"))  # the batch group's gloo side on either device
         if len(placed) == 0:
             raise RuntimeError(
-                f"dynamic sampling kept fewer groups than the {ranks} ranks after {rounds} generation "
-                f"batches; "
-                f"raise algorithm.filter_groups.max_num_gen_batches or make the task less all-or-nothing"
+                f"dynamic sampling kept fewer groups than the {dist.get_world_size(self.group)} ranks after "
+                f"{rounds} generation batches; raise algorithm.filter_groups.max_num_gen_batches or make the "
+                f"task less all-or-nothing"
             )
         return placed, metrics
 

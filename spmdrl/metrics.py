@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.checkpoint.layout import replace_atomically
+from spmdrl.parallel import gather_bytes
 from spmdrl.plan import heap
 
 GB = 1024**3
@@ -155,8 +156,6 @@ def reduce_metrics(metrics: dict[str, float], group: dist.ProcessGroup) -> dict[
     """
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(metrics)
-    from spmdrl.placement import gather_bytes
-
     all_keys = [json.loads(b) for b in gather_bytes(json.dumps(sorted(metrics)).encode(), group)]
     keys = sorted({k for ks in all_keys for k in ks})
     present = torch.tensor([k in metrics for k in keys], dtype=torch.float64)

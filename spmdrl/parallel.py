@@ -334,3 +334,19 @@ def split_ranks(cfg: "Config") -> int:
     if r.placement != "split":
         return 0
     return r.nnodes * (r.n_gpus_per_node or 0)
+
+
+def gather_bytes(data: bytes, group: dist.ProcessGroup, device: torch.device | str = "cpu") -> list[bytes]:
+    """Every rank's ``data``, on every rank: lengths first, then equal-sized uint8 tensors on ``device`` (the
+    group's backend's), so nothing is pickled."""
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.long, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    most = max(int(n) for n in lengths)
+    mine = torch.zeros(most, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    mine = mine.to(device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    return [bytes(p[:int(n)].cpu().tolist()) for p, n in zip(parts, lengths)]

@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
+from spmdrl.engines.balance import trim_padding
+from spmdrl.engines.base import gather_rows
+from spmdrl.parallel import gather_bytes
 
 if TYPE_CHECKING:
     from spmdrl.config import Config
@@ -99,9 +102,6 @@ def place_groups(batch: Batch, n: int, want: int, slot: int, group: dist.Process
     # Every rank's rows, padded to the most groups by repeating its first row (never chosen).
     missing = (most - int(counts[rank])) * n
     fill = torch.cat([torch.arange(len(batch)), torch.zeros(missing, dtype=torch.long)])
-    from spmdrl.engines.balance import trim_padding
-    from spmdrl.engines.base import gather_rows
-
     everyone = gather_rows(batch.select(fill), group, comm_device)  # [world * most * n, ...]
     rows = torch.tensor([(r * most + g) * n + i for r, g in shares[rank] for i in range(n)], dtype=torch.long)
     placed = trim_padding(everyone.select(rows))
@@ -113,19 +113,3 @@ def place_groups(batch: Batch, n: int, want: int, slot: int, group: dist.Process
         for key in batch.non_tensor:
             placed[key] = [lists[r][key][g * n + i] for r, g in shares[rank] for i in range(n)]
     return placed
-
-
-def gather_bytes(data: bytes, group: dist.ProcessGroup, device: torch.device | str = "cpu") -> list[bytes]:
-    """Every rank's ``data``, on every rank: lengths first, then equal-sized uint8 tensors on ``device`` (the
-    group's backend's), so nothing is pickled."""
-    world = dist.get_world_size(group)
-    length = torch.tensor([len(data)], dtype=torch.long, device=device)
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    most = max(int(n) for n in lengths)
-    mine = torch.zeros(most, dtype=torch.uint8)
-    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-    mine = mine.to(device)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    return [bytes(p[:int(n)].cpu().tolist()) for p, n in zip(parts, lengths)]

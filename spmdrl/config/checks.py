@@ -416,8 +416,7 @@ def _check_model_folders(cfg: Config) -> None:
         _check(limit is None or limit >= longest,
                f"model.path {cfg.model.path!r} has max_position_embeddings {limit}, fewer than "
                f"data.max_prompt_length + data.max_response_length = {longest} positions a sequence may "
-               f"take; "
-               f"model.max_position_embeddings raises it")
+               f"take; model.max_position_embeddings raises it")
 
 
 def _check_lora_ranks(cfg: Config) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from spmdrl.batch import Batch
-from spmdrl.placement import gather_bytes
+from spmdrl.parallel import gather_bytes
 
 
 def sample_numbers(index: torch.Tensor) -> list[int]:
