@@ -49,20 +49,27 @@ for _s in (1, 2):
             copy=(f"{_base}/stopped", f"{_base}/resumed"))
 
 
-# trainer.total_steps changed on resume (from full's step-2 checkpoint, into a folder of its own): fewer
-# steps under staleness 1 (its held batch 3 becomes the last), more under staleness 2 (its held batch 4 is
-# no longer the last), against an uninterrupted run of that many steps. A hang fails in a minute (and, late
-# in the job, takes no other run with it).
+# trainer.total_steps changed on resume (from full's step-2 checkpoint, into a folder of its own): more
+# under staleness 2 (its held batch 4 is no longer the last) against an uninterrupted run of that many steps.
 declare("split_resume2/longer", [*ARGS, "--rollout.max_staleness", "2", "--trainer.total_steps", "6",
                                  "--trainer.resume", "{base}/split_resume2/full/checkpoints/global_step_2",
                                  "--trainer.hang_timeout_s", "60",
                                  "--trainer.output_dir", "{base}/split_resume2/longer"])
 declare("split_resume2/full6", [*ARGS, "--rollout.max_staleness", "2", "--trainer.total_steps", "6",
                                 "--trainer.output_dir", "{base}/split_resume2/full6"])
-declare("split_resume1/shorter", [*ARGS, "--rollout.max_staleness", "1", "--trainer.total_steps", "3",
-                                  "--trainer.resume", "{base}/split_resume1/full/checkpoints/global_step_2",
-                                  "--trainer.hang_timeout_s", "60",
-                                  "--trainer.output_dir", "{base}/split_resume1/shorter"], late=True)
+
+# 3 steps (the end moves onto a held batch, or onto the checkpoint's next step at staleness 0, where the
+# rollout rank waits for each update and nothing is held) and 5 (past the old end), against the 4-step run's
+# rows. A hang fails in a minute (and, late in the job, takes no other run with it).
+declare("split_resume0/full", [*ARGS, "--rollout.max_staleness", "0",
+                               "--trainer.output_dir", "{base}/split_resume0/full"])
+# (staleness, steps) -> late
+CHANGED = {(0, 3): False, (0, 5): False, (1, 3): True, (1, 5): False, (2, 3): True}
+for (_s, _n), _late in CHANGED.items():
+    declare(f"split_resume{_s}/steps{_n}", [
+        *ARGS, "--rollout.max_staleness", str(_s), "--trainer.total_steps", str(_n), "--trainer.resume",
+        f"{{base}}/split_resume{_s}/full/checkpoints/global_step_2", "--trainer.hang_timeout_s", "60",
+        "--trainer.output_dir", f"{{base}}/split_resume{_s}/steps{_n}"], late=_late)
 
 # Placement changed on resume: a split checkpoint with a batch in flight resumed colocated is refused (it
 # would skip that batch); a colocated checkpoint resumed split starts the rollout from its data position
@@ -125,16 +132,6 @@ def test_the_resumed_split_run_equals_the_uninterrupted_one(runs):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_a_resume_with_fewer_steps_trains_its_held_batch_last_and_ends(shared):
-    """Staleness 1, 4 steps cut to 3 at the resume: batch 3, held with the step-2 checkpoint, is the last;
-    the rollout rank generates no batch 4 for nobody to receive."""
-    shared.ran("split_resume1/shorter")  # it ended (it used to hang in the end's barrier)
-    rows = metrics(shared.path("split_resume1/shorter"))
-    full = metrics(shared.path("split_resume1/full"))
-    assert [r["step"] for r in rows] == [3]
-    assert rows[0] == full[2]
-
-
 def test_a_resume_with_more_steps_takes_them_all(shared):
     """Staleness 2, 4 steps raised to 6 at the resume: the held batch 4 is not the last any more, so the
     rollout rank goes on to batches 5 and 6, each two updates behind, as in an uninterrupted 6-step run."""
@@ -144,6 +141,20 @@ def test_a_resume_with_more_steps_takes_them_all(shared):
     assert [r["step"] for r in rows] == [3, 4, 5, 6]
     assert [r["async/staleness"] for r in rows] == [2.0] * 4
     assert rows == full6[2:]
+
+
+@pytest.mark.parametrize(("staleness", "steps"), list(CHANGED), ids=[f"s{s}-{n}steps" for s, n in CHANGED])
+def test_a_resume_with_another_total_steps_trains_the_same_steps_up_to_its_end(shared, staleness, steps):
+    """4 steps cut to 3 or raised to 5 at staleness 0, 1 and 2: the resumed run trains steps 3 to its end,
+    with the uninterrupted 4-step run's rows up to step 4 (the batches held at step 2, and the later ones,
+    come from the same weights), and ends without a hang."""
+    name = f"split_resume{staleness}/steps{steps}"
+    shared.ran(name)
+    rows = metrics(shared.path(name))
+    full = metrics(shared.path(f"split_resume{staleness}/full"))
+    assert [r["step"] for r in rows] == list(range(3, steps + 1))
+    assert rows[:2] == full[2:steps]
+    assert [r["async/staleness"] for r in rows] == [float(staleness)] * len(rows)
 
 
 def test_a_split_checkpoint_with_a_batch_in_flight_resumed_colocated_is_refused(shared):
