@@ -5,6 +5,9 @@ Training mesh (FSDP2 / TP / PP), row-major over ranks, dims outermost first:
     pp            pipeline stages; a stage is a contiguous block of ranks
     dp_replicate  HSDP replicas: parameters replicated, gradients all-reduced
     dp_shard      FSDP shards: parameters, gradients and optimizer state sharded
+    sp            sequence parallel (verl's Ulysses): the ranks of an SP group
+                  run the same rows, each a contiguous slice of every packed
+                  sequence; FSDP shards over dp_shard x sp
     tp            tensor parallel: innermost so a TP group is ranks that are
                   neighbours (same node, fastest link)
 
@@ -156,6 +159,7 @@ class ParallelDims:
     dp_replicate: int = 1
     tp: int = 1
     pp: int = 1
+    sp: int = 1
     rollout_tp: int = 1
     device_type: str = "cpu"
     rollout_ranks: int = 0  # split placement: the last this many ranks only generate (0: colocated)
@@ -169,7 +173,7 @@ class ParallelDims:
         return cls(world_size, **vars(cfg.parallel), rollout_ranks=split_ranks(cfg), **extra)
 
     def __post_init__(self) -> None:
-        for key in ("dp_replicate", "tp", "pp", "rollout_tp"):
+        for key in ("dp_replicate", "tp", "pp", "sp", "rollout_tp"):
             value = getattr(self, key)
             if value < 1:
                 raise ValueError(f"parallel.{key} is {value}; it must be an integer >= 1")
@@ -187,20 +191,20 @@ class ParallelDims:
 
     def _check_degrees(self, world_size: int, what: str) -> None:
         if self.dp_shard == -1:
-            rest = self.dp_replicate * self.tp * self.pp
+            rest = self.dp_replicate * self.tp * self.pp * self.sp
             if world_size % rest:
                 raise ValueError(
-                    f"{what} {world_size} is not divisible by parallel.dp_replicate x tp x pp = "
+                    f"{what} {world_size} is not divisible by parallel.dp_replicate x tp x pp x sp = "
                     f"{rest}; choose degrees whose product divides the number of ranks"
                 )
             self.dp_shard = world_size // rest
         elif self.dp_shard < 1:
             raise ValueError(f"parallel.dp_shard is {self.dp_shard}; it must be >= 1 or -1 (the rest)")
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
+        product = self.dp_replicate * self.dp_shard * self.tp * self.pp * self.sp
         if product != world_size:
             raise ValueError(
-                f"parallel.pp x dp_replicate x dp_shard x tp = {self.pp} x {self.dp_replicate} x "
-                f"{self.dp_shard} x {self.tp} = {product}, but the {what} is {world_size}; the "
+                f"parallel.pp x dp_replicate x dp_shard x sp x tp = {self.pp} x {self.dp_replicate} x "
+                f"{self.dp_shard} x {self.sp} x {self.tp} = {product}, but the {what} is {world_size}; the "
                 f"product must equal it"
             )
 
@@ -248,15 +252,15 @@ class ParallelDims:
 
     def build(self) -> "ParallelDims":
         """Create the named meshes (collective: every rank must call it, whatever its role)."""
-        train_shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-        train_names = ("pp", "dp_replicate", "dp_shard", "tp")
+        train_shape = (self.pp, self.dp_replicate, self.dp_shard, self.sp, self.tp)
+        train_names = ("pp", "dp_replicate", "dp_shard", "sp", "tp")
         if not self.split:
             self._meshes["train"] = init_device_mesh(self.device_type, train_shape,
                                                      mesh_dim_names=train_names)
             self._meshes["rollout"] = init_device_mesh(
                 self.device_type, (self.rollout_dp, self.rollout_tp), mesh_dim_names=("dp", "tp")
             )
-            return self
+            return self._flatten_sp()
         ranks = torch.arange(self.world_size)
         self._meshes["train"] = DeviceMesh(self.device_type, ranks[: self.train_ranks].view(train_shape),
                                            mesh_dim_names=train_names)
@@ -272,6 +276,13 @@ class ParallelDims:
         self._groups["weights"] = dist.new_group([0, *rollout])  # train rank 0 sends, rollout ranks receive
         for r in rollout:  # rollout rank r sends its share of each batch to every train rank
             self._groups[f"batch{r}"] = dist.new_group([*train, r])
+        return self._flatten_sp()
+
+    def _flatten_sp(self) -> "ParallelDims":
+        """The (dp_shard, sp) axes as one, FSDP's under sequence parallelism (``fsdp_mesh``); made here, where
+        every rank takes part, as a mesh's new groups need."""
+        if self.sp > 1:
+            self._meshes["train"]["dp_shard", "sp"]._flatten("dp_shard_sp")
         return self
 
     def group(self, name: str) -> dist.ProcessGroup:
@@ -291,10 +302,25 @@ class ParallelDims:
         return self._mesh("train")
 
     @property
-    def fsdp_mesh(self) -> DeviceMesh:
-        """Mesh FSDP2 shards over: 1-D dp_shard, or 2-D (dp_replicate, dp_shard) for HSDP."""
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel mesh (ranks that hold different rows): 1-D dp_shard, or 2-D (dp_replicate,
+        dp_shard) for HSDP. Counts and loss metrics are summed over it."""
         mesh = self.train_mesh
         return mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else mesh["dp_shard"]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """Mesh FSDP2 shards over: ``dp_mesh``, with its dp_shard axis flattened with sp under sequence
+        parallelism (an SP group's ranks hold the same rows but different tokens, so their gradients are
+        summed as FSDP sums a shard's)."""
+        if self.sp == 1:
+            return self.dp_mesh
+        mesh = self.train_mesh
+        return mesh["dp_replicate", "dp_shard_sp"] if self.dp_replicate > 1 else mesh["dp_shard_sp"]
+
+    @property
+    def sp_mesh(self) -> Optional[DeviceMesh]:
+        return self.train_mesh["sp"] if self.sp > 1 else None
 
     @property
     def tp_mesh(self) -> Optional[DeviceMesh]:
@@ -316,12 +342,13 @@ class ParallelDims:
     def coords(self, rank: int) -> dict[str, Optional[int]]:
         """Coordinates of ``rank`` on both meshes (for the start-up summary line); None on a mesh the rank
         is not on (split placement)."""
-        pp, rest = divmod(rank, self.dp_replicate * self.dp_shard * self.tp)
-        rep, rest = divmod(rest, self.dp_shard * self.tp)
-        shard, tp = divmod(rest, self.tp)
+        pp, rest = divmod(rank, self.dp_replicate * self.dp_shard * self.sp * self.tp)
+        rep, rest = divmod(rest, self.dp_shard * self.sp * self.tp)
+        shard, rest = divmod(rest, self.sp * self.tp)
+        sp, tp = divmod(rest, self.tp)
         rdp, rtp = divmod(rank - (self.train_ranks if self.split else 0), self.rollout_tp)
-        train = dict(pp=pp, dp_replicate=rep, dp_shard=shard, tp=tp) if self.trains(rank) else \
-            dict.fromkeys(("pp", "dp_replicate", "dp_shard", "tp"))
+        train = dict(pp=pp, dp_replicate=rep, dp_shard=shard, sp=sp, tp=tp) if self.trains(rank) else \
+            dict.fromkeys(("pp", "dp_replicate", "dp_shard", "sp", "tp"))
         rollout = dict(rollout_dp=rdp, rollout_tp=rtp) if self.generates(rank) else \
             dict.fromkeys(("rollout_dp", "rollout_tp"))
         return {**train, **rollout}

@@ -372,6 +372,24 @@ def _check_data(cfg: Config) -> None:
     check_data_files(cfg)
 
 
+def _check_sp_heads(cfg: Config) -> None:
+    """Under sequence parallelism every trained or scored model's attention heads split over parallel.sp."""
+    from spmdrl.builtin.models import builtin_config
+    from spmdrl.config.model_folder import check_sp_heads, read_config, text_config
+
+    if cfg.parallel.sp == 1:
+        return
+    rm = cfg.reward_model.model.path if cfg.reward_model.enable else None
+    for key, path in (("model.path", cfg.model.path), ("critic.model_path", cfg.critic.model_path),
+                      ("reward_model.model.path", rm)):
+        if path is not None:
+            c = builtin_config(path) if path.startswith("builtin:") else read_config(path, key)
+            try:
+                check_sp_heads(cfg.parallel.sp, text_config(c), f"{key} {path!r}")
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+
+
 def _check_model_folders(cfg: Config) -> None:
     """Model folders (config, weights, tokenizer), cheaply, before the backends' checks read them."""
     from spmdrl.config.model_folder import (
@@ -394,6 +412,7 @@ def _check_model_folders(cfg: Config) -> None:
                 check_vocab(read_config(cfg.model.path, "model.path"), tokenizer, "model.tokenizer_path", tok)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    _check_sp_heads(cfg)
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     override = cfg.model.max_position_embeddings
     _check(override is None or override >= longest,

@@ -86,6 +86,17 @@ def _check_sizes(c: dict, f: Path, key: str) -> None:
     _check_rope(c, f, key)
 
 
+def check_sp_heads(sp: int, c: dict, what: str) -> None:
+    """One sentence when sequence parallelism of degree ``sp`` cannot split the attention heads of the model
+    whose decoder sizes ``c`` holds (Ulysses gives each SP rank heads/sp query heads; key/value heads that sp
+    does not divide are repeated to the query heads)."""
+    heads = c["num_attention_heads"]
+    if heads % sp:
+        raise ValueError(f"parallel.sp is {sp}, which does not divide the {heads} attention heads of {what} "
+                         f"({c.get('num_key_value_heads') or heads} key/value heads); choose an sp that "
+                         f"divides {heads}")
+
+
 def _check_rope(c: dict, f: Path, key: str) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -105,6 +105,11 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree of the training mesh (actor.strategy megatron: 1F1B schedule over the
     stages)."""
+    sp: int = 1
+    """Sequence-parallel degree of the training mesh (verl's Ulysses, actor.strategy fsdp2): the ranks of an
+    SP group train the same rows, each a contiguous 1/sp slice of every packed sequence, and attention
+    swaps sequence slices for head slices with an all-to-all. Packs sequences whatever
+    model.use_remove_padding says; sp must divide the attention heads (docs/configuration.md)."""
     rollout_tp: int = 1
     """Tensor-parallel degree of the rollout mesh; rollout DP is world_size / rollout_tp."""
 

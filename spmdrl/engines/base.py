@@ -360,7 +360,9 @@ class TrainEngine(abc.ABC):
         if self._replica_group is not None:
             start = dist.get_rank(self._replica_group) * len(batch)
             resp = batch["response_mask"].shape[1]
-            out = {k: v[start : start + len(batch), :resp] for k, v in out.items()}
+            # [N, R] per-token outputs, or [N] (a reward model's scores)
+            out = {k: v[start : start + len(batch), :resp] if v.ndim == 2 else v[start : start + len(batch)]
+                   for k, v in out.items()}
         return {k: v.to(batch["input_ids"].device) for k, v in out.items()}
 
     def _micro_batches(self, batch: Batch, micro_batch_size: int, max_token_len: Optional[int]

@@ -218,8 +218,8 @@ def build(user_cfg: Config, dims: ParallelDims, plan: Optional[Plan] = None) -> 
 def _summary(rank: int, dims: ParallelDims, device: torch.device, model_path: str, model: str,
              precision: str) -> str:
     c = dims.coords(rank)
-    train = (f"train mesh pp={c['pp']} dp_replicate={c['dp_replicate']} dp_shard={c['dp_shard']} tp={c['tp']}"
-             if dims.trains(rank) else "rollout only")
+    train = (f"train mesh pp={c['pp']} dp_replicate={c['dp_replicate']} dp_shard={c['dp_shard']} "
+             f"sp={c['sp']} tp={c['tp']}" if dims.trains(rank) else "rollout only")
     rollout = (f"rollout mesh dp={c['rollout_dp']} tp={c['rollout_tp']}" if dims.generates(rank)
                else "training only")
     return f"[rank {rank}/{dims.world_size}] {train} | {rollout} | device {device} | {model} from " \

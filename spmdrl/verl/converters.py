@@ -85,7 +85,10 @@ def _megatron_rows(prefix: str) -> list["Rule"]:
              "are not used"),
         only(f"{prefix}.virtual_pipeline_model_parallel_size", (None, 1),
              "no interleaved pipeline schedule (1F1B)"),
-        only(f"{prefix}.context_parallel_size", (1,), "no context parallelism"),
+        only(f"{prefix}.context_parallel_size", (1,),
+             "megatron-core's context parallelism needs Transformer Engine's attention, which is not "
+             "installed; sequence parallelism is the FSDP2 engine's Ulysses (ulysses_sequence_parallel_"
+             "size)"),
         only(f"{prefix}.expert_model_parallel_size", (1,), "dense models only"),
         only(f"{prefix}.expert_tensor_parallel_size", (None, 1), "dense models only"),
         only(f"{prefix}.param_offload", (False,), "the Megatron engine keeps its parameters on the device"),
@@ -128,15 +131,50 @@ def _rollout_ranks(verl: dict[str, Any]) -> int:
 
 def _fsdp_size(value: Any, ctx: Ctx) -> dict[str, Any]:
     # verl's fsdp_size k shards over groups of k ranks and replicates over the rest: spmdrl's HSDP. The
-    # ranks are the training ones (split placement's rollout ranks hold no model to shard).
-    train = ctx.world_size - _rollout_ranks(ctx.verl)
+    # ranks are the training ones (split placement's rollout ranks hold no model to shard). Under Ulysses a
+    # group of k is k / sp data-parallel shards times sp (FSDP shards over dp x sp).
+    train, sp = ctx.world_size - _rollout_ranks(ctx.verl), _actor_sp(ctx)
     if value in (None, -1) or value == train:
         return {}
     k = int(value)
-    if k <= 0 or train % k:
+    if k <= 0 or train % k or k % sp:
         raise ConfigError(f"verl key actor_rollout_ref.actor.fsdp_config.fsdp_size={value} does not divide "
-                          f"the {train} training ranks; give -1 or a divisor of their number")
-    return {"parallel.dp_shard": k, "parallel.dp_replicate": train // k}
+                          f"the {train} training ranks or is not a multiple of the ulysses_sequence_parallel_"
+                          f"size {sp}; give -1 or such a divisor of their number")
+    return {"parallel.dp_shard": k // sp, "parallel.dp_replicate": train // k}
+
+
+# verl's two names of the actor's Ulysses degree (the older one directly under the actor).
+SP_KEYS = (f"{ACT}.ulysses_sequence_parallel_size", f"{ACT}.fsdp_config.ulysses_sequence_parallel_size")
+
+
+def _actor_sp(ctx: Ctx) -> int:
+    """The actor's ulysses_sequence_parallel_size under either name (1 when neither is given)."""
+    given = {k: ctx.verl[k] for k in SP_KEYS if ctx.verl.get(k) is not None}
+    if len({int(v) for v in given.values()}) > 1:
+        raise ConfigError(f"verl keys {SP_KEYS[0]}={given[SP_KEYS[0]]} and {SP_KEYS[1]}={given[SP_KEYS[1]]} "
+                          f"differ; they name one setting: give one of them")
+    return int(next(iter(given.values()), 1))
+
+
+def _sp(value: Any, ctx: Ctx) -> dict[str, Any]:
+    """The actor's Ulysses degree: parallel.sp, the one SP degree of the training mesh."""
+    return {} if value is None else {"parallel.sp": _actor_sp(ctx)}
+
+
+def _same_sp(key: str, only_if: str = "") -> Callable[[Any, Ctx], dict[str, Any]]:
+    """ref / critic / reward model Ulysses degree: spmdrl runs every model on the one training mesh, so it
+    must be the actor's; ``only_if``: checked only when that verl key is true."""
+
+    def convert(value: Any, ctx: Ctx) -> dict[str, Any]:
+        sp = _actor_sp(ctx)
+        if value is None or (only_if and not ctx.verl.get(only_if)) or int(value) == sp:
+            return {}
+        raise ConfigError(f"verl key {key}={value!r} differs from the actor's ulysses_sequence_parallel_size "
+                          f"{sp}: spmdrl runs every model on one training mesh with parallel.sp; give "
+                          f"{key}={sp} or leave it out")
+
+    return convert
 
 
 def _clip_ratio(value: Any, ctx: Ctx) -> dict[str, Any]:

@@ -13,7 +13,8 @@ The updates agree too, with several mini-batches and epochs (each global mini-ba
 prompts at any world size: spmdrl/placement.py), with a critic (configs/ppo.yaml) and with DAPO's dynamic
 sampling (configs/dapo.yaml: the first kept groups in global prompt order, whatever rank drew them): in
 float32, every logged metric but timings and memory within 1e-5 (relative for gradient norms and
-other large values), counts included. The runs are in the shared jobs (tests/e2e/shared_runs.py).
+other large values), counts included; and so do runs under sequence parallelism (parallel.sp 2). The runs
+are in the shared jobs (tests/e2e/shared_runs.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ for _n in (1, 2, 4):
     _save = ["--trainer.save_freq", "1", "--trainer.keep_last", "3"] if _n == 2 else []
     declare(f"world_size/ranks{_n}", [*COMMON, "--trainer.output_dir", f"{{base}}/world_size/ranks{_n}",
                                       *_save], nproc=_n)
+# Sequence parallelism (parallel.sp 2: both ranks run every row, each half of its tokens) against 1 rank.
+declare("world_size/sp2", [*COMMON, "--parallel.sp", "2", "--trainer.output_dir", "{base}/world_size/sp2"])
 declare("world_size/resumed", [*COMMON, "--trainer.output_dir", "{base}/world_size/resumed",
                                "--trainer.resume", "{base}/world_size/ranks2/checkpoints/global_step_1",
                                "--trainer.val_before_train", "false"], nproc=4)
@@ -71,6 +74,8 @@ for _config in ("ppo", "dapo"):
         declare(f"world_size/{_config}{_n}", ["--config", f"configs/{_config}.yaml", *F32,
                                                "--trainer.output_dir", f"{{base}}/world_size/{_config}{_n}"],
                 nproc=_n)
+declare("world_size/ppo_sp2", ["--config", "configs/ppo.yaml", *F32, "--parallel.sp", "2",
+                               "--trainer.output_dir", "{base}/world_size/ppo_sp2"])
 
 
 def _differences(rows: list[list[dict]], step: int) -> list[str]:
@@ -123,6 +128,17 @@ def test_the_updates_agree_on_one_two_and_four_ranks_with_several_mini_batches_a
     assert _differences(rows, 1) == []
     if all(_generations(runs[f"ranks{n}"], 2) == _generations(runs["ranks1"], 2) for n in (2, 4)):
         assert _differences(rows, 2) == []
+
+
+def test_sequence_parallel_runs_train_as_one_rank_step_for_step(shared, runs):
+    """SP 2 on 2 ranks (GRPO, 3 steps; PPO with its critic, 2 steps) against the 1-rank runs: the same samples
+    (keyed by prompt) and every metric within 1e-5."""
+    sp, one = read_metrics(shared.path("world_size/sp2")), read_metrics(runs["ranks1"])
+    for step in (1, 2, 3):
+        assert _generations(shared.path("world_size/sp2"), step) == _generations(runs["ranks1"], step), step
+        assert _differences([one, sp], step) == [], step
+    ppo = [read_metrics(shared.path(f"world_size/{name}")) for name in ("ppo1", "ppo_sp2")]
+    assert _differences(ppo, 1) == [] and _differences(ppo, 2) == []
 
 
 @pytest.mark.parametrize("config", ["ppo", "dapo"])

@@ -33,8 +33,8 @@ def _meshes(rank, world_size, layouts):
 def test_default_layout_is_all_fsdp(world_size):
     results = spawn(_meshes, world_size, [dict()])
     for rank, (r,) in enumerate(results):
-        assert r["train_shape"] == (1, 1, world_size, 1)
-        assert r["names"] == ("pp", "dp_replicate", "dp_shard", "tp")
+        assert r["train_shape"] == (1, 1, world_size, 1, 1)  # pp, dp_replicate, dp_shard, sp, tp
+        assert r["names"] == ("pp", "dp_replicate", "dp_shard", "sp", "tp")
         assert r["dp"] == world_size and r["dp_group"] == list(range(world_size))
         assert r["rollout_tp_group"] == [rank]
         assert r["coords"]["dp_shard"] == rank and r["coords"]["rollout_dp"] == rank
@@ -46,12 +46,12 @@ def test_four_ranks_tp_hsdp_and_rollout_tp_blocks():
     for rank, (tp2, hsdp, pp2) in enumerate(results):
         # TP groups and rollout TP groups are contiguous rank blocks.
         block = [rank - rank % 2, rank - rank % 2 + 1]
-        assert tp2["train_shape"] == (1, 1, 2, 2) and tp2["tp_group"] == block
+        assert tp2["train_shape"] == (1, 1, 2, 1, 2) and tp2["tp_group"] == block
         assert tp2["rollout_tp_group"] == block
         assert tp2["rollout_dp_group"] == [rank % 2, rank % 2 + 2]
         assert tp2["dp_group"] == [rank % 2, rank % 2 + 2]
-        assert hsdp["train_shape"] == (1, 2, 2, 1) and hsdp["fsdp_ndim"] == 2 and hsdp["dp"] == 4
-        assert pp2["train_shape"] == (2, 1, 1, 2) and pp2["dp"] == 1
+        assert hsdp["train_shape"] == (1, 2, 2, 1, 1) and hsdp["fsdp_ndim"] == 2 and hsdp["dp"] == 4
+        assert pp2["train_shape"] == (2, 1, 1, 1, 2) and pp2["dp"] == 1
         for r in (tp2, hsdp, pp2):
             # Our arithmetic coordinates agree with DeviceMesh's own.
             assert {k: r["coords"][k] for k in r["mesh_coords"]} == r["mesh_coords"]
@@ -60,7 +60,7 @@ def test_four_ranks_tp_hsdp_and_rollout_tp_blocks():
 @pytest.mark.parametrize(
     "world_size,kw,fragment",
     [
-        (4, dict(tp=3), "world size 4 is not divisible by parallel.dp_replicate x tp x pp = 3"),
+        (4, dict(tp=3), "world size 4 is not divisible by parallel.dp_replicate x tp x pp x sp = 3"),
         (4, dict(dp_shard=3), "= 3, but the world size is 4"),
         (2, dict(rollout_tp=4), "parallel.rollout_tp is 4, which does not divide the world size 2"),
         (2, dict(tp=0), "parallel.tp is 0; it must be an integer >= 1"),

@@ -68,7 +68,7 @@ BAD = [
     (["--trainer.rollout_data_dir", "/tmp/gen"], "rollout_data_dir is '/tmp/gen'; it must be a folder"),
     (["--trainer.rollout_data_dir", "checkpoints/x"], "not one of the run's own"),
     (["--trainer.logger", "[console,mlflow]"], "trainer.logger has 'mlflow'"),
-    (["--parallel.tp", "3"], "not divisible by parallel.dp_replicate x tp x pp = 3"),
+    (["--parallel.tp", "3"], "not divisible by parallel.dp_replicate x tp x pp x sp = 3"),
     (["--parallel.rollout_tp", "2", "--parallel.tp", "1"], "does not divide the world size 1"),
     (["--model.fused_kernels", "fast"], "model.fused_kernels"),
     (["--rollout.native_kernels", "on", "--rollout.dtype", "float16"], "rollout.native_kernels is 'on' with"),
@@ -187,6 +187,21 @@ def test_backends_check_their_own_options(monkeypatch, capsys):
     assert code == 2 and "parallel.pp is 2 but actor.strategy 'fsdp2' has no pipeline schedule" in err
     code, err = run_main(["--config", GRPO, "--model.fused_kernels", "on", "--parallel.tp", "2"], capsys)
     assert code == 2 and "model.fused_kernels is 'on' with parallel.tp=2" in err
+
+
+@pytest.mark.parametrize("extra, world, fragment", [
+    # 4 attention heads (2 key/value heads): sp 3 cannot split them
+    (["--parallel.sp", "3"], "3", "parallel.sp is 3, which does not divide the 4 attention heads of "
+     "model.path 'builtin:tiny-arith' (2 key/value heads); choose an sp that divides 4"),
+    (["--parallel.sp", "2", "--parallel.tp", "2"], "4", "sequence and tensor parallelism do not combine yet"),
+    (["--parallel.sp", "2", "--actor.strategy", "megatron"], "2",
+     "megatron-core's context parallelism needs Transformer Engine's attention"),
+])
+def test_sequence_parallel_refusals(extra, world, fragment, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    code, err = run_main(["--config", GRPO, "--data.train_batch_size", "12",
+                          "--actor.ppo_mini_batch_size", "12", *extra], capsys)
+    assert code == 2 and fragment in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("extra, fragment", [

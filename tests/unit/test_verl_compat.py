@@ -111,6 +111,21 @@ def test_megatron_keys_of_actor_reference_and_critic():
     assert cfg.actor.strategy == "megatron" and (cfg.parallel.tp, cfg.parallel.pp) == (2, 2)
 
 
+@pytest.mark.parametrize("name", ["actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                                  "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"])
+def test_ulysses_sizes_of_every_model_map_to_parallel_sp(name, monkeypatch):
+    """Both names of the actor's key set parallel.sp; the reference's, critic's and reward model's may repeat
+    it; verl's fsdp_size counts the SP ranks of a shard group."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg, _ = parse_config([
+        f"{name}=2", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=2",
+        "critic.ulysses_sequence_parallel_size=2", "reward_model.ulysses_sequence_parallel_size=1",
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=4", "trainer.n_gpus_per_node=8",
+    ])
+    assert (cfg.parallel.sp, cfg.parallel.dp_shard, cfg.parallel.dp_replicate) == (2, 2, 2)
+
+
 def test_verl_null_keeps_spmdrl_default_unless_spmdrl_takes_null():
     cfg, _ = parse_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "data.val_files=null",
                            "trainer.total_training_steps=null",
@@ -240,6 +255,14 @@ BAD = [
      "sequence_parallel=True is not supported: spmdrl accepts only False"),
     (["critic.megatron.use_distributed_optimizer=True"],
      "use_distributed_optimizer=True is not supported: spmdrl accepts only False"),
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=1"],
+     "verl key critic.ulysses_sequence_parallel_size=1 differs from the actor's ulysses_sequence_parallel_"
+     "size 2: spmdrl runs every model on one training mesh with parallel.sp"),
+    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+      "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=4"],
+     "differ; they name one setting"),
+    (["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
+     "context parallelism needs Transformer Engine's attention"),
     (["trainer.total_steps=3"],
      "trainer.total_steps=3 is a spmdrl key, not a verl key; write it as --trainer.total_steps"),
 ]

@@ -62,13 +62,14 @@ from spmdrl.engines.fsdp2.lora import (
     read_adapter_config,
 )
 from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
-from spmdrl.engines.fsdp2.packing import pack, packed_attention
+from spmdrl.engines.fsdp2.packing import Packed, pack, packed_attention
 from spmdrl.engines.fsdp2.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fsdp,
     apply_tp,
 )
+from spmdrl.engines.fsdp2.ulysses import SeqShard, gather_seq, shard_attention
 from spmdrl.engines.fsdp2.weights import clip_grad_norm_, hf_name, iter_full_state, iter_unsharded_state
 from spmdrl.engines.optim import build_optimizer, build_scheduler, optimizer_settings
 from spmdrl.precision import resolve_dtype, to_dtype
@@ -120,8 +121,12 @@ class FSDP2Engine(TrainEngine):
         role: "actor" (causal LM, trained), "ref" (causal LM, frozen, no optimizer),
             "critic" (backbone + value head, trained) or "reward" (sequence-classification reward
             model, frozen).
-        dp_mesh: 1-D mesh (FSDP) or 2-D ("dp_replicate", "dp_shard") mesh (HSDP).
+        dp_mesh: the data-parallel mesh (ranks with different rows), 1-D, or 2-D ("dp_replicate", "dp_shard")
+            for HSDP: counts and loss metrics are summed over it.
         tp_mesh: TP mesh from the same parent mesh as ``dp_mesh``, or None.
+        sp_mesh: SP mesh (Ulysses, ``ulysses.py``), or None: its ranks gather their rows, as a TP group's,
+            and each runs 1/sp of every packed row (packing whatever ``remove_padding`` says).
+        fsdp_mesh: what FSDP shards over (``dp_mesh`` when None; ``ParallelDims.fsdp_mesh``: dp x sp).
         device: where micro-batches and compute live (cpu, or this rank's cuda device).
         dtype: master weight dtype (the loaded weights and optimizer state).
         param_dtype / reduce_dtype: FSDP2 MixedPrecisionPolicy (compute / grad-reduction dtypes).
@@ -150,6 +155,8 @@ class FSDP2Engine(TrainEngine):
         role: ModelRole,
         dp_mesh: DeviceMesh,
         tp_mesh: DeviceMesh | None = None,
+        sp_mesh: DeviceMesh | None = None,
+        fsdp_mesh: DeviceMesh | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str = torch.float32,
         param_dtype: torch.dtype | str | None = None,
@@ -176,23 +183,26 @@ class FSDP2Engine(TrainEngine):
         if role not in ("actor", "ref", "critic", "reward"):
             raise ValueError(f"engine role {role!r} is not valid; valid: actor, ref, critic, reward")
         if temperature <= 0:
-            raise ValueError(
-                f"temperature={temperature} must be > 0 (greedy rollouts score at temperature 1)"
-            )
+            raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts score at 1)")
         self.role = role
         self.dp_mesh = dp_mesh
         self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
+        self.sp_group = sp_mesh.get_group() if sp_mesh is not None and sp_mesh.size() > 1 else None
+        self.fsdp_mesh = fsdp_mesh if fsdp_mesh is not None else dp_mesh
         self.device = torch.device(device)
         self.temperature = temperature
-        self.remove_padding = remove_padding
-        if remove_padding:
+        # SP slices the packed row: it packs whatever the config says (the padded path's results, 1e-5).
+        if (remove_padding := remove_padding or self.sp_group is not None):
             attn_implementation = packed_attention(attn_implementation)
+        self.remove_padding = remove_padding
         self.max_grad_norm = max_grad_norm
         self.global_step = 0
         dtype, mp_param, mp_reduce = _mixed_precision(role, to_dtype(dtype), param_dtype, reduce_dtype)
         # The dtype of the unsharded parameters in forward (what an all-gather produces).
         self.param_dtype = mp_param or dtype
         self.model = self._load(model_path, role, dtype, seed, attn_implementation, max_position_embeddings)
+        if self.sp_group is not None:
+            shard_attention(self.model, self.sp_group, f"the {role} model {model_path!r}")
         if role in FROZEN:
             self.model.requires_grad_(False)
         # LoRA goes in first: TP, checkpointing, compile and FSDP then wrap the adapted modules.
@@ -209,7 +219,7 @@ class FSDP2Engine(TrainEngine):
             apply_fused_kernels(self.model)
         if compile:
             apply_compile(self.model)
-        apply_fsdp(self.model, dp_mesh, mp_param, mp_reduce, cpu_offload)
+        apply_fsdp(self.model, self.fsdp_mesh, mp_param, mp_reduce, cpu_offload)
 
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -259,6 +269,9 @@ class FSDP2Engine(TrainEngine):
             if adapts_lm_head(targets, spec.exclude_modules):
                 raise ValueError(f"{key} {targets!r} puts a LoRA adapter on lm_head, but the fused log-prob "
                                  f"kernel reads the LM head as one plain weight; leave lm_head out of it")
+        if p.sp > 1 and p.tp > 1:
+            raise ValueError(f"parallel.sp is {p.sp} with parallel.tp={p.tp}; sequence and tensor "
+                             f"parallelism do not combine yet: set one of them to 1")
         if cfg.model.fused_kernels == "on" and p.tp > 1:
             raise ValueError(f"model.fused_kernels is 'on' with parallel.tp={p.tp}; the fused kernels do not "
                              f"support tensor parallelism: set model.fused_kernels to auto or off")
@@ -280,8 +293,10 @@ class FSDP2Engine(TrainEngine):
         tp_mesh = dims.tp_mesh
         common = dict(
             role=role,
-            dp_mesh=dims.fsdp_mesh,
+            dp_mesh=dims.dp_mesh,
             tp_mesh=tp_mesh,
+            sp_mesh=dims.sp_mesh,
+            fsdp_mesh=dims.fsdp_mesh,
             device=device,
             dtype=m.dtype,
             param_dtype=resolve_dtype(a.param_dtype, torch.device(device).type),
@@ -359,7 +374,17 @@ class FSDP2Engine(TrainEngine):
 
     @property
     def _replica_group(self) -> dist.ProcessGroup | None:
+        """The TP group, or the SP group (whose ranks run the same rows too); never both (check_config)."""
+        if self.sp_group is not None:
+            return self.sp_group
         return None if self.tp_mesh is None else self.tp_mesh.get_group()
+
+    def _micro_batches(self, batch: Batch, micro_batch_size: int, max_token_len: int | None
+                       ) -> tuple[list[Batch], int]:
+        # A token budget is per rank: an SP group's micro-batch spreads over its ranks (verl multiplies
+        # ppo_max_token_len_per_gpu by the SP size).
+        sp = 1 if self.sp_group is None else dist.get_world_size(self.sp_group)
+        return super()._micro_batches(batch, micro_batch_size, max_token_len and max_token_len * sp)
 
     # ------------------------------------------------------------------ forward
 
@@ -393,6 +418,8 @@ class FSDP2Engine(TrainEngine):
         """``_forward`` on the micro-batch's valid tokens packed into one row (``packing.pack``); the
         outputs come back in the padded [n, R] layout."""
         packed = pack(micro)
+        if self.sp_group is not None:
+            return self._forward_sp(micro, packed, with_entropy, entropy_grad)
         kwargs = packed.model_kwargs()
         if self.role == "reward":
             return {"rm_scores": self.model(**kwargs, last=packed.last).float()}  # [n]
@@ -402,6 +429,25 @@ class FSDP2Engine(TrainEngine):
         labels = micro["input_ids"][:, -resp:]  # [n, R], scored from the hidden states [1, n*R, H]
         with self.model.lm_head.scoring(labels, self.temperature, with_entropy, entropy_grad):
             return self.model(**kwargs, use_cache=False, logits_to_keep=packed.keep).logits  # [n, R] each
+
+    def _forward_sp(self, micro: Batch, packed: Packed, with_entropy: bool, entropy_grad: bool
+                    ) -> dict[str, torch.Tensor]:
+        """``_forward_packed`` on this rank's slice of the packed row (``ulysses.py``): per-token outputs at
+        every position of the slice, gathered over the SP group, then read at the row's output positions."""
+        group = self.sp_group
+        shard = SeqShard.of(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_len, group)
+        kwargs = shard.model_kwargs()
+        every = torch.arange(shard.input_ids.shape[1], device=shard.input_ids.device)  # [T/sp]
+        if self.role == "reward":
+            scores = self.model(**kwargs, last=every).float()  # [T/sp]
+            return {"rm_scores": gather_seq(scores, group)[packed.last]}  # [n]
+        n, resp = micro["response_mask"].shape
+        if self.role == "critic":
+            values = self.model(**kwargs, values_to_keep=every).float()  # [T/sp]
+            return {"values": gather_seq(values, group)[packed.keep].view(n, resp)}
+        with self.model.lm_head.scoring(shard.targets, self.temperature, with_entropy, entropy_grad):
+            out = self.model(**kwargs, use_cache=False, logits_to_keep=0).logits  # [1, T/sp] each
+        return {k: gather_seq(v[0], group)[packed.keep].view(n, resp) for k, v in out.items()}
 
     def forward_no_grad(
         self, batch: Batch, micro_batch_size: int, with_entropy: bool = False,
@@ -431,8 +477,9 @@ class FSDP2Engine(TrainEngine):
         for micro in micros:
             outputs = self._forward(micro, with_entropy, entropy_grad)
             loss, m = loss_fn(outputs, micro, scale)
-            # FSDP averages gradients over DP; loss_fn already divided by global counts.
-            (loss * self.dp_size).backward()
+            # FSDP averages gradients over its mesh; loss_fn already divided by global counts. Under SP the
+            # mesh is dp x sp and each SP rank's gradient is its tokens' share: a sum over the mesh too.
+            (loss * self.fsdp_mesh.size()).backward()
             metrics.append(m)
         return metrics
 

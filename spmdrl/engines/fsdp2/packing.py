@@ -23,9 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from spmdrl.batch import Batch
+from spmdrl.engines.fsdp2.ulysses import SP_GROUP_ATTR, heads_for_seq, kv_heads_for, seq_for_heads
 
 _PREFIX = "spmdrl_packed_"
 
@@ -126,13 +128,30 @@ def _eager(module, query, key, value, mask, scaling, dropout, **kwargs):
     return torch.matmul(weights, value).transpose(1, 2), None
 
 
+def _sdpa(module, query, key, value, mask, scaling, dropout, **kwargs):
+    """torch's sdpa, causal, with the key / value heads repeated by shape (an SP rank's share of the heads,
+    which the module's own ``num_key_value_groups`` does not describe when they were repeated); [n, longest,
+    H, D]."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout if module.training else 0.0,
+                                         scale=scaling, is_causal=True)
+    return out.transpose(1, 2), None
+
+
 def _packed_attention_fn(inner: str):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    kernel = _eager if inner == "eager" else sdpa_attention_forward
-
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
                   cu_seq_lens_q, **kwargs):
+        kernel = _eager if inner == "eager" else sdpa_attention_forward
+        group = getattr(module, SP_GROUP_ATTR, None)
+        if group is not None:  # Ulysses: this rank's heads over the whole row (ulysses.py)
+            heads, sp = query.shape[1], dist.get_world_size(group)
+            kv = kv_heads_for(sp, heads, key.shape[1])
+            query, key, value = heads_for_seq(query, group, heads), heads_for_seq(key, group, kv), \
+                heads_for_seq(value, group, kv)
+            kernel = _eager if inner == "eager" else _sdpa
         # query [1, H, T, D], key / value [1, Hkv, T, D]; each bucket as [n, H(kv), longest, D], right-padded
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H(kv), D]
         out = q.new_empty(q.shape)  # [T, H, D]
@@ -150,6 +169,8 @@ def _packed_attention_fn(inner: str):
             o, _ = kernel(module, unpack(q), unpack(k), unpack(v), mask, scaling=scaling, dropout=dropout,
                           is_causal=True)  # [n, longest, H, D]
             out = out.index_copy(0, b.tokens, o.reshape(b.n * b.longest, *o.shape[2:])[b.slots])
+        if group is not None:
+            return seq_for_heads(out[None], group), None  # [1, T/sp, H, D]
         return out[None], None  # [1, T, H, D]
 
     return attention

@@ -209,6 +209,10 @@ class MegatronEngine(TrainEngine):
         if cfg.reward_model.enable:
             raise ValueError("reward_model.enable is true but actor.strategy 'megatron' builds no reward "
                              "model (a sequence-classification head); set actor.strategy: fsdp2 to use one")
+        if cfg.parallel.sp > 1:
+            raise ValueError(f"parallel.sp is {cfg.parallel.sp} with actor.strategy 'megatron': "
+                             f"megatron-core's context parallelism needs Transformer Engine's attention, "
+                             f"which is not installed here; use actor.strategy fsdp2 for Ulysses")
         compute = resolve_dtype(cfg.actor.param_dtype, resolve_device_type(cfg.trainer.device))
         if compute not in (torch.float32, torch.bfloat16) or cfg.actor.reduce_dtype != "float32":
             raise ValueError(f"actor.param_dtype {cfg.actor.param_dtype!r} / actor.reduce_dtype "
