@@ -59,6 +59,10 @@ for _n in (1, 2, 4):
                                       *_save], nproc=_n)
 # Sequence parallelism (parallel.sp 2: both ranks run every row, each half of its tokens) against 1 rank.
 declare("world_size/sp2", [*COMMON, "--parallel.sp", "2", "--trainer.output_dir", "{base}/world_size/sp2"])
+# The 2-rank SP 1 run's step-1 checkpoint resumed at SP 2 (DCP reshards FSDP's dp shards to dp x sp ones).
+declare("world_size/resumed_sp2", [*COMMON, "--parallel.sp", "2", "--trainer.val_before_train", "false",
+                                   "--trainer.resume", "{base}/world_size/ranks2/checkpoints/global_step_1",
+                                   "--trainer.output_dir", "{base}/world_size/resumed_sp2"])
 declare("world_size/resumed", [*COMMON, "--trainer.output_dir", "{base}/world_size/resumed",
                                "--trainer.resume", "{base}/world_size/ranks2/checkpoints/global_step_1",
                                "--trainer.val_before_train", "false"], nproc=4)
@@ -74,7 +78,14 @@ for _config in ("ppo", "dapo"):
         declare(f"world_size/{_config}{_n}", ["--config", f"configs/{_config}.yaml", *F32,
                                                "--trainer.output_dir", f"{{base}}/world_size/{_config}{_n}"],
                 nproc=_n)
-declare("world_size/ppo_sp2", ["--config", "configs/ppo.yaml", *F32, "--parallel.sp", "2",
+# With the critic, groups balanced over the ranks and token budgets (per rank: an SP group's micro-batch
+# takes sp x the budget, each rank 1/sp of it) on every pass.
+BUDGETS = ["--trainer.balance_batch", "true", "--actor.use_dynamic_bsz", "true", "--critic.use_dynamic_bsz",
+           "true", "--actor.log_prob_use_dynamic_bsz", "true", "--ref.log_prob_use_dynamic_bsz", "true",
+           *[f"--{k}_max_token_len_per_gpu={n}" for k, n in (("actor.ppo", 300), ("actor.log_prob", 500),
+                                                              ("ref.log_prob", 500), ("critic.ppo", 300),
+                                                              ("critic.forward", 500))]]
+declare("world_size/ppo_sp2", ["--config", "configs/ppo.yaml", *F32, "--parallel.sp", "2", *BUDGETS,
                                "--trainer.output_dir", "{base}/world_size/ppo_sp2"])
 
 
@@ -131,14 +142,22 @@ def test_the_updates_agree_on_one_two_and_four_ranks_with_several_mini_batches_a
 
 
 def test_sequence_parallel_runs_train_as_one_rank_step_for_step(shared, runs):
-    """SP 2 on 2 ranks (GRPO, 3 steps; PPO with its critic, 2 steps) against the 1-rank runs: the same samples
-    (keyed by prompt) and every metric within 1e-5."""
+    """SP 2 on 2 ranks (GRPO, 3 steps; PPO with its critic, balance and token budgets, 2 steps) against the
+    1-rank runs: the same samples (keyed by prompt) and every metric within 1e-5."""
     sp, one = read_metrics(shared.path("world_size/sp2")), read_metrics(runs["ranks1"])
     for step in (1, 2, 3):
         assert _generations(shared.path("world_size/sp2"), step) == _generations(runs["ranks1"], step), step
         assert _differences([one, sp], step) == [], step
     ppo = [read_metrics(shared.path(f"world_size/{name}")) for name in ("ppo1", "ppo_sp2")]
     assert _differences(ppo, 1) == [] and _differences(ppo, 2) == []
+
+
+def test_an_sp_1_checkpoint_resumes_at_sp_2(shared, runs):
+    resumed = shared.path("world_size/resumed_sp2")
+    assert "resumed from" in shared.stdout("world_size/resumed_sp2")
+    for step in (2, 3):
+        assert _generations(resumed, step) == _generations(runs["ranks2"], step), step
+        assert _differences([read_metrics(runs["ranks2"]), read_metrics(resumed)], step) == [], step
 
 
 @pytest.mark.parametrize("config", ["ppo", "dapo"])

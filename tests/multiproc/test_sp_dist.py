@@ -1,7 +1,8 @@
 """Sequence parallelism (Ulysses, spmdrl/engines/fsdp2/ulysses.py) equals SP 1, float32 on gloo: SP 2 on 2
 ranks and dp 2 x sp 2 on 4 ranks against one packed rank, for the actor's log-probs and entropy, the
 critic's values, the reward model's scores, one actor and one critic update with the run's own losses (their
-loss metrics and grad norms), and the parameters after them.
+loss metrics and grad norms), and the parameters after them; at SP 2 also LoRA with activation
+checkpointing under a token budget.
 
 The rows are laid out so that the first micro-batch's packed row (32 tokens) is cut by SP 2 inside a
 response: the last token of rank 0's slice predicts the first token of rank 1's (the shard-boundary target
@@ -64,11 +65,23 @@ def _run(rank: int, world: int, sp: int, models: dict[str, str]) -> dict:
         del eng
     eng = fsdp2_engine(models["rm"], "reward", dims=dims, remove_padding=True)
     out["reward"] = eng.forward_no_grad(mine, MICRO)
-    if world <= 2:  # one key/value head: repeated to the query heads at SP 2
-        eng = fsdp2_engine(models["mqa"], dims=dims, lr=LR, remove_padding=True)
-        out["mqa"] = eng.forward_no_grad(mine, MICRO, with_entropy=True)
-        out["mqa_metrics"] = eng.train_step(mine, _losses()[0], mini_batch_size=n, micro_batch_size=MICRO)
-        out["mqa_weights"] = {k: v.clone() for k, v in eng.export_weights()}
+    if world <= 2:
+        from spmdrl.engines.fsdp2.lora import LoraSpec
+
+        variants = {
+            "mqa": (models["mqa"], {}, {}),  # one key/value head: repeated to the query heads at SP 2
+            # LoRA adapters, activation checkpointing, and micro-batches cut by a token budget (per rank)
+            "lora": (models["tiny"], dict(lora=LoraSpec(8, 16), gradient_checkpointing=True),
+                     dict(max_token_len=24 // sp)),
+        }
+        for name, (model, kw, budget) in variants.items():
+            eng = fsdp2_engine(model, dims=dims, lr=LR, remove_padding=True, **kw)
+            out[name] = eng.forward_no_grad(mine, MICRO, with_entropy=True, **budget)
+            out[f"{name}_metrics"] = eng.train_step(mine, _losses()[0], mini_batch_size=n,
+                                                    micro_batch_size=MICRO, **budget)
+            out[f"{name}_weights"] = {k: v.clone() for k, v in eng.export_weights()}
+            cut = eng._micro_batches(eng._gather(mine), MICRO, budget.get("max_token_len"))[0]
+            out[f"{name}_micros"] = len(cut)
     return out
 
 
@@ -129,13 +142,18 @@ def test_an_update_equals_sp_1(runs, layout):
     assert one["actor_metrics"]["actor/kl_loss"] > 1e-3 and one["critic_metrics"]["critic/vf_clipfrac"] > 0
 
 
-def test_repeated_key_value_heads_equal_sp_1(runs):
+@pytest.mark.parametrize("variant", ["mqa", "lora"])
+def test_repeated_kv_heads_lora_checkpointing_and_token_budgets_equal_sp_1(runs, variant):
+    """One key/value head; LoRA with activation checkpointing under a token budget that SP 2 doubles per
+    group (so both cut the same 3 micro-batches: 24 tokens on one rank, 12 a rank on two)."""
     one, two = runs["one"], runs["sp2"]
     mask = _batch()["response_mask"]
     for k in ("logp", "entropy"):
-        assert float(((_rows(two, "mqa", k) - one["mqa"][k]) * mask).abs().max()) < TOL, k
-    a, b = one["mqa_metrics"], two[0]["mqa_metrics"]
+        assert float(((_rows(two, variant, k) - one[variant][k]) * mask).abs().max()) < TOL, k
+    a, b = one[f"{variant}_metrics"], two[0][f"{variant}_metrics"]
     assert all(abs(a[k] - b[k]) <= (NORM_TOL if k.endswith("grad_norm") else TOL) * max(1.0, abs(a[k]))
                for k in a)
-    w1, w2 = one["mqa_weights"], two[0]["mqa_weights"]
+    w1, w2 = one[f"{variant}_weights"], two[0][f"{variant}_weights"]
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < TOL
+    if variant == "lora":
+        assert one["lora_micros"] == two[0]["lora_micros"] > 2
