@@ -83,6 +83,7 @@ class Layout:
     layers_per_rank: int  # decoder layers on this rank (pipeline stages hold L / pp)
     gathers: bool  # FSDP: the root and the next layers are unsharded in the compute dtype during a forward
     runtime_bytes: float = 0.0  # what the backend adds to the process (imports, start-up) on CPU
+    sp: int = 1  # sequence parallelism: a micro-batch's tokens are split this many ways (its rows are not)
 LossFn = Callable[[dict[str, torch.Tensor], Batch, LossScale], tuple[torch.Tensor, dict[str, float]]]
 
 
@@ -128,9 +129,9 @@ class TrainEngine(abc.ABC):
     @classmethod
     def layout(cls, cfg: "Config", dims: "ParallelDims", layers: int) -> Layout:
         """How this backend lays a model of ``layers`` decoder layers out on one rank (the default: FSDP
-        over the data-parallel shards times TP, every layer on every rank)."""
-        return Layout(shards=dims.dp_shard * dims.tp, tp=dims.tp, layers_per_rank=layers, gathers=True,
-                      runtime_bytes=FSDP2_RUNTIME_BYTES)
+        over the data-parallel shards times SP times TP, every layer on every rank)."""
+        return Layout(shards=dims.dp_shard * dims.sp * dims.tp, tp=dims.tp, layers_per_rank=layers,
+                      gathers=True, runtime_bytes=FSDP2_RUNTIME_BYTES, sp=dims.sp)
 
     @classmethod
     @abc.abstractmethod

@@ -40,6 +40,9 @@ NO_GRAD_H, NO_GRAD_I = 6, 3
 # Eager attention (CPU's default up to 2048 tokens) keeps each row's [heads, S, S] scores in float32 and
 # bf16 (saved for backward in training); sdpa keeps none.
 EAGER_SCORE_BYTES = 6
+# Ulysses (parallel.sp): per token of this rank and decoder layer, the all-to-all's q, k, v and attention
+# output over the whole sequence with 1/sp of the heads, in the compute dtype (saved for backward).
+ULYSSES_H = 4
 # The fused log-prob kernel's temporaries (spmdrl/engines/logprobs.py): blocks of at most
 # ``chunk_elements(device)`` logits, two float32 buffers and one in the compute dtype, reused by every
 # block; no [tokens x vocab] tensor.
@@ -72,7 +75,8 @@ class Sizes:
         return cls(master=_bytes(cfg.model.dtype), compute=_bytes(resolve_dtype(cfg.actor.param_dtype,
                                                                                 device_type)),
                    rollout=_bytes(resolve_dtype(cfg.rollout.dtype, device_type)), seq=seq,
-                   response=d.max_response_length, eager=attn == "eager" and not cfg.model.use_remove_padding,
+                   response=d.max_response_length,
+                   eager=attn == "eager" and not cfg.model.use_remove_padding and cfg.parallel.sp == 1,
                    device_type=device_type)
 
 
@@ -87,18 +91,21 @@ def micro_tokens(rows: int, seq: int, budget: Optional[int]) -> int:
 
 
 def activations(shape: ModelShape, tokens: int, rows: int, s: Sizes, *, train: bool, checkpointing: bool,
-                tp: int = 1, layers: Optional[int] = None) -> float:
+                tp: int = 1, layers: Optional[int] = None, sp: int = 1) -> float:
     """Bytes a forward of ``tokens`` tokens in ``rows`` rows holds at its peak: saved for backward in
     training (one layer's input per layer and one layer in full with activation checkpointing), one
-    layer's temporaries without gradients. ``tp`` splits heads and the MLP; ``layers``: this rank's."""
+    layer's temporaries without gradients. ``tp`` splits heads and the MLP; ``layers``: this rank's; ``sp``
+    splits the tokens (each rank 1/sp of them, plus the all-to-all's buffers; packed, so no eager scores)."""
     n_layers = shape.layers if layers is None else layers
     h, mlp = shape.hidden, shape.intermediate / tp
+    local = tokens / sp
     scores = EAGER_SCORE_BYTES * shape.heads / tp * (tokens / max(rows, 1)) * tokens if s.eager else 0.0
-    full = (SAVED_H * h + SAVED_I * mlp) * tokens * s.compute + scores
+    swaps = ULYSSES_H * h * local * s.compute if sp > 1 else 0.0
+    full = (SAVED_H * h + SAVED_I * mlp) * local * s.compute + scores + swaps
     if not train:
-        return (NO_GRAD_H * h + NO_GRAD_I * mlp) * tokens * s.compute + scores
+        return (NO_GRAD_H * h + NO_GRAD_I * mlp) * local * s.compute + scores + swaps
     if checkpointing:
-        return n_layers * h * tokens * s.compute + full
+        return n_layers * h * local * s.compute + full
     return n_layers * full
 
 

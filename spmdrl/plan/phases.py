@@ -10,6 +10,7 @@ components' arithmetic is in ``estimate.py``; which model a backend shards how i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -68,17 +69,20 @@ def resident(models: list[Model], s: Sizes, offloaded: bool) -> dict[str, float]
 
 def forward(m: Model, s: Sizes, rows: int, budget: Optional[int], *, train: bool, checkpointing: bool
             ) -> dict[str, float]:
-    """What one forward (and backward when ``train``) of ``m`` on its largest micro-batch adds."""
-    tokens = micro_tokens(rows, s.seq, budget)
+    """What one forward (and backward when ``train``) of ``m`` on its largest micro-batch adds. Under SP the
+    micro-batch is an SP group's (``rows`` gathered from its ranks, the token budget sp times a rank's), each
+    rank 1/sp of its tokens, whose LM head scores every one of them (not only the response's)."""
     lay = m.layout
+    budget = budget and budget * lay.sp
+    tokens = micro_tokens(rows, s.seq, budget)
     out = {f"{m.role} activations": activations(m.shape, tokens, rows, s, train=train,
                                                 checkpointing=checkpointing and train, tp=lay.tp,
-                                                layers=lay.layers_per_rank)}
+                                                layers=lay.layers_per_rank, sp=lay.sp)}
     if lay.gathers:
         out[f"{m.role} gathered"] = gathered(m.shape, s, lay.tp)
     if m.logits:
-        resp_tokens = micro_tokens(rows, s.response, budget)
-        out[f"{m.role} logits"] = logprob_temporaries(m.shape, resp_tokens, lay.tp, s.device_type)
+        scored = micro_tokens(rows, s.response, budget) if lay.sp == 1 else math.ceil(tokens / lay.sp)
+        out[f"{m.role} logits"] = logprob_temporaries(m.shape, scored, lay.tp, s.device_type)
     if train:
         state = trained_state(m.params, m.trainable, lay.shards, s)
         # The optimizer step runs after the backward freed its activations: only what it needs beyond them.
@@ -96,9 +100,10 @@ def step_phases(models: list[Model], engine: "EngineMemory", cfg: "Config", s: S
     mini = {"actor": a.ppo_mini_batch_size * n // world, "critic": c.ppo_mini_batch_size * n // world}
 
     def pass_(role: str, micro: int, available: int, budget: Optional[int], train: bool) -> dict[str, float]:
-        # A LoRA actor is its own reference (adapters off); a model replica gathers its TP ranks' rows.
+        # A LoRA actor is its own reference (adapters off); a model replica gathers its TP (or SP) ranks'
+        # rows.
         m = by_role.get(role) or by_role["actor"]
-        rows = max(1, min(micro, available * m.layout.tp))
+        rows = max(1, min(micro, available * m.layout.tp * m.layout.sp))
         return forward(m, s, rows, budget, train=train, checkpointing=checkpointing)
 
     base = {"runtime": runtime}

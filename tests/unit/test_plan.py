@@ -73,3 +73,18 @@ def test_the_reward_models_forward_is_planned_by_its_micro_batch():
     assert grow > 1000  # 8,192 rows in one micro-batch against one row
     assert sum(large.phases["reward"].values()) > sum(large.phases["update"].values())
     assert "reward" not in make_plan(_cfg(), 1, 1, "cpu").phases
+
+
+def test_sequence_parallelism_splits_each_ranks_tokens():
+    """SP 2 on 2 ranks runs an SP group's micro-batch (both ranks' rows) with half its tokens on each rank:
+    about half the activations of one rank running those rows alone, plus the all-to-all's buffers, and the
+    LM head scores every token of the slice; weights and optimizer state are sharded over dp x sp."""
+    long = ["--data.max_prompt_length", "512", "--data.max_response_length", "3584",
+            "--data.train_batch_size", "2", "--rollout.n", "1", "--actor.ppo_mini_batch_size", "2",
+            "--actor.ppo_micro_batch_size_per_gpu", "2", "--model.enable_gradient_checkpointing", "false"]
+    one = make_plan(_cfg(*long), 1, 1, "cpu").phases["update"]
+    two = make_plan(_cfg(*long, "--parallel.sp", "2"), 2, 2, "cpu").phases["update"]
+    ratio = two["actor activations"] / one["actor activations"]
+    assert 0.5 < ratio < 0.75, ratio
+    assert two["actor weights"] == one["actor weights"] / 2
+    assert two["actor logits"] >= one["actor logits"]  # the prompt's tokens are scored too (then dropped)
