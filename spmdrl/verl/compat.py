@@ -84,6 +84,9 @@ TABLE: list[Rule] = [
     m(f"{AR}.model.enable_gradient_checkpointing", "model.enable_gradient_checkpointing"),
     m(f"{AR}.model.use_liger", "model.fused_kernels", lambda v: "on" if v else "off",
       "true: on, false: off (fused RMSNorm/SwiGLU)"),
+    *(only(f"{AR}.model.override_config.{k}", (0, 0.0), "dropout stays off in training, as the models "
+           "spmdrl loads have it (Qwen2, Llama: attention_dropout 0)")
+      for k in ("attention_dropout", "embd_pdrop", "resid_pdrop")),
     m(f"{AR}.model.override_config.max_position_embeddings", "model.max_position_embeddings",
       note="the one config.json override spmdrl takes (its DAPO recipes' longer responses)"),
     m(f"{AR}.model.lora_rank", "model.lora_rank"),
@@ -121,6 +124,9 @@ TABLE: list[Rule] = [
     m(f"{ACT}.clip_ratio_high", "actor.clip_ratio_high"),
     m(f"{ACT}.clip_ratio_c", "actor.clip_ratio_c"),
     m(f"{ACT}.policy_loss.loss_mode", "actor.policy_loss"),
+    # verl's older switch, before loss_agg_mode (which wins when both are given)
+    m(f"{ACT}.use_token_level_loss", "actor.loss_agg_mode",
+      lambda v: "token-mean" if v else "seq-mean-token-mean", "true: token-mean; false: seq-mean-token-mean"),
     m(f"{ACT}.loss_agg_mode", "actor.loss_agg_mode"),
     m(f"{ACT}.loss_scale_factor", "actor.loss_scale_factor"),
     m(f"{ACT}.entropy_coeff", "actor.entropy_coeff"),
@@ -147,7 +153,9 @@ TABLE: list[Rule] = [
     Rule(f"{ACT}.fsdp_config.fsdp_size", "parallel.dp_shard, parallel.dp_replicate", _fsdp_size,
          "k < world: shard over k ranks, replicate over world/k (HSDP)"),
     m(f"{ACT}.fsdp_config.offload_policy", "actor.cpu_offload"),
-    only(f"{ACT}.fsdp_config.param_offload", (False,), "use actor.cpu_offload (FSDP2 CPU offload)"),
+    Rule(f"{ACT}.fsdp_config.param_offload", "actor.cpu_offload",
+         lambda v, ctx: {"actor.cpu_offload": True} if v else {},
+         "true: FSDP2 CPU offload (parameters, gradients and optimizer state on the CPU)"),
     m(f"{ACT}.fsdp_config.optimizer_offload", "trainer.offload", _offload, OFFLOAD_NOTE),
     ignore(f"{ACT}.fsdp_config.grad_offload", GRADS_FREED),
     ignore(f"{ACT}.fsdp_config.reshard_after_forward", PERF),
@@ -278,8 +286,9 @@ TABLE: list[Rule] = [
     ignore("reward_model.n_gpus_per_node", PLACEMENT),
     ignore("reward_model.nnodes", PLACEMENT),
     # the dapo manager's buffer, in verl's older form and in its reward_kwargs form (the recipes' today)
-    *[m(f"reward_model.{prefix}.{k}", f"reward.overlong_buffer.{k}")
-      for prefix in ("overlong_buffer", "reward_kwargs.overlong_buffer_cfg")
+    *[m(f"{prefix}.{k}", f"reward.overlong_buffer.{k}")
+      for prefix in ("reward_model.overlong_buffer", "reward_model.reward_kwargs.overlong_buffer_cfg",
+                     "custom_reward_function.overlong_buffer")  # the last: recipe/dapo's 32B scripts
       for k in ("enable", "len", "penalty_factor")],
     ignore("reward_model.reward_kwargs.overlong_buffer_cfg.log",
            "the penalty is logged as reward/overlong/mean and /ratio whenever it is on"),

@@ -126,6 +126,24 @@ def test_ulysses_sizes_of_every_model_map_to_parallel_sp(name, monkeypatch):
     assert (cfg.parallel.sp, cfg.parallel.dp_shard, cfg.parallel.dp_replicate) == (2, 2, 2)
 
 
+def test_the_dapo_32b_scripts_older_keys():
+    """recipe/dapo/run_dapo_qwen2.5_32b.sh's keys beside its sp_size: the token-level loss switch, the
+    overlong buffer under custom_reward_function, dropout overrides of 0 and parameter offload."""
+    cfg, _ = parse_config([
+        "actor_rollout_ref.actor.use_token_level_loss=True",
+        "custom_reward_function.overlong_buffer.enable=True", "custom_reward_function.overlong_buffer.len=4096",
+        "custom_reward_function.overlong_buffer.penalty_factor=1.0",
+        "+actor_rollout_ref.model.override_config.attention_dropout=0.",
+        "+actor_rollout_ref.model.override_config.embd_pdrop=0.",
+        "+actor_rollout_ref.model.override_config.resid_pdrop=0.",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+    ])
+    assert cfg.actor.loss_agg_mode == "token-mean" and cfg.actor.cpu_offload
+    assert (cfg.reward.overlong_buffer.enable, cfg.reward.overlong_buffer.len) == (True, 4096)
+    seq = parse_config(["actor_rollout_ref.actor.use_token_level_loss=False"])[0]
+    assert seq.actor.loss_agg_mode == "seq-mean-token-mean"
+
+
 def test_verl_null_keeps_spmdrl_default_unless_spmdrl_takes_null():
     cfg, _ = parse_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "data.val_files=null",
                            "trainer.total_training_steps=null",
@@ -263,6 +281,8 @@ BAD = [
      "differ; they name one setting"),
     (["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
      "context parallelism needs Transformer Engine's attention"),
+    (["+actor_rollout_ref.model.override_config.attention_dropout=0.1"],
+     "attention_dropout=0.1 is not supported: spmdrl accepts only 0 or 0.0"),
     (["trainer.total_steps=3"],
      "trainer.total_steps=3 is a spmdrl key, not a verl key; write it as --trainer.total_steps"),
 ]
