@@ -131,7 +131,8 @@ def test_the_dapo_32b_scripts_older_keys():
     overlong buffer under custom_reward_function, dropout overrides of 0 and parameter offload."""
     cfg, _ = parse_config([
         "actor_rollout_ref.actor.use_token_level_loss=True",
-        "custom_reward_function.overlong_buffer.enable=True", "custom_reward_function.overlong_buffer.len=4096",
+        "custom_reward_function.overlong_buffer.enable=True",
+        "custom_reward_function.overlong_buffer.len=4096",
         "custom_reward_function.overlong_buffer.penalty_factor=1.0",
         "+actor_rollout_ref.model.override_config.attention_dropout=0.",
         "+actor_rollout_ref.model.override_config.embd_pdrop=0.",
