@@ -67,8 +67,7 @@ def worker(length: int, sp: int, out: str) -> None:
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // sp))
     rank, world = init_distributed("cpu")
-    cfg, _ = parse_config(_config_args(length, sp))
-    cfg.actor.use_kl_loss = True
+    cfg, _ = parse_config(_config_args(length, sp))  # grpo.yaml's loss: a KL term to the reference
     dims = ParallelDims(world, sp=sp).build()
     path = resolve_builtin_model("builtin:small")
     g = torch.Generator().manual_seed(rank)

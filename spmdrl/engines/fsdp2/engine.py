@@ -62,14 +62,14 @@ from spmdrl.engines.fsdp2.lora import (
     read_adapter_config,
 )
 from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
-from spmdrl.engines.fsdp2.packing import Packed, pack, packed_attention
+from spmdrl.engines.fsdp2.packing import Packed, pack, packed_attention, shard_packed
 from spmdrl.engines.fsdp2.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fsdp,
     apply_tp,
 )
-from spmdrl.engines.fsdp2.ulysses import SeqShard, gather_seq, shard_attention
+from spmdrl.engines.fsdp2.ulysses import gather_seq, shard_attention
 from spmdrl.engines.fsdp2.weights import clip_grad_norm_, hf_name, iter_full_state, iter_unsharded_state
 from spmdrl.engines.optim import build_optimizer, build_scheduler, optimizer_settings
 from spmdrl.precision import resolve_dtype, to_dtype
@@ -435,9 +435,9 @@ class FSDP2Engine(TrainEngine):
         """``_forward_packed`` on this rank's slice of the packed row (``ulysses.py``): per-token outputs at
         every position of the slice, gathered over the SP group, then read at the row's output positions."""
         group = self.sp_group
-        shard = SeqShard.of(packed.input_ids, packed.position_ids, packed.cu_seqlens, packed.max_len, group)
-        kwargs = shard.model_kwargs()
-        every = torch.arange(shard.input_ids.shape[1], device=shard.input_ids.device)  # [T/sp]
+        local, targets = shard_packed(packed, group)
+        kwargs = local.model_kwargs()
+        every = torch.arange(local.input_ids.shape[1], device=local.input_ids.device)  # [T/sp]
         if self.role == "reward":
             scores = self.model(**kwargs, last=every).float()  # [T/sp]
             return {"rm_scores": gather_seq(scores, group)[packed.last]}  # [n]
@@ -445,7 +445,7 @@ class FSDP2Engine(TrainEngine):
         if self.role == "critic":
             values = self.model(**kwargs, values_to_keep=every).float()  # [T/sp]
             return {"values": gather_seq(values, group)[packed.keep].view(n, resp)}
-        with self.model.lm_head.scoring(shard.targets, self.temperature, with_entropy, entropy_grad):
+        with self.model.lm_head.scoring(targets, self.temperature, with_entropy, entropy_grad):
             out = self.model(**kwargs, use_cache=False, logits_to_keep=0).logits  # [1, T/sp] each
         return {k: gather_seq(v[0], group)[packed.keep].view(n, resp) for k, v in out.items()}
 

@@ -3,6 +3,7 @@
     packed = pack(micro)                       # ids, positions, cu_seqlens, output indices
     model(**packed.model_kwargs(), ...)        # attention never crosses a sequence
     outputs at packed.keep -> reshape [n, R]   # back to the padded response layout the losses read
+    local, targets = shard_packed(packed, g)   # sequence parallelism: this rank's slice (ulysses.py)
 
 Every projection, MLP, norm and the LM head then run on the valid tokens only (verl's
 ``use_remove_padding``). Attention is the one place that needs sequence boundaries: the model is
@@ -78,6 +79,29 @@ def pack(micro: Batch) -> Packed:
         keep=keep.flatten(),
         last=cu[1:].long() - 1,
     )
+
+
+def shard_packed(packed: Packed, group: dist.ProcessGroup) -> tuple[Packed, torch.Tensor]:
+    """Sequence parallelism (``ulysses.py``): this rank's contiguous slice of ``packed``'s row, padded to a
+    multiple of the group's size, and the targets of its tokens [1, T/sp].
+
+    The slice keeps the whole row's boundaries (attention runs over whole sequences after the all-to-all)
+    and output positions (``keep``, ``last``: read after the outputs are gathered); the padding is a
+    sequence of its own, so no real token attends to it. Targets are shifted on the whole row before it is
+    sliced: a slice's last token is scored against the next slice's first.
+    """
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    ids, pos, cu = packed.input_ids, packed.position_ids, packed.cu_seqlens  # [1, T], [1, T], [n+1]
+    total = ids.shape[1]
+    pad = -total % sp
+    if pad:
+        ids = F.pad(ids, (0, pad))
+        pos = torch.cat([pos, torch.arange(pad, device=pos.device, dtype=pos.dtype)[None]], 1)
+        cu = torch.cat([cu, cu.new_tensor([total + pad])])
+    targets = F.pad(ids[:, 1:], (0, 1))  # [1, T_pad]
+    local = slice(rank * ids.shape[1] // sp, (rank + 1) * ids.shape[1] // sp)
+    return Packed(ids[:, local], pos[:, local], cu, max(packed.max_len, pad), packed.keep,
+                  packed.last), targets[:, local]
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Sequence parallelism (verl's Ulysses) for the FSDP2 engine's packed forward: the ranks of an SP group run
 the same packed row, each a contiguous 1/sp slice of its tokens.
 
-    shard = SeqShard.of(ids, pos, cu, max_len, group)  # the row padded to a multiple of sp, this rank's slice
-    model(**shard.model_kwargs(), ...)                 # every projection and MLP on T/sp tokens
+    local, targets = shard_packed(packed, group)       # packing.py: this rank's slice of the padded row
+    model(**local.model_kwargs(), ...)                 # every projection and MLP on T/sp tokens
     full = gather_seq(local_outputs, group)            # [T_pad]: every rank's slice, in rank order
     outputs = full[packed.keep]                        # the padded [n, R] layout, as without SP
 
@@ -12,7 +12,7 @@ list-form ``all_to_all``), attention runs over the whole sequences with the full
 ``seq_for_heads`` turns its output back. Key / value heads that sp does not divide are repeated to the
 query heads first (GQA with fewer KV heads than SP ranks).
 
-Targets are shifted on the whole packed row before it is sliced (``SeqShard.targets``): the last token of
+Targets are shifted on the whole packed row before it is sliced (``packing.shard_packed``): the last token of
 a slice is scored against the first token of the next slice, which another rank holds (verl #6068 shifted
 after slicing and scored every slice's last token against the wrong one).
 
@@ -23,11 +23,8 @@ each rank's parameter gradients are its tokens' share, and FSDP, sharding over d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from spmdrl.config.model_folder import check_sp_heads
 from spmdrl.errors import ConfigError
@@ -115,42 +112,5 @@ def shard_attention(model: torch.nn.Module, group: dist.ProcessGroup, what: str)
 
 def kv_heads_for(sp: int, heads: int, kv_heads: int) -> int:
     """How many key / value heads go through the all-to-all: all of them when sp divides them, else
-    repeated up to the query heads (which sp must divide: ``check_heads``)."""
+    repeated up to the query heads (which sp must divide: ``check_sp_heads``)."""
     return kv_heads if kv_heads % sp == 0 else heads
-
-
-@dataclass
-class SeqShard:
-    """One packed row padded to a multiple of the SP size, and this rank's slice [lo, hi) of it."""
-
-    input_ids: torch.Tensor  # [1, T/sp]: this rank's tokens
-    position_ids: torch.Tensor  # [1, T/sp]
-    cu_seqlens: torch.Tensor  # [n+2] int32: the whole padded row's boundaries (the padding: a sequence)
-    max_len: int
-    targets: torch.Tensor  # [1, T/sp]: the token after each of this rank's, shifted on the whole row
-    padded: int  # T_pad, the whole row's length
-
-    @classmethod
-    def of(cls, ids: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, max_len: int,
-           group: dist.ProcessGroup) -> "SeqShard":
-        """This rank's slice of the packed row ``ids`` / ``pos`` [1, T] whose sequences ``cu`` [n+1] bound
-        (``packing.Packed``'s fields)."""
-        sp, rank = dist.get_world_size(group), dist.get_rank(group)
-        total = ids.shape[1]
-        pad = -total % sp
-        if pad:  # its own sequence at the end, so that no real token attends to it
-            ids = F.pad(ids, (0, pad))
-            pos = torch.cat([pos, torch.arange(pad, device=pos.device, dtype=pos.dtype)[None]], 1)
-            cu = torch.cat([cu, cu.new_tensor([total + pad])])
-        targets = F.pad(ids[:, 1:], (0, 1))  # [1, T_pad]: shifted before slicing
-        local = ids.shape[1] // sp
-        lo, hi = rank * local, (rank + 1) * local
-        return cls(ids[:, lo:hi], pos[:, lo:hi], cu, max(max_len, pad), targets[:, lo:hi],
-                   ids.shape[1])
-
-    def model_kwargs(self) -> dict:
-        return dict(
-            input_ids=self.input_ids, attention_mask=None, position_ids=self.position_ids,
-            cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
-            max_length_q=self.max_len, max_length_k=self.max_len,
-        )
