@@ -1,8 +1,8 @@
 """Features where they meet: an all-pairs set of short runs on 2 ranks over the options users combine.
 
 Every pair of levels of every two factors below runs together in at least one case (``all_pairs``, a
-greedy generator: 22 cases for one 10-level factor, one 3-level and 12 two-level ones, where all
-combinations would be 122,880). Each case must take its steps (2; 3 at staleness 1) with the metrics its
+greedy generator: 21 cases for one 10-level factor, one 3-level and 13 two-level ones, where all
+combinations would be 245,760). Each case must take its steps (2; 3 at staleness 1) with the metrics its
 features promise. Combinations that cannot work (``REFUSED``) must be refused before any model is built,
 with one sentence naming the key. The cases run in one torchrun job (``matrix_driver.py``): the ranks start
 once, not once per case.
@@ -17,9 +17,13 @@ groups), so the critic meets every other factor's levels as the ppo level of the
 The placement is a factor too: colocated (both ranks generate and train), or split (``rollout.placement
 split``: rank 0 trains, rank 1 generates; ``spmdrl.split``) at ``rollout.max_staleness`` 0 or 1. Against
 the configs it counts by kind (``COARSE``: every config runs colocated and split), while each staleness
-meets every level of every other factor: 22 cases instead of the 30 that pairing every config with both
-stalenesses takes. Split cases check the training rank's metrics, the rollout rank's under
+meets every level of every other factor but SP 2: 21 cases instead of the 30 that pairing every config with
+both stalenesses takes. Split cases check the training rank's metrics, the rollout rank's under
 ``rollout_ranks/``, and each batch's staleness and weights; balancing is a no-op there (one training rank).
+
+Sequence parallelism (``parallel.sp`` 2: both ranks train every row, each on half of its tokens) meets
+every level of every factor colocated; under split placement there is one training rank, too few for an SP
+group of 2, and that is refused (``EXCLUDED``, ``REFUSED``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import random
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, read_metrics
 from torchrun import torchrun
 
@@ -70,26 +75,35 @@ FACTORS: dict[str, list] = {
     "prompts": ["varied", "long-tailed"],
     "schedule": ["constant", "cosine"],
     "placement": ["colocated", "split0", "split1"],  # split<s>: 1 training + 1 rollout rank, max_staleness s
+    "sp": [1, 2],  # parallel.sp: 2 runs every row on both ranks, each with half of its tokens (Ulysses)
 }
 # Against the algorithm configs, placement counts by kind: every config runs colocated and split (at
 # staleness 0 or 1), and each staleness meets every level of every other factor. Pairing every config
 # with both stalenesses would take 10 x 3 = 30 rows instead of 22.
 COARSE = {("config", "placement"): {"colocated": "colocated", "split0": "split", "split1": "split"}}
+# Levels that cannot meet: a split case has one training rank, and an SP group of 2 needs two (refused, as
+# ``REFUSED`` checks). Every other pair of their factors' levels still meets.
+EXCLUDED = {(("placement", "split0"), ("sp", 2)), (("placement", "split1"), ("sp", 2))}
 
 
-def all_pairs(factors: dict[str, list], seed: int = 20, coarse: dict | None = None) -> list[dict]:
+def all_pairs(factors: dict[str, list], seed: int = 399, coarse: dict | None = None,
+              excluded: set | None = None) -> list[dict]:
     """Rows (factor -> level) in which every pair of levels of every two factors appears at least once.
     Greedy: each row starts from the first pair still missing and gives every other factor the level that
     covers the most missing pairs with the levels chosen so far; ties go to a seeded draw, so that rows mix
     levels instead of repeating one pattern (a fixed tie-break gave every config an all-first and an
     all-second row). ``coarse`` ({(a, b): {level of b: its kind}}) asks less of a pair of factors: every
     level of a meets every kind of b's levels, while each level of b still meets every level of every
-    other factor. Seed 20 is the first to give at most 22 rows (with ``COARSE``) that also run ReMax x DAPO
-    single-turn with rollout log-probs on, colocated (a bug that a missing-log-probs crash hid in the other
-    rows at dcef175, before split placement existed)."""
+    other factor. ``excluded`` ({((f, level), (g, level))}) names pairs of levels no row may hold (each
+    factor must have a level that meets every other level). Seed 399 is the first to give at most 22 rows
+    (21, with ``COARSE`` and ``EXCLUDED``; 21-30 over seeds 0-999) that also run ReMax x DAPO single-turn
+    with rollout log-probs on, colocated (a bug that a missing-log-probs crash hid in the other rows at
+    dcef175, before split placement existed)."""
     rng = random.Random(seed)
     names = sorted(factors, key=lambda f: -len(factors[f]))
     coarse = coarse or {}
+    banned = {frozenset({(f, factors[f].index(x)), (g, factors[g].index(y))})
+              for (f, x), (g, y) in excluded or set()}
 
     def pair(f: str, k: int, g: str, m: int) -> tuple:
         """Levels k of f and m of g as the coverage counts them (under ``coarse``, the first level of a
@@ -101,18 +115,25 @@ def all_pairs(factors: dict[str, list], seed: int = 20, coarse: dict | None = No
             m = next(x for x, v in enumerate(factors[g]) if kinds[v] == kinds[factors[g][m]])
         return f, k, g, m
 
+    def fits(f: str, k: int, row: dict) -> bool:
+        return not any(frozenset({(f, k), (g, m)}) in banned for g, m in row.items())
+
     missing = {pair(a, i, b, j) for x, a in enumerate(names) for b in names[x + 1:]
-               for i in range(len(factors[a])) for j in range(len(factors[b]))}
+               for i in range(len(factors[a])) for j in range(len(factors[b]))
+               if frozenset({(a, i), (b, j)}) not in banned}
     rows = []
     while missing:
         a, i, b, j = min(missing, key=lambda p: (names.index(p[0]), names.index(p[2]), p[1], p[3]))
         # b's levels that cover this pair: one, or under ``coarse`` a kind's, chosen among last (by the most
         # pairs they cover with every other level of the row).
-        of_b = [m for m in range(len(factors[b])) if pair(a, i, b, m) == (a, i, b, j)]
-        row = {a: i} if len(of_b) > 1 else {a: i, b: j}
+        of_b = [m for m in range(len(factors[b])) if pair(a, i, b, m) == (a, i, b, j) and fits(b, m, {a: i})]
+        row = {a: i} if len(of_b) > 1 else {a: i, b: of_b[0]}
         for f in [*(f for f in names if f != b), b]:
             if f not in row:
                 levels = of_b if f == b else list(range(len(factors[f])))
+                # A level must fit the row so far, and leave b a level that fits it.
+                levels = [k for k in levels if fits(f, k, row)
+                          and (b in row or f == b or any(fits(b, m, {f: k}) for m in of_b))]
                 row[f] = max(rng.sample(levels, len(levels)),
                              key=lambda k: sum(pair(f, k, g, row[g]) in missing for g in row))
         rows.append(row)
@@ -121,13 +142,15 @@ def all_pairs(factors: dict[str, list], seed: int = 20, coarse: dict | None = No
 
 
 def test_all_pairs_covers_every_pair_in_few_rows() -> None:
-    rows = all_pairs(FACTORS, coarse=COARSE)
+    rows = all_pairs(FACTORS, coarse=COARSE, excluded=EXCLUDED)
     for a in FACTORS:
         for b in FACTORS:
             if a < b:
                 kind = COARSE.get((a, b), {y: y for y in FACTORS[b]})
                 seen = {(r[a], kind[r[b]]) for r in rows}
-                assert seen == {(x, kind[y]) for x in FACTORS[a] for y in FACTORS[b]}, (a, b)
+                allowed = {(x, kind[y]) for x in FACTORS[a] for y in FACTORS[b]
+                           if ((a, x), (b, y)) not in EXCLUDED and ((b, y), (a, x)) not in EXCLUDED}
+                assert seen == allowed, (a, b)
     assert len(rows) <= 2 * len(CONFIGS) + 4  # the 10 x 2 pairs of the widest factors need 20
 
 
@@ -218,6 +241,7 @@ def case_argv(case: dict, data: dict, out: Path) -> list[str]:
     if case["schedule"] == "cosine":
         argv += ["--actor.lr_scheduler", "cosine", "--actor.lr_warmup_steps", "1",
                  "--actor.min_lr_ratio", "0.1", "--critic.lr_warmup_steps", "1"]
+    argv += ["--parallel.sp", str(case["sp"])]
     if _staleness(case) is not None:  # rank 0 trains, rank 1 generates
         argv += ["--rollout.placement", "split", "--rollout.nnodes", "1", "--rollout.n_gpus_per_node", "1",
                  "--rollout.max_staleness", str(_staleness(case))]
@@ -246,6 +270,9 @@ REFUSED = {
         "rollout.placement split puts 2 rank(s) on rollout (rollout.nnodes x rollout.n_gpus_per_node)"),
     "a negative staleness": (
         {"placement": "split1"}, ["--rollout.max_staleness", "-1"], "rollout.max_staleness is -1"),
+    "an SP group larger than the training ranks": (
+        {"placement": "split0"}, ["--parallel.sp", "2"],
+        "training ranks 1 is not divisible by parallel.dp_replicate x tp x pp x sp = 2"),
     # Every shipped engine runs split; a backend that does not say it does is refused.
     "split placement with an engine not built for it": (
         {"placement": "split0"}, ["--rollout.engine", "colocated_only"],
@@ -305,7 +332,7 @@ def _check_metrics(name: str, case: dict, rows: list[dict]) -> None:
 
 
 def test_every_pair_of_features_runs_or_is_refused(tmp_path, spmdrl_cache, data) -> None:
-    cases = {f"case{k:02d}": c for k, c in enumerate(all_pairs(FACTORS, coarse=COARSE))}
+    cases = {f"case{k:02d}": c for k, c in enumerate(all_pairs(FACTORS, coarse=COARSE, excluded=EXCLUDED))}
     jobs = [{"name": name, "argv": case_argv(case, data, tmp_path / name)} for name, case in cases.items()]
     for name, (levels, extra, _) in REFUSED.items():
         case = _default_case(**levels)
@@ -325,6 +352,8 @@ def test_every_pair_of_features_runs_or_is_refused(tmp_path, spmdrl_cache, data)
     for name, case in cases.items():
         assert results[name]["status"] == "ran", f"{name} {case}: {results[name]}"
         _check_metrics(name, case, read_metrics(tmp_path / name))
+        resolved = yaml.safe_load((tmp_path / name / "config.yaml").read_text())
+        assert resolved["parallel"]["sp"] == case["sp"], name
     for name, (_, _, sentence) in REFUSED.items():
         got = results[name]
         assert got["status"] == "refused" and sentence in got["message"], (name, got)
