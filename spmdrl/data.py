@@ -312,17 +312,16 @@ class PromptLoader:
         seed: int = 0,
         num_epochs: Optional[int] = None,
         slot: Optional[int] = None,
+        batch_key: str = "data.train_batch_size",
     ) -> None:
         _check_rank(rank, world_size)
         if batch_size < 1 or batch_size % world_size:
-            raise ValueError(
-                f"data.train_batch_size={batch_size} must be a positive multiple of the world size "
-                f"{world_size}"
-            )
+            raise ValueError(f"{batch_key}={batch_size} must be a positive multiple of the world size "
+                             f"{world_size}")
         if len(dataset) < batch_size:
-            raise ValueError(
-                f"data.train_batch_size={batch_size} is larger than the training set ({len(dataset)} prompts)"
-            )
+            raise ValueError(f"{batch_key}={batch_size} is larger than the training set "
+                             f"({len(dataset)} prompts)")
+        self.batch_key = batch_key
         self.dataset = dataset
         self.batch_size = batch_size
         self.rank = rank
@@ -382,7 +381,7 @@ class PromptLoader:
         # A different dataset, batch size, seed or shuffle would silently change the order (prompts of the
         # epoch repeated or skipped); refuse instead.
         for key, mine, config_key in (("num_prompts", len(self.dataset), "the training files"),
-                                      ("batch_size", self.batch_size, "data.train_batch_size"),
+                                      ("batch_size", self.batch_size, self.batch_key),
                                       ("seed", self.seed, "trainer.seed"),
                                       ("shuffle", int(self.shuffle), "data.shuffle")):
             if key in state and int(state[key]) != mine:
@@ -431,8 +430,9 @@ def build_train_loader(
     chat template; ``slot``: prompts per mini-batch slot (``placement.slot_prompts``)."""
     files = data_files(cfg.train_files)
     return PromptLoader(
-        _dataset(cfg, files, tokenizer, tools), batch_size=cfg.train_batch_size, rank=rank,
+        _dataset(cfg, files, tokenizer, tools), batch_size=cfg.draw_size, rank=rank,
         world_size=world_size, shuffle=cfg.shuffle, seed=seed, num_epochs=num_epochs, slot=slot,
+        batch_key="data.gen_batch_size" if cfg.gen_batch_size else "data.train_batch_size",
     )
 
 

@@ -177,6 +177,12 @@ def _check_kl_and_dapo(cfg: Config) -> None:
                                 f"horizon >= 1")
     _check(fg.max_num_gen_batches >= 0, f"algorithm.filter_groups.max_num_gen_batches is "
                                         f"{fg.max_num_gen_batches}; it must be >= 0 (0: no limit)")
+    gen = d.gen_batch_size
+    _check(gen is None or gen >= 1, f"data.gen_batch_size is {gen}; it must be an integer >= 1 or null")
+    _check(gen is None or gen == d.train_batch_size or fg.enable,
+           f"data.gen_batch_size is {gen} but data.train_batch_size is {d.train_batch_size} and "
+           f"algorithm.filter_groups.enable is false: without dynamic sampling a step trains on every prompt "
+           f"it generates; leave data.gen_batch_size null or enable filter_groups")
     _check(not fg.enable or r.n >= 2,
            f"algorithm.filter_groups.enable is true with rollout.n {r.n}: a group of one response always "
            f"has equal rewards and would be dropped; filter_groups needs rollout.n >= 2")
@@ -326,6 +332,12 @@ def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":
         f"data.train_batch_size x rollout.n = {d.train_batch_size} x {r.n} responses cannot be split over "
         f"{dims.rollout_dp} data-parallel ranks with all n responses of a prompt on one rank; make "
         f"data.train_batch_size a multiple of {dims.rollout_dp}",
+    )
+    _check(
+        d.draw_size % dims.rollout_dp == 0,
+        f"data.gen_batch_size is {d.gen_batch_size}: a generation round's prompts cannot be split over "
+        f"{dims.rollout_dp} data-parallel ranks with all n responses of a prompt on one rank; make it a "
+        f"multiple of {dims.rollout_dp}",
     )
     _check(
         d.train_batch_size % world_size == 0,

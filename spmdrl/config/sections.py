@@ -30,6 +30,11 @@ class DataConfig:
     """Column holding the prompt: a list of chat messages or a plain string."""
     train_batch_size: int = 16
     """Prompts per step over the whole world (each is sampled ``rollout.n`` times)."""
+    gen_batch_size: Optional[int] = None
+    """Prompts per generation round under DAPO's dynamic sampling (``algorithm.filter_groups``; verl's
+    ``data.gen_batch_size``): each round draws this many, and the step trains on the first
+    ``train_batch_size`` groups kept. null: ``train_batch_size``. Without dynamic sampling a step trains on
+    everything it generates, so there it must be null or equal ``train_batch_size``."""
     val_batch_size: int = 64
     """Prompts per validation batch over the whole world."""
     max_prompt_length: int = 64
@@ -42,6 +47,11 @@ class DataConfig:
     """Shuffle the training set each epoch (seeded by trainer.seed and the epoch)."""
     apply_chat_template: bool = True
     """Wrap message-list prompts with the tokenizer's chat template."""
+
+    @property
+    def draw_size(self) -> int:
+        """Prompts one generation round draws from the training set (``gen_batch_size`` or the batch)."""
+        return self.gen_batch_size or self.train_batch_size
 
 
 @dataclass

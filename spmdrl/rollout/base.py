@@ -180,7 +180,7 @@ def engine_rows(cfg: "Config", rollout_dp: int) -> int:
     """Rows one engine decodes at once at most: a training or validation call's prompts (its rollout-DP
     share) times their n, capped by rollout.max_num_seqs in whole prompts."""
     r, d = cfg.rollout, cfg.data
-    calls = [(d.train_batch_size, r.n)] + ([(d.val_batch_size, r.val_kwargs.n)] if d.val_files else [])
+    calls = [(d.draw_size, r.n)] + ([(d.val_batch_size, r.val_kwargs.n)] if d.val_files else [])
     return max(min(-(-batch // rollout_dp), max(1, r.max_num_seqs // n)) * n for batch, n in calls)
 
 

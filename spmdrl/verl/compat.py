@@ -62,6 +62,7 @@ TABLE: list[Rule] = [
     m("data.val_files", "data.val_files", _path, "~ is expanded"),
     m("data.prompt_key", "data.prompt_key"),
     m("data.train_batch_size", "data.train_batch_size"),
+    m("data.gen_batch_size", "data.gen_batch_size", note="prompts per round of DAPO's dynamic sampling"),
     m("data.val_batch_size", "data.val_batch_size", note="null (verl: the whole set) keeps spmdrl's default"),
     m("data.max_prompt_length", "data.max_prompt_length"),
     m("data.max_response_length", "data.max_response_length"),

@@ -11,6 +11,7 @@ rollout log-probs) takes its steps with its critic. The runs are in the shared 2
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import struct
 from dataclasses import asdict
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from shared_runs import declare, prepare
-from verl_recipes import DAPO_ONE_STEP_OFF_POLICY, ONE_STEP_OFF_POLICY, gsm8k_parquet
+from verl_recipes import DAPO_ONE_STEP_OFF_POLICY, DAPO_QWEN25_32B, ONE_STEP_OFF_POLICY, gsm8k_parquet
 
 pytestmark = pytest.mark.e2e
 
@@ -157,13 +158,17 @@ PPO_QUICKSTART = """
 
 @prepare
 def _inputs(base: Path) -> None:
-    """verl's GSM8K parquet layout, made by spmdrl.builtin.gsm8k from GSM8K-style JSONL rows, and the tiny
-    model's folder."""
+    """verl's GSM8K parquet layout, made by spmdrl.builtin.gsm8k from GSM8K-style JSONL rows, the tiny
+    model's folder, and the arithmetic task's rows as parquet files (DAPO's dynamic sampling needs groups
+    whose rewards differ, which the warm start gives on them and a random model on GSM8K does not)."""
     from spmdrl.builtin.models import build_model
+    from spmdrl.builtin.tasks import generate_arith, write_parquet
 
     (base / "verl").mkdir()
     gsm8k_parquet(base / "verl")
     build_model(base / "verl" / "tiny", "tiny", seed=0)
+    write_parquet(generate_arith("train", 64, seed=0), base / "verl" / "arith_train.parquet")
+    write_parquet(generate_arith("test", 8, seed=1), base / "verl" / "arith_test.parquet")
 
 
 PATHS = dict(data="{base}/verl/data", model="{base}/verl/tiny")
@@ -177,6 +182,9 @@ declare("verl/one_step_off", [*shlex.split(ONE_STEP_OFF_POLICY.format(**PATHS, o
 
 declare("verl/dapo_one_step_off", [*shlex.split(DAPO_ONE_STEP_OFF_POLICY.format(
     **PATHS, out="{base}/verl/dapo_one_step_off", engine="")), "--trainer.progress_bar", "false"])
+declare("verl/dapo_32b", [*shlex.split(DAPO_QWEN25_32B.format(
+    data="{base}/verl/arith_train.parquet", val="{base}/verl/arith_test.parquet", model="builtin:tiny-arith",
+    out="{base}/verl/dapo_32b")), "--trainer.progress_bar", "false"], env={"WANDB_MODE": "offline"})
 
 
 @pytest.fixture(scope="module")
@@ -320,4 +328,22 @@ def test_dapo_one_step_off_policy_recipe_runs_as_written(shared):
     assert resolved["reward"]["overlong_buffer"] == {"enable": True, "len": 4, "penalty_factor": 1.0,
                                                      "max_resp_len": 16}
     assert resolved["actor"]["clip_ratio_high"] == 0.28 and resolved["actor"]["loss_agg_mode"] == "token-mean"
+    assert "has no spmdrl equivalent" not in err
+
+
+def test_dapo_32b_recipe_with_sequence_parallel_runs_as_written(shared):
+    """verl's recipe/dapo/run_dapo_qwen2.5_32b.sh (tests/verl_recipes.py): Ulysses over both ranks
+    (sp_size), token budgets, parameter and optimizer offload, and dynamic sampling drawing generation
+    batches of data.gen_batch_size prompts, for its 2 steps after a validation."""
+    err, rows = shared.stderr("verl/dapo_32b"), shared.rows("verl/dapo_32b")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    resolved = yaml.safe_load(shared.path("verl/dapo_32b/config.yaml").read_text())
+    assert resolved["parallel"]["sp"] == 2 and resolved["data"]["gen_batch_size"] == 12
+    assert resolved["actor"]["use_dynamic_bsz"] and resolved["actor"]["cpu_offload"]
+    for r in rows[1:]:
+        # Each round draws 12 prompts, every one kept or dropped; the step trains the first 4 kept groups.
+        rounds = r["dapo/num_gen_batches"]
+        assert r["dapo/kept_groups"] + r["dapo/dropped_groups"] == 12 * rounds and r["dapo/kept_groups"] >= 4
+        assert r["batch/responses"] == 4 * 4
+        assert "reward/overlong/mean" in r and math.isfinite(r["actor/grad_norm"])
     assert "has no spmdrl equivalent" not in err

@@ -74,6 +74,9 @@ VALUES = [
     (["--algorithm.kl_ctrl.type", "pid"], "algorithm.kl_ctrl.type\": Expected one of 'fixed', 'adaptive'"),
     (["--algorithm.filter_groups.max_num_gen_batches", "-1"],
      "algorithm.filter_groups.max_num_gen_batches is -1; it must be >= 0"),
+    (["--data.gen_batch_size", "48"], "data.gen_batch_size is 48 but data.train_batch_size is 16 and "
+     "algorithm.filter_groups.enable is false"),
+    (["--data.gen_batch_size", "0"], "data.gen_batch_size is 0; it must be an integer >= 1 or null"),
     (["--algorithm.filter_groups.enable", "true", "--rollout.n", "1", "--algorithm.adv_estimator",
       "reinforce_plus_plus"], "filter_groups needs rollout.n >= 2"),
     (["--reward.overlong_buffer.enable", "true", "--reward.overlong_buffer.len", "32"],

@@ -153,6 +153,26 @@ def test_dapo_generates_until_every_group_it_keeps_is_informative(tok, tmp_path)
     assert rounds == len(engine.calls) and rounds > 1
 
 
+def test_dapo_rounds_draw_gen_batch_size_prompts_and_train_the_first_kept(tok, tmp_path) -> None:
+    """data.gen_batch_size (verl's recipe/dapo: 3 x the batch): the loader hands out that many prompts a
+    round, and the step trains on the first train_batch_size groups kept, the surplus dropped."""
+    from spmdrl.data import build_train_loader
+
+    cfg = _cfg(enable=True, max_num_gen_batches=10)
+    cfg.data.train_files, cfg.data.gen_batch_size = [str(write_parquet(generate_arith("train", 64, seed=0),
+                                                                        tmp_path / "t.parquet"))], 12
+    cfg.data.shuffle, cfg.data.max_prompt_length = False, 128
+    loader = build_train_loader(cfg.data, tok, rank=0, world_size=1, seed=0)
+    engine = ArithAnswers(tok)
+    prompts = next(loader)
+    assert len(prompts) == 12 and loader.steps_per_epoch == 64 // 12
+    batch, metrics = _experience(cfg, engine, tok).produce(prompts, more_prompts=loader)
+    odd = [p.index for p in prompts if int(p.extra_info["a"]) % 2 == 1]
+    assert len(odd) >= 4 and metrics["dapo/num_gen_batches"] == 1  # one round held enough
+    assert sorted(set(batch["index"].tolist())) == odd[:4] and len(batch) == 4 * N
+    assert metrics["dapo/kept_groups"] + metrics["dapo/dropped_groups"] == 12
+
+
 def test_remax_baseline_is_the_greedy_responses_score(tok, tmp_path) -> None:
     ds = _prompts(tok, generate_arith("train", 3, seed=1), tmp_path)
     engine = ArithAnswers(tok)
