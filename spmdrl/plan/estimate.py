@@ -40,8 +40,13 @@ NO_GRAD_H, NO_GRAD_I = 6, 3
 # Eager attention (CPU's default up to 2048 tokens) keeps each row's [heads, S, S] scores in float32 and
 # bf16 (saved for backward in training); sdpa keeps none.
 EAGER_SCORE_BYTES = 6
+# The backward of one decoder layer holds its gradients' temporaries on top of what was saved: the
+# attention's q, k, v and output gradients, and the MLP's gate, up and product gradients (4 H + 3 I a token).
+# With activation checkpointing this is the slope of the update's peak over the sequence length.
+BACKWARD_H, BACKWARD_I = 4, 3
 # Ulysses (parallel.sp): per token of this rank and decoder layer, the all-to-all's q, k, v and attention
-# output over the whole sequence with 1/sp of the heads, in the compute dtype (saved for backward).
+# output over the whole sequence with 1/sp of the heads, in the compute dtype (saved for backward; their
+# gradients take the same all-to-alls back in the backward).
 ULYSSES_H = 4
 # The fused log-prob kernel's temporaries (spmdrl/engines/logprobs.py): blocks of at most
 # ``chunk_elements(device)`` logits, two float32 buffers and one in the compute dtype, reused by every
@@ -104,9 +109,10 @@ def activations(shape: ModelShape, tokens: int, rows: int, s: Sizes, *, train: b
     full = (SAVED_H * h + SAVED_I * mlp) * local * s.compute + scores + swaps
     if not train:
         return (NO_GRAD_H * h + NO_GRAD_I * mlp) * local * s.compute + scores + swaps
+    backward = (BACKWARD_H * h + BACKWARD_I * mlp) * local * s.compute + swaps
     if checkpointing:
-        return n_layers * h * local * s.compute + full
-    return n_layers * full
+        return n_layers * h * local * s.compute + full + backward
+    return n_layers * full + backward
 
 
 def logprob_temporaries(shape: ModelShape, tokens: int, tp: int = 1, device_type: str = "cpu") -> float:
