@@ -9,7 +9,9 @@ same size and seed always give the same bytes. Nothing is downloaded, so
 ``AutoModelForCausalLM.from_pretrained(out)`` works with ``HF_HUB_OFFLINE=1``.
 
 ``builtin:qwen2.5-0.5b-shape`` and ``builtin:qwen2.5-1.5b-shape`` are Qwen2.5-0.5B's and -1.5B's shapes with
-random weights and the same tokenizer, for the GPU kit (``bench/gpu/``).
+random weights and the same tokenizer, for the GPU kit (``bench/gpu/``). ``builtin:tiny-moe`` is a
+Qwen3-MoE model of tiny's attention with 8 experts a layer, 2 routed a token (a size's ``model_type``
+picks the architecture; qwen2 when it names none).
 
 ``resolve_builtin_model`` builds ``builtin:tiny`` under the cache on first use (rank 0 builds, the
 others wait).
@@ -62,6 +64,13 @@ SIZES: dict[str, dict] = {
                                num_attention_heads=12, num_key_value_heads=2, max_window_layers=21,
                                vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
                                torch_dtype="bfloat16"),
+    # 7.6M parameters (2.9M active a token): tiny's attention with a Qwen3-MoE feed-forward of 8 experts,
+    # 2 routed a token, in every layer: one tensor per expert in the folder, fused [experts, ...] tensors
+    # once transformers (5.x) has loaded them.
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=1024,
+                     moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64),
 }
 # Config values of every built-in model unless its SIZES entry sets them (vocab_size: the tokenizer's).
 _CONFIG_DEFAULTS: dict[str, Any] = dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
@@ -155,15 +164,21 @@ def _config_values(size: str, vocab: int) -> dict[str, Any]:
     return {**_CONFIG_DEFAULTS, "vocab_size": vocab, **SIZES[size]}
 
 
+def _architecture(size: str) -> str:
+    """The transformers model type of built-in size ``size``: qwen2 unless its SIZES entry names one."""
+    return SIZES[size].get("model_type", "qwen2")
+
+
 def model_config(size: str, tok: Any) -> Any:
-    """The Qwen2Config of built-in model ``size`` with tokenizer ``tok`` (its special ids; its length is the
-    vocabulary unless the size sets a wider one)."""
-    from transformers import Qwen2Config
+    """The config (Qwen2Config, or the size's own architecture's) of built-in model ``size`` with tokenizer
+    ``tok`` (its special ids; its length is the vocabulary unless the size sets a wider one)."""
+    from transformers import AutoConfig
 
     if size not in SIZES:
         raise ValueError(f"unknown tiny-model size {size!r}; valid sizes: {', '.join(SIZES)}")
-    return Qwen2Config(bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id, **_config_values(size, len(tok)))
+    values = {k: v for k, v in _config_values(size, len(tok)).items() if k != "model_type"}
+    return AutoConfig.for_model(_architecture(size), bos_token_id=tok.pad_token_id,
+                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **values)
 
 
 def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = False) -> Path:
@@ -171,7 +186,7 @@ def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = Fal
     Qwen2ForSequenceClassification with one label (a random scalar head on the same backbone shape and
     tokenizer), as ``reward_model.model.path`` loads it."""
     import torch
-    from transformers import GenerationConfig, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 
     if size not in SIZES:
         raise ValueError(f"unknown tiny-model size {size!r}; valid sizes: {', '.join(SIZES)}")
@@ -185,7 +200,7 @@ def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = Fal
         # fork_rng keeps the caller's global RNG untouched.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = (Qwen2ForSequenceClassification if reward else Qwen2ForCausalLM)(cfg)
+            model = (AutoModelForSequenceClassification if reward else AutoModelForCausalLM).from_config(cfg)
             model = model.to(getattr(torch, _config_values(size, len(tok))["torch_dtype"]))
         model.save_pretrained(tmp, safe_serialization=True)
         if not reward:
@@ -208,7 +223,7 @@ def builtin_config(path: str) -> dict[str, Any]:
     """The config.json values of a ``builtin:`` model without building it (the memory plan reads them
     before any model exists)."""
     _, size, _ = check_builtin_model(path)
-    return {"model_type": "qwen2", **_config_values(size, VOCAB_SIZE)}
+    return {"model_type": _architecture(size), **_config_values(size, VOCAB_SIZE)}
 
 
 def check_builtin_model(path: str) -> tuple[str, str, bool]:

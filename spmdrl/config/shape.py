@@ -4,8 +4,9 @@
     shape.params, shape.layer_params, shape.head_params, shape.kv_bytes_per_token(2)
 
 Llama / Qwen2 / Qwen3 family: attention with grouped key/value heads (Qwen2's q/k/v biases), a SwiGLU MLP,
-two RMSNorms per layer, tied or untied LM head. A ``builtin:`` name reads its built-in sizes
-(``spmdrl.builtin.models.builtin_config``), so nothing is built for a plan.
+two RMSNorms per layer, tied or untied LM head; Qwen3-MoE's layers replace the MLP with a router and
+``num_experts`` SwiGLU experts, of which each token runs ``num_experts_per_tok``. A ``builtin:`` name reads
+its built-in sizes (``spmdrl.builtin.models.builtin_config``), so nothing is built for a plan.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int  # I, the MLP's width
+    intermediate: int  # I, the MLP's width a token runs through (MoE: its experts' together)
     vocab: int  # V
     tied: bool  # the LM head is the embedding matrix
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on q and on k
+    experts: int = 0  # MoE: experts per layer (0: a dense MLP)
+    expert_intermediate: int = 0  # MoE: one expert's width
 
     @classmethod
     def of(cls, path: str) -> "ModelShape":
@@ -40,19 +44,28 @@ class ModelShape:
     @classmethod
     def from_config(cls, c: dict[str, Any]) -> "ModelShape":
         heads = c["num_attention_heads"]
+        moe = _moe(c)
         return cls(hidden=c["hidden_size"], layers=c["num_hidden_layers"], heads=heads,
                    kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                   intermediate=c["intermediate_size"], vocab=c["vocab_size"],
-                   tied=bool(c.get("tie_word_embeddings", False)),
-                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
+                   intermediate=(c["num_experts_per_tok"] * c["moe_intermediate_size"] if moe
+                                 else c["intermediate_size"]),
+                   vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
+                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
+                   qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"),
+                   experts=c["num_experts"] if moe else 0,
+                   expert_intermediate=c["moe_intermediate_size"] if moe else 0)
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: q, k, v, o, gate, up, down and two norms."""
+        """Parameters of one decoder layer: q, k, v, o (Qwen3: their q / k norms), two norms, and gate, up,
+        down (MoE: each expert's, and the router)."""
         H, kv = self.hidden, self.kv_heads * self.head_dim
         q = self.heads * self.head_dim
-        attn = H * q + 2 * H * kv + q * H + ((q + 2 * kv) if self.qkv_bias else 0)
+        attn = H * q + 2 * H * kv + q * H + ((q + 2 * kv) if self.qkv_bias else 0) + \
+            (2 * self.head_dim if self.qk_norm else 0)
+        if self.experts:
+            return attn + self.experts * 3 * H * self.expert_intermediate + H * self.experts + 2 * H
         return attn + 3 * H * self.intermediate + 2 * H
 
     @property
@@ -92,3 +105,16 @@ class ModelShape:
         kv, q = self.kv_heads * self.head_dim, self.heads * self.head_dim
         per_layer = sum(rank * (i + o) for i, o in ((h, q), (h, kv), (h, kv), (q, h), (h, m), (h, m), (m, h)))
         return self.layers * per_layer
+
+
+def _moe(c: dict[str, Any]) -> bool:
+    """Whether ``c`` is a Mixture-of-Experts decoder whose every layer is sparse (Qwen3-MoE as its released
+    models are); one that mixes dense and sparse layers is refused, as the plan would misjudge it."""
+    if not c.get("num_experts"):
+        return False
+    if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
+        raise ValueError(f"{c.get('model_type')} with decoder_sparse_step {c.get('decoder_sparse_step')} "
+                         f"and mlp_only_layers {c.get('mlp_only_layers')} mixes dense and MoE layers, which "
+                         f"spmdrl does not plan for; every layer must be sparse (decoder_sparse_step 1, no "
+                         f"mlp_only_layers)")
+    return True

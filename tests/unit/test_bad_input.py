@@ -96,6 +96,10 @@ VALUES = [
     (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:large-rm"],
      "reward_model.model.path: unknown built-in model 'builtin:large-rm'"),
     (["--data.train_files", "[]"], "data.train_files is empty; give parquet files or builtin:<task>"),
+    # an architecture the native rollout engine does not implement (MoE), before any model is built
+    (["--model.path", "builtin:tiny-moe"],
+     "native rollout: model_type 'qwen3_moe' in builtin:tiny-moe is not supported; supported: llama, qwen2, "
+     "qwen3 (rollout.engine: hf runs others)"),
     # a LoRA rank wider than a layer it adapts (tiny: k_proj and v_proj are 256 x 128)
     (["--model.lora_rank", "129"], "model.lora_rank is 129, but k_proj of 'builtin:tiny-arith' is 256 x 128: "
                                    "a LoRA rank can be at most the narrowest side (128)"),

@@ -124,3 +124,25 @@ def test_a_vocabulary_wider_than_the_tokenizer_is_padding(tmp_path, monkeypatch)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert model(torch.tensor([[5, 3000]])).logits.shape == (1, 2, 4096)
+
+
+def test_tiny_moe_is_a_qwen3_moe_model_the_plan_counts(tmp_path):
+    """``builtin:tiny-moe``: Qwen3-MoE (8 experts, 2 a token) on the built-in tokenizer; the plan counts its
+    parameters exactly (every expert, the routers, Qwen3's q / k norms) and its MLP width as the 2 routed
+    experts'. A model mixing dense and MoE layers is refused with one sentence; the native rollout engine
+    refuses the architecture before start-up."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.builtin.models import build_tokenizer, builtin_config, model_config
+    from spmdrl.config.shape import ModelShape
+
+    cfg = model_config("tiny-moe", build_tokenizer(tmp_path, seed=0))
+    assert cfg.model_type == "qwen3_moe" and (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shape = ModelShape.of("builtin:tiny-moe")
+    assert sum(p.numel() for p in model.parameters()) == shape.params
+    assert shape.intermediate == 2 * cfg.moe_intermediate_size
+    with pytest.raises(ValueError, match="mixes dense and MoE layers"):
+        ModelShape.from_config({**builtin_config("builtin:tiny-moe"), "decoder_sparse_step": 2})

@@ -179,7 +179,11 @@ class NativeRollout(RolloutEngine):
         r = cfg.rollout
         if cfg.parallel.rollout_tp > 1:
             raise ValueError(TP_UNSUPPORTED.format(tp=cfg.parallel.rollout_tp))
-        if not cfg.model.path.startswith("builtin:"):  # an architecture this decoder implements
+        if cfg.model.path.startswith("builtin:"):  # an architecture this decoder implements
+            from spmdrl.builtin.models import builtin_config
+
+            DecoderConfig.from_hf(builtin_config(cfg.model.path), source=cfg.model.path)
+        else:
             DecoderConfig.from_folder(cfg.model.path)
         if r.native_kernels == "on":
             if r.dtype == "float16":
