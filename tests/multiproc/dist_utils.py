@@ -125,3 +125,12 @@ def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
         ranks.close()  # the other ranks may be waiting in a collective: start afresh next time
         del _RANKS[world_size]
         raise
+
+
+def assert_metrics_close(a: dict[str, float], b: dict[str, float], tol: float, norm_tol: float) -> None:
+    """The same metric keys, each within ``tol`` (grad norms within ``norm_tol``), relative above 1: one
+    layout's update metrics against another's."""
+    assert sorted(a) == sorted(b)
+    for k in a:
+        t = norm_tol if k.endswith("grad_norm") else tol
+        assert abs(a[k] - b[k]) <= t * max(1.0, abs(a[k])), (k, a[k], b[k])
