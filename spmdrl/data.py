@@ -432,7 +432,7 @@ def build_train_loader(
     return PromptLoader(
         _dataset(cfg, files, tokenizer, tools), batch_size=cfg.draw_size, rank=rank,
         world_size=world_size, shuffle=cfg.shuffle, seed=seed, num_epochs=num_epochs, slot=slot,
-        batch_key="data.gen_batch_size" if cfg.gen_batch_size else "data.train_batch_size",
+        batch_key=cfg.draw_key,
     )
 
 

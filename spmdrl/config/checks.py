@@ -334,7 +334,7 @@ def _check_sizes(cfg: Config, world_size: int) -> "ParallelDims":
         f"data.train_batch_size a multiple of {dims.rollout_dp}",
     )
     _check(
-        d.draw_size % dims.rollout_dp == 0,
+        d.gen_batch_size is None or d.gen_batch_size % dims.rollout_dp == 0,
         f"data.gen_batch_size is {d.gen_batch_size}: a generation round's prompts cannot be split over "
         f"{dims.rollout_dp} data-parallel ranks with all n responses of a prompt on one rank; make it a "
         f"multiple of {dims.rollout_dp}",

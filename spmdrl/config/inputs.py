@@ -49,8 +49,7 @@ def check_data_files(cfg: Config) -> None:
     train = cfg.data.train_files
     if not any(f.startswith("builtin:") for f in ([train] if isinstance(train, str) else train)):
         if train_rows < cfg.data.draw_size:
-            key = "data.gen_batch_size" if cfg.data.gen_batch_size else "data.train_batch_size"
-            raise ConfigError(f"data.train_files hold {train_rows} rows, fewer than {key} "
+            raise ConfigError(f"data.train_files hold {train_rows} rows, fewer than {cfg.data.draw_key} "
                               f"({cfg.data.draw_size}); one generation round needs that many prompts")
     if cfg.rollout.multi_turn.enable or (chat and cfg.data.apply_chat_template):
         _check_chat_template(cfg, "rollout.multi_turn.enable is true" if cfg.rollout.multi_turn.enable

@@ -53,6 +53,11 @@ class DataConfig:
         """Prompts one generation round draws from the training set (``gen_batch_size`` or the batch)."""
         return self.gen_batch_size or self.train_batch_size
 
+    @property
+    def draw_key(self) -> str:
+        """The key that sets ``draw_size``, for messages about it."""
+        return "data.gen_batch_size" if self.gen_batch_size else "data.train_batch_size"
+
 
 @dataclass
 class ModelConfig:

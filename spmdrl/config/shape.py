@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from spmdrl.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -108,12 +110,14 @@ class ModelShape:
 
 
 def _moe(c: dict[str, Any]) -> bool:
-    """Whether ``c`` is a Mixture-of-Experts decoder whose every layer is sparse (Qwen3-MoE as its released
-    models are); one that mixes dense and sparse layers is refused, as the plan would misjudge it."""
-    if not c.get("num_experts"):
+    """Whether ``c`` is a Qwen3-MoE decoder whose every layer is sparse (as its released models are); one
+    that mixes dense and sparse layers is refused (ConfigError: the run stops with one sentence), as the
+    plan would misjudge it. Other MoE architectures (Qwen2-MoE's shared expert) are read as before, by
+    their dense ``intermediate_size``."""
+    if c.get("model_type") != "qwen3_moe" or not c.get("num_experts"):
         return False
     if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
-        raise ValueError(f"{c.get('model_type')} with decoder_sparse_step {c.get('decoder_sparse_step')} "
+        raise ConfigError(f"{c.get('model_type')} with decoder_sparse_step {c.get('decoder_sparse_step')} "
                          f"and mlp_only_layers {c.get('mlp_only_layers')} mixes dense and MoE layers, which "
                          f"spmdrl does not plan for; every layer must be sparse (decoder_sparse_step 1, no "
                          f"mlp_only_layers)")

@@ -79,7 +79,7 @@ FACTORS: dict[str, list] = {
 }
 # Against the algorithm configs, placement counts by kind: every config runs colocated and split (at
 # staleness 0 or 1), and each staleness meets every level of every other factor. Pairing every config
-# with both stalenesses would take 10 x 3 = 30 rows instead of 22.
+# with both stalenesses would take 10 x 3 = 30 rows instead of 21.
 COARSE = {("config", "placement"): {"colocated": "colocated", "split0": "split", "split1": "split"}}
 # Levels that cannot meet: a split case has one training rank, and an SP group of 2 needs two (refused, as
 # ``REFUSED`` checks). Every other pair of their factors' levels still meets.
