@@ -11,6 +11,9 @@ loop (N = responses on this rank, P = prompt length, R = response length):
     scores          [N]      float32 sequence reward
     token_rewards   [N, R]   float32 reward placed on the last response token (minus KL penalty)
     old_logp, ref_logp, values, advantages, returns   [N, R] float32
+    routed_experts  [N, P+R, L, k] ``route_dtype``   an MoE model's experts of each token in each of its L
+                    layers, as the rollout (R3) or the old-log-prob pass (R2) routed it; ``unrouted`` where
+                    nothing routed the token (the trainer's router then chooses)
 
 Lists of Python objects (``non_tensor``) ride along with the same leading size.
 """
@@ -23,6 +26,17 @@ import torch
 
 if TYPE_CHECKING:
     from spmdrl.rollout.base import GenerationOutput
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The dtype of ``routed_experts``: uint8 while the expert ids and the ``unrouted`` mark fit (gloo has
+    no int16), else int32."""
+    return torch.uint8 if num_experts < 255 else torch.int32
+
+
+def unrouted(num_experts: int) -> int:
+    """The ``routed_experts`` value of a token no engine routed."""
+    return 255 if num_experts < 255 else -1
 
 
 class Batch:
@@ -141,15 +155,16 @@ def from_generation(gen: "GenerationOutput", prompt_index: torch.Tensor) -> Batc
     attention_mask = torch.cat([prompt_mask, response_attention], dim=1)  # [N, P+R]
     # Left padding: positions count real tokens only, as the rollout engine saw them.
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # [N, P+R]
-    return Batch(
-        {
-            "input_ids": torch.cat([gen.prompt_ids, gen.response_ids], dim=1),  # [N, P+R]
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "response_mask": response_mask.float(),  # [N, R]
-            "index": prompt_index[gen.prompt_index],  # [N]
-        }
-    )
+    tensors = {
+        "input_ids": torch.cat([gen.prompt_ids, gen.response_ids], dim=1),  # [N, P+R]
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask.float(),  # [N, R]
+        "index": prompt_index[gen.prompt_index],  # [N]
+    }
+    if gen.routed_experts is not None:
+        tensors["routed_experts"] = gen.routed_experts  # [N, P+R, L, k]
+    return Batch(tensors)
 
 
 def add_scores(batch: "Batch", scores: torch.Tensor) -> None:

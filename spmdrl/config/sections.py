@@ -199,6 +199,12 @@ class ActorConfig:
     """FSDP2 MixedPrecisionPolicy reduce_dtype (gradient reduce-scatter dtype)."""
     cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: keep sharded params, grads and optimizer state on the CPU."""
+    router_replay: Literal["disabled", "R2", "R3"] = "disabled"
+    """Routing replay of a Mixture-of-Experts model (verl's router_replay.mode): each token takes the experts
+    it was routed to before instead of its router's current top-k, whose weights still come from the
+    router. R3: the rollout engine's routing, replayed in the old-log-prob, reference and update forwards
+    (rollout.engine native records it); R2: the old-log-prob pass's routing, replayed in the update.
+    disabled: every forward routes by itself."""
 
 
 @dataclass

@@ -55,7 +55,7 @@ class ModelShape:
                    vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
                    qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
                    qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"),
-                   experts=c["num_experts"] if moe else 0,
+                   experts=num_experts(c) if moe else 0,
                    expert_intermediate=c["moe_intermediate_size"] if moe else 0)
 
     @property
@@ -109,12 +109,18 @@ class ModelShape:
         return self.layers * per_layer
 
 
+def num_experts(c: dict[str, Any]) -> int:
+    """Experts per layer of an HF config (0: dense). transformers 5 writes ``num_experts`` as
+    ``num_local_experts`` when it saves a Qwen3-MoE config; released checkpoints have ``num_experts``."""
+    return int(c.get("num_experts") or c.get("num_local_experts") or 0)
+
+
 def _moe(c: dict[str, Any]) -> bool:
     """Whether ``c`` is a Qwen3-MoE decoder whose every layer is sparse (as its released models are); one
     that mixes dense and sparse layers is refused (ConfigError: the run stops with one sentence), as the
     plan would misjudge it. Other MoE architectures (Qwen2-MoE's shared expert) are read as before, by
     their dense ``intermediate_size``."""
-    if c.get("model_type") != "qwen3_moe" or not c.get("num_experts"):
+    if c.get("model_type") != "qwen3_moe" or not num_experts(c):
         return False
     if c.get("decoder_sparse_step", 1) != 1 or c.get("mlp_only_layers"):
         raise ConfigError(f"{c.get('model_type')} with decoder_sparse_step {c.get('decoder_sparse_step')} "

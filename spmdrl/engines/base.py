@@ -235,7 +235,7 @@ class TrainEngine(abc.ABC):
                 n_mini += 1
                 if n_pad:
                     pad = [micros[0].select(slice(0, 1))] * n_pad
-                    self._forward_backward(pad, _zero_loss, scale, with_entropy, entropy_grad)
+                    self._forward_backward(pad, zero_loss, scale, with_entropy, entropy_grad)
                 self._finish_grads()
                 norms.append(self._clip_grads())
                 # A non-finite norm would poison the weights and Adam's moments: skip this update.
@@ -248,7 +248,13 @@ class TrainEngine(abc.ABC):
         prefix = "critic" if self.role == "critic" else "actor"
         out[f"{prefix}/lr"] = float(lr)
         out[f"{prefix}/grad_norm"] = sum(norms) / max(1, len(norms))
+        out.update(self._step_metrics(prefix))
         return out
+
+    def _step_metrics(self, prefix: str) -> dict[str, float]:
+        """What a backend measured in this step's forwards besides the loss (an MoE model's routing), the
+        same on every rank."""
+        return {}
 
     def base_reference(self) -> Optional[LogProbSource]:
         """The reference policy this engine can serve itself (a LoRA model with its adapters off), or None
@@ -402,7 +408,7 @@ def micro_batches(batch: Batch, max_token_len: int) -> list[Batch]:
     return out
 
 
-def _zero_loss(outputs: dict[str, torch.Tensor], micro: Batch, scale: LossScale
+def zero_loss(outputs: dict[str, torch.Tensor], micro: Batch, scale: LossScale
                ) -> tuple[torch.Tensor, dict[str, float]]:
     """A padding micro-batch's loss: zero gradients, through every parameter the forward used."""
     return sum(v.sum() for v in outputs.values()) * 0.0, {}

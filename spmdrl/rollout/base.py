@@ -95,6 +95,9 @@ class GenerationOutput:
     # [N, R] bool, True on every real response token; None means response_mask. Multi-turn rollouts
     # (spmdrl.agent) attend to tool output inside the response but do not train on it.
     response_attention: Optional[torch.Tensor] = None
+    # [N, P+R, L, k] an MoE model's experts of every token in each layer, where the engine records them
+    # (batch.py: ``routed_experts``; routing replay R3), else None
+    routed_experts: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -257,6 +260,8 @@ class RolloutEngine(abc.ABC):
     # Whether it runs on split placement's rollout ranks (rollout.placement split, spmdrl/split/): the
     # engine builds on the rollout mesh alone and takes the weights the training ranks send.
     runs_split: bool = False
+    # Whether GenerationOutput.routed_experts holds an MoE model's routing (routing replay R3).
+    records_routes: bool = False
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> GenerationOutput:

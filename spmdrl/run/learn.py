@@ -49,11 +49,14 @@ def learn(r: RunCommon, tr: Trainer, batch: Batch, *, bypass: bool) -> tuple[dic
     with t.phase("old_logp"):
         if bypass:  # the PPO ratio is taken against the rollout policy itself
             batch["old_logp"] = batch["rollout_logp"]
-        elif not one_pass or cfg.algorithm.use_kl_in_reward or rc.corrects:
-            batch["old_logp"] = tr.actor.forward_no_grad(
+        elif not one_pass or cfg.algorithm.use_kl_in_reward or rc.corrects or a.router_replay == "R2":
+            old = tr.actor.forward_no_grad(
                 batch, cfg.actor.log_prob_micro_batch_size_per_gpu,
                 max_token_len=_budget(a.log_prob_use_dynamic_bsz, a.log_prob_max_token_len_per_gpu),
-            )["logp"]
+            )
+            batch["old_logp"] = old["logp"]
+            if "routed_experts" in old:  # R2: the update replays this pass's routing
+                batch["routed_experts"] = old["routed_experts"]
             metrics.update(rollout_actor_gap(batch, sampling_params(cfg)))
             if "rollout_logp" in batch:  # rollout.calculate_log_probs: verl's default leaves them out
                 kept_mask, corr_metrics = _rollout_correction(r, batch)

@@ -1,6 +1,9 @@
 """Mixture-of-Experts on the FSDP2 engine (``builtin:tiny-moe``, Qwen3-MoE: 8 experts, 2 routed a token),
 float32 on gloo: the same update on 1 and 2 ranks, and an update where every token is routed to the same
-2 experts (so 6 experts get no token on any rank) that neither hangs nor moves those 6.
+2 experts (so 6 experts get no token on any rank) that neither hangs nor moves those 6. Routing replay
+(``engines/fsdp2/moe.py``): with R3 the log-probs equal a plain transformers forward whose experts are forced
+to the recorded ones, packed or padded, on 1 rank, 2 ranks and SP 2; R2 records the old-log-prob pass's
+routing, which is the model's own, and its update replays it the same on 1 and 2 ranks.
 
 transformers stores a layer's experts as fused [experts, ...] tensors, and FSDP2 shards them with the rest
 of the layer and gathers the whole layer for its forward: an expert without tokens is still part of every
@@ -38,22 +41,65 @@ def _batch():
     return batch
 
 
-def _run(rank: int, world: int, models: dict[str, str]) -> dict:
-    """Log-probs, one update's metrics and the weights after it, for each model, on this rank's rows."""
+def _routes(batch) -> torch.Tensor:
+    """Recorded routing [n, P+R, 4 layers, 2] of two distinct experts a token, none on every 7th token."""
+    g = torch.Generator().manual_seed(4)
+    n, width = batch["input_ids"].shape
+    routes = torch.rand(n, width, 4, 8, generator=g).argsort(-1)[..., :2].to(torch.uint8)
+    routes.view(-1, 4, 2)[::7] = 255  # ``unrouted``: the trainer's router picks these tokens' experts
+    return routes
+
+
+def _run(rank: int, world: int, models: dict[str, str], sp: int = 1) -> dict:
+    """Log-probs, one update's metrics and the weights after it, for each model, on this rank's rows; then
+    routing replay on the MoE model: R3 packed and padded, R2's record and its update."""
     from spmdrl.parallel import ParallelDims
 
-    dims = ParallelDims(world).build()
+    dims = ParallelDims(world, sp=sp).build()
     batch = _batch()
-    n = len(batch) // world
-    mine = batch.select(slice(rank * n, (rank + 1) * n))
+    batch["routed_experts"] = _routes(batch)
+    n = len(batch) // dims.dp_mesh.size()
+    mine = batch.select(slice(dims.dp_mesh.get_local_rank() * n, (dims.dp_mesh.get_local_rank() + 1) * n))
     out: dict = {}
-    for name, path in models.items():
+    for name, path in models.items() if sp == 1 else ():
         eng = fsdp2_engine(path, dims=dims, lr=LR, remove_padding=True)
         out[name] = {k: v.numpy() for k, v in eng.forward_no_grad(mine, MICRO, with_entropy=True).items()}
         out[f"{name}_metrics"] = eng.train_step(mine, _loss(), mini_batch_size=n, micro_batch_size=MICRO)
         out[f"{name}_weights"] = {k: v.clone().numpy() for k, v in eng.export_weights()}
         del eng
+    for packed in (True, False) if sp == 1 else (True,):
+        eng = fsdp2_engine(models["moe"], dims=dims, lr=LR, remove_padding=packed, router_replay="R3")
+        out[f"r3_{packed}"] = eng.forward_no_grad(mine, MICRO)["logp"].numpy()
+        out[f"r3_{packed}_metrics"] = eng.train_step(mine, _loss(), mini_batch_size=n, micro_batch_size=MICRO)
+    eng = fsdp2_engine(models["moe"], dims=dims, lr=LR, remove_padding=True, router_replay="R2")
+    old = eng.forward_no_grad(mine, MICRO)
+    out["r2_routes"] = old["routed_experts"].numpy()
+    mine["routed_experts"] = old["routed_experts"]
+    out["r2_metrics"] = eng.train_step(mine, _loss(), mini_batch_size=n, micro_batch_size=MICRO)
     return out
+
+
+def _forced_logp(path: str, batch, routes: torch.Tensor) -> torch.Tensor:
+    """Log-probs [n, R] of a plain transformers forward whose every MoE layer runs transformers' own experts
+    on the ``routes`` [n, P+R, L, k] (a token marked 255 on its router's top-k), weighted by the router's
+    probabilities at them, renormalised: what replay means, written apart from ``moe.py``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    flat = routes.flatten(0, 1).long()  # [n*(P+R), L, k]: the padded forward's token order
+    for li, layer in enumerate(model.model.layers):
+        def forward(h, mlp=layer.mlp, li=li):
+            x = h.reshape(-1, h.shape[-1])
+            probs = torch.softmax(x @ mlp.gate.weight.T, -1)  # [T, E]
+            use = torch.where(flat[:, li, :1] == 255, probs.topk(2).indices, flat[:, li])
+            weights = probs.gather(-1, use)
+            return mlp.experts(x, use, weights / weights.sum(-1, keepdim=True)).view_as(h)
+        layer.mlp.forward = forward
+    resp = batch["response_mask"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, -resp - 1:-1]  # [n, R, V]
+    return torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, -resp:, None]).squeeze(-1)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +117,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         layer.mlp.gate.weight.data.zero_()
     skewed.save_pretrained(tmp / "skewed")
     models = {"moe": str(moe), "skewed": str(tmp / "skewed")}
-    return {"models": models, "one": spawn(_run, 1, models)[0], "two": spawn(_run, 2, models)}
+    return {"models": models, "one": spawn(_run, 1, models)[0], "two": spawn(_run, 2, models),
+            "sp2": spawn(_run, 2, models, 2)}
 
 
 def test_the_built_in_model_is_qwen3_moe_with_fused_experts(runs):
@@ -109,3 +156,50 @@ def test_experts_without_tokens_do_not_move(runs):
                 key = f"model.layers.{layer}.mlp.experts.{part}"
                 moved = (torch.as_tensor(after[key]) - before[key]).abs().flatten(1).amax(1)  # [8]
                 assert int((moved > 0).sum()) == 2 and int((moved == 0).sum()) == 6, (key, moved)
+
+
+def test_r3_log_probs_are_a_forward_with_the_recorded_experts(runs):
+    batch = _batch()
+    mask = batch["response_mask"]
+    forced = _forced_logp(runs["models"]["moe"], batch, _routes(batch))
+    own = torch.as_tensor(runs["one"]["moe"]["logp"])
+    assert float(((forced - own) * mask).abs().max()) > 1e-3  # the recorded experts are not the router's
+    layouts = {"1 rank packed": runs["one"]["r3_True"], "1 rank padded": runs["one"]["r3_False"],
+               "2 ranks packed": [r["r3_True"] for r in runs["two"]],
+               "2 ranks padded": [r["r3_False"] for r in runs["two"]], "sp 2": runs["sp2"][0]["r3_True"]}
+    for name, logp in layouts.items():
+        logp = torch.cat([torch.as_tensor(x) for x in logp]) if isinstance(logp, list) else \
+            torch.as_tensor(logp)
+        assert float(((logp - forced) * mask).abs().max()) < TOL, name
+
+
+def test_replayed_updates_and_routing_metrics_agree_across_layouts(runs):
+    one = runs["one"]
+    for key in ("r3_True_metrics", "r3_False_metrics", "r2_metrics"):
+        for r in runs["two"]:
+            assert_metrics_close(one[key], r[key], TOL, NORM_TOL)
+    assert_metrics_close(one["r3_True_metrics"], runs["sp2"][0]["r3_True_metrics"], TOL, NORM_TOL)
+    m = one["r3_True_metrics"]
+    # Random recorded experts: about 2/8 of them are among the router's own top 2.
+    assert 0.1 < m["actor/moe/router_agreement"] < 0.5
+    assert m["actor/moe/expert_load_max_over_mean/max"] >= m["actor/moe/expert_load_max_over_mean"] >= 1
+    # Replaying its own old-log-prob routing, the router agrees with all of it before its first step.
+    assert one["r2_metrics"]["actor/moe/router_agreement"] > 0.9
+
+
+def test_r2_records_the_routers_own_choice(runs):
+    """The R2 record is each token's own top-2 (what an unforced forward routes), 255 on padding, the same
+    on 1 and 2 ranks and under SP."""
+    batch = _batch()
+    valid = batch["attention_mask"].bool()
+    own = torch.as_tensor(runs["one"]["r2_routes"])  # [n, P+R, L, k]
+    assert (own[~valid] == 255).all() and (own[valid] < 8).all()
+    two = torch.cat([torch.as_tensor(r["r2_routes"]) for r in runs["two"]])  # each rank's rows
+    sp2 = torch.as_tensor(runs["sp2"][0]["r2_routes"])  # an SP group holds every row
+    for other in (two, sp2):
+        assert torch.equal(torch.sort(other, -1).values[valid], torch.sort(own, -1).values[valid])
+    unforced = batch.select(slice(0, len(batch)))
+    unforced["routed_experts"] = own
+    logp = _forced_logp(runs["models"]["moe"], unforced, own)  # replaying its own routing changes nothing
+    plain = torch.as_tensor(runs["one"]["moe"]["logp"])
+    assert float(((logp - plain) * batch["response_mask"]).abs().max()) < TOL

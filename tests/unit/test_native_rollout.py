@@ -80,13 +80,24 @@ def test_logits_match_transformers_fp32(engine, hf_model):
 
 def _save_random(tmp: Path, kind: str) -> Path:
     """A random Qwen3 or Llama checkpoint exercising q/k-norm, rope scaling, biases and untied heads."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if kind == "qwen3":
         cfg = Qwen3Config(head_dim=32, tie_word_embeddings=True, rope_theta=1e6, **common)
         cls = Qwen3ForCausalLM
+    elif kind.startswith("qwen3_moe"):  # 6 experts, 2 a token; the weights renormalised or not
+        cfg = Qwen3MoeConfig(head_dim=32, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                             norm_topk_prob=kind.endswith("norm"), tie_word_embeddings=False, **common)
+        cls = Qwen3MoeForCausalLM
     else:
         rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -106,7 +117,7 @@ def _save_random(tmp: Path, kind: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3", "llama", "qwen3_moe", "qwen3_moe_norm"])
 def test_logits_match_transformers_other_architectures(tmp_path, kind):
     path = _save_random(tmp_path, kind)
     if kind == "llama":
@@ -115,6 +126,41 @@ def test_logits_match_transformers_other_architectures(tmp_path, kind):
     mine, valid = _native_logits(_engine(path), prompts)
     ref = _hf_logits(_hf(path), prompts)
     assert (mine - ref)[valid].abs().max().item() < 1e-4
+
+
+def test_moe_samples_route_and_load_as_transformers(tmp_path):
+    """A Qwen3-MoE model: sampled log-probs with early stops equal transformers', every token the engine ran
+    is routed as transformers' routers route it (the trainer's routing, ``engines/fsdp2/moe.py``), a token it
+    never ran (each row's last) is ``unrouted``, and the trainer's fused expert tensors load as the
+    checkpoint's one tensor an expert does."""
+    from spmdrl.engines.fsdp2.moe import install_routing
+
+    path = _save_random(tmp_path, "qwen3_moe_norm")
+    hf = _hf(path)
+    eng, prompts = _engine(path, seed=3), _prompts([6, 2, 9], seed=4, vocab=512)
+    stops = list(range(3, 512, 17))
+    out = eng.generate(prompts, SamplingParams(n=2, max_tokens=12, temperature=1.0, stop_token_ids=stops))
+    assert 1 <= out.response_lengths.min() < out.response_lengths.max()
+    torch.testing.assert_close(out.logprobs, _hf_logprobs(hf, out, 1.0), atol=1e-5, rtol=0)
+    routing = install_routing(hf)
+    full = torch.cat([out.prompt_ids, out.response_ids], 1)
+    mask = torch.cat([out.prompt_mask, out.response_mask], 1)  # [N, P+R]
+    routing.begin(None, None, force=False, observe=False, record=True)
+    with torch.inference_mode():
+        hf(input_ids=full, attention_mask=mask.long(), position_ids=_positions(mask))
+    theirs = routing.recorded().view(*full.shape, 2, 2).sort(-1).values  # [N, P+R, L, k]
+    mine = out.routed_experts.sort(-1).values
+    ran = mask.clone()
+    ran[torch.arange(len(out)), out.prompt_ids.shape[1] + out.response_lengths - 1] = False  # never fed
+    assert torch.equal(mine[ran], theirs[ran]) and (out.routed_experts[mask & ~ran] == 255).all()
+    # The trainer's layout: [experts, ...] tensors under transformers' in-memory names.
+    fused = _engine(path, load_weights=False)
+    fused.update_weights(hf.state_dict().items())
+    assert any(".mlp.experts.gate_up_proj" in k for k in hf.state_dict())
+    greedy_params = SamplingParams(n=2, max_tokens=12, temperature=0.0)
+    again, greedy = fused.generate(prompts, greedy_params), eng.generate(prompts, greedy_params)
+    assert torch.equal(again.response_ids, greedy.response_ids)
+    assert torch.equal(again.logprobs, greedy.logprobs)
 
 
 @pytest.mark.parametrize("rope", [

@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from spmdrl.batch import Batch
-from spmdrl.engines.base import LossFn, LossScale, ModelRole, TrainEngine
+from spmdrl.batch import Batch, unrouted
+from spmdrl.engines.base import LossFn, LossScale, ModelRole, TrainEngine, zero_loss
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.fsdp2.lm_head import install_fused_head
 from spmdrl.engines.fsdp2.lora import (
@@ -62,6 +62,7 @@ from spmdrl.engines.fsdp2.lora import (
     read_adapter_config,
 )
 from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
+from spmdrl.engines.fsdp2.moe import install_routing, row_order, token_order
 from spmdrl.engines.fsdp2.packing import Packed, pack, packed_attention, shard_packed
 from spmdrl.engines.fsdp2.parallelize import (
     apply_activation_checkpointing,
@@ -144,6 +145,10 @@ class FSDP2Engine(TrainEngine):
             AdamW and ``optim.WarmupSchedule``.
         max_grad_norm: clip threshold (0: no clipping; the norm is reported either way).
         seed: initialises the critic's value head (the same on every rank).
+        router_replay: an MoE model's routing replay (``moe.py``): "R3" replays the batch's
+            ``routed_experts`` (the rollout's) in every actor and reference forward; "R2" records them in
+            the actor's no-grad forward (``forward_no_grad`` returns them) and replays them in its update;
+            "disabled" routes every forward by its own router.
     """
 
     strategy = "fsdp2"
@@ -179,18 +184,17 @@ class FSDP2Engine(TrainEngine):
         max_grad_norm: float = 1.0,
         seed: int = 0,
         lora: LoraSpec | None = None,
+        router_replay: Literal["disabled", "R2", "R3"] = "disabled",
     ):
         if role not in ("actor", "ref", "critic", "reward"):
             raise ValueError(f"engine role {role!r} is not valid; valid: actor, ref, critic, reward")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0 (greedy rollouts score at 1)")
-        self.role = role
-        self.dp_mesh = dp_mesh
+        self.role, self.dp_mesh = role, dp_mesh
         self.tp_mesh = tp_mesh if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.sp_group = sp_mesh.get_group() if sp_mesh is not None and sp_mesh.size() > 1 else None
         self.fsdp_mesh = fsdp_mesh if fsdp_mesh is not None else dp_mesh
-        self.device = torch.device(device)
-        self.temperature = temperature
+        self.device, self.temperature = torch.device(device), temperature
         # SP slices the packed row: it packs whatever the config says (the padded path's results, 1e-5).
         if (remove_padding := remove_padding or self.sp_group is not None):
             attn_implementation = packed_attention(attn_implementation)
@@ -201,6 +205,7 @@ class FSDP2Engine(TrainEngine):
         # The dtype of the unsharded parameters in forward (what an all-gather produces).
         self.param_dtype = mp_param or dtype
         self.model = self._load(model_path, role, dtype, seed, attn_implementation, max_position_embeddings)
+        self.routing, self.router_replay = install_routing(self.model), router_replay  # None: dense
         if self.sp_group is not None:
             shard_attention(self.model, self.sp_group, f"the {role} model {model_path!r}")
         if role in FROZEN:
@@ -312,6 +317,7 @@ class FSDP2Engine(TrainEngine):
             ),
             seed=cfg.trainer.seed,
             temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+            router_replay=a.router_replay,
         )
         if role == "ref":
             return cls(model_path, cpu_offload=cfg.ref.offload, remove_padding=m.use_remove_padding, **common)
@@ -388,13 +394,33 @@ class FSDP2Engine(TrainEngine):
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, micro: Batch, with_entropy: bool, entropy_grad: bool = False
-                 ) -> dict[str, torch.Tensor]:
+    def _forward(self, micro: Batch, with_entropy: bool, entropy_grad: bool = False, *,
+                 training: bool = False, observe: bool = False) -> dict[str, torch.Tensor]:
         """Per-response-token outputs of one micro-batch (on ``self.device``).
 
         The entropy carries a gradient only with ``entropy_grad`` (an entropy bonus);
-        otherwise it is a metric computed in the same pass as the log-probs.
+        otherwise it is a metric computed in the same pass as the log-probs. An MoE model routes as
+        ``router_replay`` says for a ``training`` (update) or no-grad forward, counts its routing when
+        ``observe``, and returns what it recorded as ``routed_experts`` [n, P+R, L, k].
         """
+        if self.routing is None:
+            return self._forward_model(micro, with_entropy, entropy_grad)
+        replay, force = self.router_replay, self.role in ("actor", "ref")
+        force &= replay == "R3" or (training and replay == "R2")
+        record = self.role == "actor" and not training and replay == "R2"
+        valid, packed = micro["attention_mask"].bool(), self.remove_padding
+        routes, fill = micro.get("routed_experts"), unrouted(self.routing.num_experts)  # [n, P+R, L, k]
+        if routes is not None:
+            routes = token_order(routes, valid, packed, self.sp_group, fill)
+        self.routing.begin(routes, token_order(valid, valid, packed, self.sp_group, False), force, observe,
+                           record)
+        out = self._forward_model(micro, with_entropy, entropy_grad)
+        self.routing.end()  # a recompute in the backward routes as this forward did, counting nothing
+        if record:
+            out["routed_experts"] = row_order(self.routing.recorded(), valid, packed, self.sp_group, fill)
+        return out
+
+    def _forward_model(self, micro: Batch, with_entropy: bool, entropy_grad: bool) -> dict[str, torch.Tensor]:
         if self.remove_padding:
             return self._forward_packed(micro, with_entropy, entropy_grad)
         ids = micro["input_ids"]  # [n, P+R]
@@ -466,7 +492,15 @@ class FSDP2Engine(TrainEngine):
                 self._forward(micros[0].select(slice(0, 1)).to(self.device), with_entropy)
         # Without a backward the root keeps its unsharded parameters after forward; free them now.
         self.model.reshard()
-        return self._own_rows({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, batch)
+        out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        routes = out.pop("routed_experts", None)  # [N', P'+R', L, k] of the gathered rows (R2)
+        out = self._own_rows(out, batch)
+        if routes is not None:  # this rank's rows, cut from the replica's widths back to its own
+            (P, R), (P_all, _) = batch.widths, full.widths
+            start = dist.get_rank(self._replica_group) * len(batch) if self._replica_group is not None else 0
+            routes = routes[start:start + len(batch), P_all - P:P_all + R]
+            out["routed_experts"] = routes.to(batch["input_ids"].device)
+        return out
 
     # ------------------------------------------------------------------ training
 
@@ -475,7 +509,9 @@ class FSDP2Engine(TrainEngine):
         """One forward and backward per micro-batch; FSDP reduce-scatters the gradients in the backward."""
         metrics = []
         for micro in micros:
-            outputs = self._forward(micro, with_entropy, entropy_grad)
+            # A padding micro-batch (zero_loss) repeats a real row: its routing is not counted.
+            outputs = self._forward(micro, with_entropy, entropy_grad, training=True,
+                                    observe=loss_fn is not zero_loss)
             loss, m = loss_fn(outputs, micro, scale)
             # FSDP averages gradients over its mesh; loss_fn already divided by global counts. Under SP the
             # mesh is dp x sp and each SP rank's gradient is its tokens' share: a sum over the mesh too.
@@ -485,6 +521,13 @@ class FSDP2Engine(TrainEngine):
 
     def _clip_grads(self) -> float:
         return clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+
+    def _step_metrics(self, prefix: str) -> dict[str, float]:
+        """An MoE model's expert load and router agreement over this step's update forwards."""
+        if self.routing is None:
+            return {}
+        groups = self.dp_groups + ([self.sp_group] if self.sp_group is not None else [])
+        return self.routing.metrics(groups, f"{prefix}/moe")
 
     # ------------------------------------------------------------------ weights, memory, checkpoints
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
+from spmdrl.batch import route_dtype, unrouted
 from spmdrl.parallel import rollout_coords
 from spmdrl.precision import can_prepack, native_bf16, resolve_dtype, to_dtype
 from spmdrl.rollout.base import (
@@ -50,6 +51,7 @@ from spmdrl.rollout.base import (
     eos_ids_from_folder,
     left_pad,
 )
+from spmdrl.rollout.experts import per_expert
 from spmdrl.rollout.native.cache import KVCache, KVView
 from spmdrl.rollout.native.graphs import (
     GraphMode,
@@ -117,6 +119,7 @@ class NativeRollout(RolloutEngine):
     """
 
     runs_split = True
+    records_routes = True
 
     def __init__(
         self,
@@ -157,7 +160,10 @@ class NativeRollout(RolloutEngine):
                              f"bf16 support; got {self.device} {self.dtype} ({native_bf16('cpu')[1]})")
         self.model.kernels = resolve_kernels(kernels, self.device, self.dtype, self.config.head_dim)
         self.cuda_graphs = resolve_cuda_graphs(cuda_graphs, self.device)
-        self.static_decode = self.cuda_graphs
+        # An MoE layer picks its experts on the host (Decoder._moe): no fixed-shape graph captures it.
+        self.static_decode = self.cuda_graphs and not self.config.moe
+        # MoE: every token's experts are recorded for routing replay (GenerationOutput.routed_experts).
+        self.model.record_routes = self.config.moe
         self._static: Optional[StaticDecode] = None  # buffers and graphs of the current cache
         self.generator = torch.Generator(self.device).manual_seed(seed + self.dp_rank)
         self._row_keys: Optional[torch.Tensor] = None  # the keyed rows of the call in progress
@@ -182,9 +188,13 @@ class NativeRollout(RolloutEngine):
         if cfg.model.path.startswith("builtin:"):  # an architecture this decoder implements
             from spmdrl.builtin.models import builtin_config
 
-            DecoderConfig.from_hf(builtin_config(cfg.model.path), source=cfg.model.path)
+            decoder = DecoderConfig.from_hf(builtin_config(cfg.model.path), source=cfg.model.path)
         else:
-            DecoderConfig.from_folder(cfg.model.path)
+            decoder = DecoderConfig.from_folder(cfg.model.path)
+        if decoder.moe and r.native_cuda_graphs == "on":
+            raise ValueError(f"rollout.native_cuda_graphs is 'on' but model.path {cfg.model.path!r} is a "
+                             f"Mixture-of-Experts model, whose routing no fixed-shape graph captures; set "
+                             f"native_cuda_graphs to auto or off")
         if r.native_kernels == "on":
             if r.dtype == "float16":
                 raise ValueError("rollout.native_kernels is 'on' with rollout.dtype float16; the kernels "
@@ -234,7 +244,7 @@ class NativeRollout(RolloutEngine):
         """
         self.model.unpack()  # packed copies would be stale; generate repacks
         self._prefixes = {}  # K/V of the old weights
-        self.model.weights.load(named_tensors)
+        self.model.weights.load(per_expert(named_tensors))
         self._weights_valid = True
 
     def memory_bytes(self) -> int:
@@ -314,9 +324,14 @@ class NativeRollout(RolloutEngine):
         out_lp = torch.zeros(N, R, dtype=torch.float32, device=self.device)
         stopped = torch.zeros(N, dtype=torch.bool, device=self.device)
         kept, self._prefixes = self._prefixes, {}  # entries this call does not continue are dropped
+        routes = None
+        if self.model.record_routes:  # [N, P+R, L, k]; a token never fed through the model keeps no route
+            c = self.config
+            routes = torch.full((N, P_all + R, c.num_layers, c.experts_per_token),
+                                unrouted(c.num_experts), dtype=route_dtype(c.num_experts), device=self.device)
         for s in range(0, len(prompts), per_chunk):
             self._generate_chunk(prompts[s:s + per_chunk], s * n, sampling, cache, stop_ids,
-                                 out_ids, out_lp, stopped, kept)
+                                 out_ids, out_lp, stopped, kept, routes)
 
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id, self.device)
         idx = torch.arange(len(prompts), device=self.device).repeat_interleave(n)  # [N]
@@ -332,6 +347,7 @@ class NativeRollout(RolloutEngine):
             logprobs=out_lp.cpu(),
             finish_reasons=["stop" if s else "length" for s in stopped.tolist()],
             prompt_index=idx.cpu(),
+            routed_experts=None if routes is None else routes.cpu(),
         )
 
     def _restore_prefixes(self, prompts: Sequence[Sequence[int]], kept: dict, kv: KVView, T: int) -> int:
@@ -381,8 +397,9 @@ class NativeRollout(RolloutEngine):
 
     def _generate_chunk(self, prompts: Sequence[Sequence[int]], row0: int, sampling: SamplingParams,
                         cache: KVCache, stop_ids: torch.Tensor, out_ids: torch.Tensor, out_lp: torch.Tensor,
-                        stopped: torch.Tensor, kept: dict) -> None:
-        """Generate rows [row0, row0 + len(prompts)*n) of the outputs (written in place)."""
+                        stopped: torch.Tensor, kept: dict, routes: Optional[torch.Tensor]) -> None:
+        """Generate rows [row0, row0 + len(prompts)*n) of the outputs (written in place); with ``routes``
+        [N, P+R, L, k] (an MoE model), the experts of every token the model ran on."""
         dev, n, R = self.device, sampling.n, sampling.max_tokens
         ids, valid = left_pad(prompts, self.pad_token_id, dev)  # [P, T]
         P, T = ids.shape
@@ -404,6 +421,10 @@ class NativeRollout(RolloutEngine):
         else:
             hidden = self.model.prefill(ids, pos, valid, kv)  # [P, T, h]
         self.prefill_tokens += P * (T - start)
+        if routes is not None:  # prompt i's tokens, in its n rows; the prompts end at column P_all
+            P_all = routes.shape[1] - R
+            chunk = self.model.take_routes().view(P, T - start, *routes.shape[2:]).to(routes.dtype)
+            routes[row0:row0 + B, P_all - T + start:P_all] = chunk.repeat_interleave(n, 0)
         logits = self.model.logits(hidden[:, -1])  # [P, V]
         if n > 1:  # share the prefill: row i*n + j is sample j of prompt i
             src = torch.arange(P, device=dev).repeat_interleave(n)
@@ -450,6 +471,8 @@ class NativeRollout(RolloutEngine):
                 kv = cache.widen(kv, width)
             kv.bias[:B, col] = 0.0
             logits = self.model.decode(tokens, next_pos + step, kv, col, B)
+            if routes is not None:  # response token ``step`` of each live row, fed in this decode
+                routes[rows, routes.shape[1] - R + step] = self.model.take_routes().to(routes.dtype)
             tokens, lp = self._sample(logits, sampling, rows, step + 1)
 
     def _decode_static(self, static: StaticDecode, kv: KVView, T: int, rows: torch.Tensor,

@@ -1,4 +1,5 @@
-"""The native rollout engine's decoder: Llama / Qwen2 / Qwen3 as plain tensors, from an HF ``config.json``.
+"""The native rollout engine's decoder: Llama / Qwen2 / Qwen3 / Qwen3-MoE as plain tensors, from an HF
+``config.json``.
 
 No ``nn.Module``: the engine only runs inference, and a handful of fused tensors
 keeps per-step Python overhead low on CPU. Layout decisions, each for speed:
@@ -36,11 +37,12 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from spmdrl.config.shape import num_experts
 from spmdrl.rollout.native.cache import KVCache, KVView
 from spmdrl.rollout.native.kernels import ops as _KERNELS
 from spmdrl.rollout.weight_store import WeightStore
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # oneDNN linear on a prepacked weight (bound once: resolving torch.ops per call costs time per step);
 # None on builds without it (Decoder.pack is then never called, see precision.can_prepack).
 _PACKED_LINEAR = (getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available()
@@ -69,6 +71,16 @@ class DecoderConfig:
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     rope_theta: float
     rope_scaling: dict = field(default_factory=dict)  # rope_parameters minus rope_theta; "rope_type" key
+    # Mixture-of-Experts (qwen3_moe): every layer's MLP is num_experts SwiGLU experts of
+    # moe_intermediate_size, experts_per_token of them a token (0 experts: a dense model).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf(cls, cfg: dict, source: str = "config.json") -> "DecoderConfig":
@@ -98,6 +110,15 @@ class DecoderConfig:
                             cfg.get("original_max_position_embeddings", cfg["max_position_embeddings"]))
         heads = cfg["num_attention_heads"]
         attn_bias = bool(cfg.get("attention_bias", False))
+        moe = {}
+        if mt == "qwen3_moe":
+            if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+                raise ValueError(f"native rollout: {source} mixes dense and MoE layers (decoder_sparse_step "
+                                 f"/ mlp_only_layers); the decoder takes Qwen3-MoE models whose every layer "
+                                 f"is MoE")
+            moe = dict(num_experts=num_experts(cfg), experts_per_token=cfg["num_experts_per_tok"],
+                       moe_intermediate_size=cfg["moe_intermediate_size"],
+                       norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
         return cls(
             model_type=mt,
             vocab_size=cfg["vocab_size"],
@@ -113,9 +134,10 @@ class DecoderConfig:
             qkv_bias=True if mt == "qwen2" else attn_bias,
             o_bias=False if mt == "qwen2" else attn_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
             rope_theta=theta,
             rope_scaling=rope,
+            **moe,
         )
 
     @classmethod
@@ -127,7 +149,8 @@ class DecoderConfig:
         """Parameters as transformers counts them (tied lm_head counted once)."""
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * d
-        per_layer = qkv + self.num_heads * d * h + 3 * h * i + 2 * h
+        mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h) if self.moe else 3 * h * i
+        per_layer = qkv + self.num_heads * d * h + mlp + 2 * h
         per_layer += (self.num_heads + 2 * self.num_kv_heads) * d * self.qkv_bias + h * self.o_bias
         per_layer += (2 * i + h) * self.mlp_bias + 2 * d * self.qk_norm
         lm = 0 if self.tie_word_embeddings else self.vocab_size * h
@@ -216,9 +239,9 @@ class Layer:
     o_w: torch.Tensor  # [h, H*D]
     o_b: Optional[torch.Tensor]
     ln2: torch.Tensor  # [h]
-    gu_w: torch.Tensor  # [2I, h] rows gate | up
+    gu_w: Optional[torch.Tensor]  # [2I, h] rows gate | up (None in an MoE layer)
     gu_b: Optional[torch.Tensor]
-    down_w: torch.Tensor  # [h, I]
+    down_w: Optional[torch.Tensor]  # [h, I]
     down_b: Optional[torch.Tensor]
     # What the matmuls use: the dense views above, or their oneDNN-packed copies (Decoder.pack).
     qkv: Optional[torch.Tensor] = None
@@ -228,6 +251,44 @@ class Layer:
     # Packed gate and up halves, for oneDNN's fused silu / multiply epilogues (None when unpacked).
     gate: Optional[torch.Tensor] = None
     up: Optional[torch.Tensor] = None
+    # An MoE layer's MLP (DecoderConfig.moe): the router and every expert's SwiGLU, experts first.
+    router: Optional[torch.Tensor] = None  # [E, h]
+    experts_gu: Optional[torch.Tensor] = None  # [E, 2I', h] rows gate | up (I' = moe_intermediate_size)
+    experts_down: Optional[torch.Tensor] = None  # [E, h, I']
+
+
+def _buffer_plan(c: DecoderConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor of the decoder's flat buffer, in buffer order: HF names, except the fused
+    ``qkv`` / ``gate_up`` matrices and an MoE layer's ``experts.gate_up`` / ``experts.down`` stacks."""
+    h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+    nq, nkv = c.num_heads * d, c.num_kv_heads * d
+    plan: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c.vocab_size, h))]
+    for li in range(c.num_layers):
+        p = f"model.layers.{li}."
+        plan += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.qkv.weight", (nq + 2 * nkv, h))]
+        if c.qkv_bias:
+            plan.append((p + "self_attn.qkv.bias", (nq + 2 * nkv,)))
+        if c.qk_norm:
+            plan += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
+        plan.append((p + "self_attn.o_proj.weight", (h, nq)))
+        if c.o_bias:
+            plan.append((p + "self_attn.o_proj.bias", (h,)))
+        plan.append((p + "post_attention_layernorm.weight", (h,)))
+        if c.moe:
+            E, im = c.num_experts, c.moe_intermediate_size
+            plan += [(p + "mlp.gate.weight", (E, h)), (p + "mlp.experts.gate_up", (E, 2 * im, h)),
+                     (p + "mlp.experts.down", (E, h, im))]
+            continue
+        plan.append((p + "mlp.gate_up.weight", (2 * i, h)))
+        if c.mlp_bias:
+            plan.append((p + "mlp.gate_up.bias", (2 * i,)))
+        plan.append((p + "mlp.down_proj.weight", (h, i)))
+        if c.mlp_bias:
+            plan.append((p + "mlp.down_proj.bias", (h,)))
+    plan.append(("model.norm.weight", (h,)))
+    if not c.tie_word_embeddings:
+        plan.append(("lm_head.weight", (c.vocab_size, h)))
+    return plan
 
 
 class Decoder:
@@ -237,29 +298,9 @@ class Decoder:
                  dtype: torch.dtype = torch.float32):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         c = cfg
-        h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
+        d, i = c.head_dim, c.intermediate_size
         nq, nkv = c.num_heads * d, c.num_kv_heads * d
-        # (hf_name, shape, target) in buffer order; target = (key, row slice) for fused rows.
-        plan: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c.vocab_size, h))]
-        for li in range(c.num_layers):
-            p = f"model.layers.{li}."
-            plan += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.qkv.weight", (nq + 2 * nkv, h))]
-            if c.qkv_bias:
-                plan.append((p + "self_attn.qkv.bias", (nq + 2 * nkv,)))
-            if c.qk_norm:
-                plan += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
-            plan.append((p + "self_attn.o_proj.weight", (h, nq)))
-            if c.o_bias:
-                plan.append((p + "self_attn.o_proj.bias", (h,)))
-            plan += [(p + "post_attention_layernorm.weight", (h,)), (p + "mlp.gate_up.weight", (2 * i, h))]
-            if c.mlp_bias:
-                plan.append((p + "mlp.gate_up.bias", (2 * i,)))
-            plan.append((p + "mlp.down_proj.weight", (h, i)))
-            if c.mlp_bias:
-                plan.append((p + "mlp.down_proj.bias", (h,)))
-        plan.append(("model.norm.weight", (h,)))
-        if not c.tie_word_embeddings:
-            plan.append(("lm_head.weight", (c.vocab_size, h)))
+        plan = _buffer_plan(c)
         # One flat buffer; offsets rounded to 64 elements keep every matrix cache-line aligned.
         offsets, total = [], 0
         for _, shape in plan:
@@ -271,7 +312,8 @@ class Decoder:
         self.embed = t["model.embed_tokens.weight"]
         self.norm = t["model.norm.weight"]
         self.lm_head = self.embed if c.tie_word_embeddings else t["lm_head.weight"]
-        slots = {n: v for n, v in t.items() if ".qkv." not in n and ".gate_up." not in n}
+        slots = {n: v for n, v in t.items() if ".qkv." not in n and ".gate_up." not in n
+                 and ".experts." not in n}
         self.layers: list[Layer] = []
         for li in range(c.num_layers):
             p = f"model.layers.{li}."
@@ -280,8 +322,16 @@ class Decoder:
                       g("self_attn.q_norm.weight"), g("self_attn.k_norm.weight"),
                       g("self_attn.o_proj.weight"), g("self_attn.o_proj.bias"),
                       g("post_attention_layernorm.weight"), g("mlp.gate_up.weight"), g("mlp.gate_up.bias"),
-                      g("mlp.down_proj.weight"), g("mlp.down_proj.bias"))
+                      g("mlp.down_proj.weight"), g("mlp.down_proj.bias"), router=g("mlp.gate.weight"),
+                      experts_gu=g("mlp.experts.gate_up"), experts_down=g("mlp.experts.down"))
             self.layers.append(L)
+            if c.moe:  # HF checkpoint names, one tensor an expert (moe_weights.per_expert splits fused ones)
+                im = c.moe_intermediate_size
+                for e in range(c.num_experts):
+                    q = p + f"mlp.experts.{e}."
+                    slots[q + "gate_proj.weight"] = L.experts_gu[e, :im]
+                    slots[q + "up_proj.weight"] = L.experts_gu[e, im:]
+                    slots[q + "down_proj.weight"] = L.experts_down[e]
             # update_weights copies each HF tensor into its rows of the fused matrix.
             for kind, fused in (("weight", L.qkv_w), ("bias", L.qkv_b)):
                 if fused is not None:
@@ -301,6 +351,9 @@ class Decoder:
         # C++ decode kernels (kernels.py); the engine turns them on after they load.
         self.kernels = False
         self.packed = False
+        # MoE routing record (Decoder._moe): the engine sets record_routes and takes them after a forward.
+        self.record_routes = False
+        self.routes: list[torch.Tensor] = []
         self.unpack()
 
     # ---- prepacked matmul weights ----------------------------------------------------------------
@@ -317,7 +370,10 @@ class Decoder:
         reorder = torch.ops.mkldnn._reorder_linear_weight
         i = self.cfg.intermediate_size
         for L in self.layers:
-            L.qkv, L.o, L.down = (reorder(w, None) for w in (L.qkv_w, L.o_w, L.down_w))
+            L.qkv, L.o = reorder(L.qkv_w, None), reorder(L.o_w, None)
+            if L.router is not None:  # experts run on a few rows each (_moe): plain matmuls
+                continue
+            L.down = reorder(L.down_w, None)
             if L.gu_b is None:  # the fused-epilogue MLP of _out_mlp
                 L.gate, L.up = reorder(L.gu_w[:i], None), reorder(L.gu_w[i:], None)
             else:  # an MLP bias: the plain path with the fused gate|up matrix
@@ -335,8 +391,8 @@ class Decoder:
     def packed_nbytes(self) -> int:
         if not self.packed:
             return 0
-        mats = [self.head] + [w for L in self.layers for w in (L.qkv, L.o, L.down) + (
-            (L.gate, L.up) if L.gu_b is None else (L.gu,))]
+        mats = [self.head] + [w for L in self.layers for w in (L.qkv, L.o) + (
+            () if L.router is not None else (L.down, L.gate, L.up) if L.gu_b is None else (L.down, L.gu))]
         return sum(w.numel() * w.element_size() for w in mats)  # opaque tensors expose no storage
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -396,7 +452,10 @@ class Decoder:
         return q, k, v
 
     def _out_mlp(self, L: Layer, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection + residual, then the SwiGLU MLP + residual."""
+        """Output projection + residual, then the SwiGLU MLP (or the layer's experts) + residual."""
+        if L.router is not None:
+            x = x + self._linear(attn, L.o, L.o_b)
+            return x + self._moe(L, self._rms(x, L.ln2))
         if self.packed and L.gu_b is None:
             # oneDNN epilogues fuse silu, the gate*up product and both residual adds into the
             # matmuls: 4 ops instead of 8 (~6% faster block at decode sizes in a microbenchmark).
@@ -413,6 +472,33 @@ class Decoder:
         x = x + self._linear(attn, L.o, L.o_b)
         gate, up = self._linear(self._rms(x, L.ln2), L.gu, L.gu_b).chunk(2, -1)
         return x + self._linear(F.silu(gate) * up, L.down, L.down_b)
+
+    def _moe(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
+        """h [..., hidden] -> the weighted sum of each token's routed experts, as the trainer computes it
+        (``engines/fsdp2/moe.py``): router logits in fp32, softmax, top-k, renormalised with
+        norm_topk_prob. Each token's experts go to ``self.routes`` when ``record_routes`` is set."""
+        c = self.cfg
+        x = h.reshape(-1, h.shape[-1])  # [T, h]
+        probs = torch.softmax(F.linear(x.float(), L.router.float()), -1)  # [T, E]
+        weights, experts = torch.topk(probs, c.experts_per_token, dim=-1)  # [T, k]
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        if self.record_routes:
+            self.routes.append(experts)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            tok, slot = (experts == e).nonzero(as_tuple=True)  # the tokens routed to expert e
+            gate, up = F.linear(x[tok], L.experts_gu[e]).chunk(2, -1)
+            y = F.linear(F.silu(gate) * up, L.experts_down[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y)
+        return out.view_as(h)
+
+    def take_routes(self) -> torch.Tensor:
+        """[T, L, k] the experts of the tokens of the last forward (``record_routes``), token order as its
+        input's flattened leading dims."""
+        routes, self.routes = self.routes, []
+        return torch.stack(routes, -2)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head in fp32: hidden [..., h] -> [..., V]."""

@@ -1,0 +1,172 @@
+"""Mixture-of-Experts routing in the FSDP2 engine: router logits in fp32, routing replay, and what the
+routing did (expert load, agreement with the rollout's routing).
+
+    routing = install_routing(model)          # None for a dense model; before checkpointing and FSDP
+    routing.begin(rollout=routes, valid=mask, force=True, observe=True, record=False)  # routes [T, L, k]
+    out = model(**inputs)                     # every router reads the state set by begin
+    recorded = routing.recorded()             # [T, L, k]: the experts each token went to, per MoE layer
+
+Each Qwen3-MoE router (``mlp.gate``, transformers' ``Qwen3MoeTopKRouter``) gets this file's forward. It
+computes its logits in fp32 from fp32 copies of the hidden state and of the (bf16 under mixed precision)
+weight, as NeMo-RL recommends and as the native engine does, so both pick experts from the same numbers.
+The softmax and the top-k follow transformers (softmax in fp32, ``torch.topk``, the top-k renormalised
+when ``norm_topk_prob``).
+
+Routing replay (``actor.router_replay``): with ``force``, a token takes the experts of ``rollout`` instead
+of its own top-k, and their weights are the router's current probabilities at those experts (renormalised
+as above), so the router still gets a gradient. R3 replays what the rollout engine recorded; R2 what the
+actor's old-log-prob pass recorded. A token whose route is ``unrouted(E)`` (no record: a tool's output in a
+multi-turn response, a prefix the rollout restored from its cache) keeps the router's own choice.
+
+The state stays set after the forward: activation checkpointing recomputes each layer in the backward,
+outside any context, and must route its tokens as the forward did. ``observe`` counts the forward's
+routing (load, agreement) and is switched off by ``end`` before the backward, so a recompute counts
+nothing twice.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from spmdrl.batch import route_dtype, unrouted
+from spmdrl.engines.fsdp2.parallelize import decoder_of
+
+MOE_MODEL_TYPES = ("qwen3_moe",)
+
+
+class Routing:
+    """What every router of one model reads and writes during a forward (see the module docstring)."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.rollout: Optional[torch.Tensor] = None  # [T, L, k] long
+        self.valid: Optional[torch.Tensor] = None  # [T] bool: real tokens (not padding)
+        self.force = False
+        self.observing = False
+        self.recording = False
+        self._record: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)  # token slots
+        self.agree = torch.zeros(2, dtype=torch.float64)  # slots the router agrees on, slots compared
+
+    def begin(self, rollout: Optional[torch.Tensor], valid: Optional[torch.Tensor], force: bool,
+              observe: bool, record: bool) -> None:
+        """Set what the next forward's routers read: ``rollout`` [T, L, k] in the forward's token order, and
+        whether they count their routing (``observe``) and keep it for ``recorded`` (``record``)."""
+        self.rollout = None if rollout is None else rollout.long()
+        self.valid = valid
+        self.force = force and rollout is not None
+        self.observing, self.recording = observe, record
+        self._record = [None] * self.num_layers
+
+    def end(self) -> None:
+        self.observing = self.recording = False
+
+    def recorded(self) -> torch.Tensor:
+        """[T, L, k] the experts of every token of the last forward (``route_dtype``)."""
+        return torch.stack(self._record, 1).to(route_dtype(self.num_experts))
+
+    def choose(self, layer: int, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, experts [T, k]) of one layer's tokens from its router's probs [T, E]."""
+        top_p, top_i = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        used = top_i
+        if self.rollout is not None:
+            theirs = self.rollout[:, layer]  # [T, k]
+            known = theirs[:, 0] != unrouted(self.num_experts)  # [T]
+            if self.observing:
+                mask = known if self.valid is None else known & self.valid
+                same = (top_i[:, :, None] == theirs[:, None, :]).any(1)  # [T, k] their expert is in ours
+                self.agree += torch.stack([same[mask].sum(), mask.sum() * self.top_k]).double().cpu()
+            if self.force:
+                used = torch.where(known[:, None], theirs, top_i)
+                top_p = probs.gather(-1, used)
+        if self.norm_topk_prob:
+            top_p = top_p / top_p.sum(-1, keepdim=True)
+        if self.recording:
+            self._record[layer] = used.detach()
+        if self.observing:
+            counted = used if self.valid is None else used[self.valid]
+            self.load[layer] += torch.bincount(counted.flatten(), minlength=self.num_experts).double().cpu()
+        return top_p, used
+
+    def metrics(self, groups: list[dist.ProcessGroup], prefix: str) -> dict[str, float]:
+        """Load and agreement of the observed forwards since ``reset_stats``, summed over ``groups`` (the
+        ranks that held other tokens), so that 1 and k ranks report the same numbers."""
+        stats = torch.cat([self.load.flatten(), self.agree])
+        for group in groups:
+            dist.all_reduce(stats, group=group)
+        load = stats[:-2].view(self.num_layers, self.num_experts)  # [L, E]
+        out: dict[str, float] = {}
+        if float(load.sum()) > 0:
+            ratio = load.max(1).values / load.mean(1).clamp(min=1e-12)  # [L] 1 = perfectly balanced
+            out[f"{prefix}/expert_load_max_over_mean"] = float(ratio.mean())
+            out[f"{prefix}/expert_load_max_over_mean/max"] = float(ratio.max())
+            out[f"{prefix}/experts_unused"] = float((load == 0).sum()) / self.num_layers
+        if float(stats[-1]) > 0:
+            out[f"{prefix}/router_agreement"] = float(stats[-2] / stats[-1])
+        self.reset_stats()
+        return out
+
+
+def token_order(x: torch.Tensor, valid: torch.Tensor, packed: bool, sp_group: Optional[dist.ProcessGroup],
+                fill: int | bool) -> torch.Tensor:
+    """Per-position values x [n, S, ...] in the order a forward's routers see its tokens: every position
+    (padded), the valid ones one after another (packed), or this rank's slice of those, padded to a multiple
+    of the SP size with ``fill`` (``packing.shard_packed``)."""
+    if not packed:
+        return x.flatten(0, 1)  # [n*S, ...]
+    t = x[valid]  # [T, ...]
+    if sp_group is None:
+        return t
+    sp, rank = dist.get_world_size(sp_group), dist.get_rank(sp_group)
+    t = torch.cat([t, t.new_full((-len(t) % sp, *t.shape[1:]), fill)])
+    n = len(t) // sp
+    return t[rank * n:(rank + 1) * n]
+
+
+def row_order(t: torch.Tensor, valid: torch.Tensor, packed: bool, sp_group: Optional[dist.ProcessGroup],
+              fill: int) -> torch.Tensor:
+    """``token_order``'s inverse: [T, ...] back to [n, S, ...], ``fill`` where no token is (padding)."""
+    if packed and sp_group is not None:  # every rank's slice, in rank order, then the SP padding dropped
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(sp_group))]
+        dist.all_gather(parts, t.contiguous(), group=sp_group)
+        t = torch.cat(parts)[:int(valid.sum())]
+    out = t.new_full((*valid.shape, *t.shape[1:]), fill)  # [n, S, ...]
+    if packed:
+        out[valid] = t
+    else:
+        out[valid] = t.view(*valid.shape, *t.shape[1:])[valid]
+    return out
+
+
+def _route(self: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Qwen3-MoE router's forward: (logits [T, E] fp32, weights [T, k] in the hidden dtype, experts)."""
+    routing: Routing = self.spmdrl_routing
+    h = hidden.reshape(-1, hidden.shape[-1])  # [T, h]
+    logits = F.linear(h.float(), self.weight.float())  # [T, E]
+    probs = torch.softmax(logits, dim=-1)
+    weights, experts = routing.choose(self.spmdrl_layer, probs)
+    return logits, weights.to(hidden.dtype), experts
+
+
+def install_routing(model: nn.Module) -> Optional[Routing]:
+    """Give every router of an MoE model (``MOE_MODEL_TYPES``) this file's forward; None for a dense one.
+    Before activation checkpointing, compile and FSDP wrap the layers."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in MOE_MODEL_TYPES:
+        return None
+    routers = [layer.mlp.gate for layer in decoder_of(model).layers]
+    routing = Routing(len(routers), cfg.num_experts, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob))
+    for i, router in enumerate(routers):
+        router.spmdrl_routing, router.spmdrl_layer = routing, i
+        router.forward = types.MethodType(_route, router)
+    return routing
