@@ -86,6 +86,14 @@ WARM_STARTS: dict[str, dict[str, Any]] = {
         "actor.lr_warmup_steps": 10, "actor.lr_scheduler": "cosine", "actor.min_lr_ratio": 0.1,
         "trainer.total_steps": 75,
     },
+    # The MoE main job's (configs/grpo_moe.yaml) warm start: tiny-moe after the same SFT recipe.
+    "tiny-moe-arith": {
+        "model.path": "builtin:tiny-moe", "data.train_files": "builtin:arith_sft",
+        "data.val_files": "builtin:arith_sft", "data.train_batch_size": 32,
+        "data.micro_batch_size_per_gpu": 32, "data.max_length": 64, "actor.lr": 1e-3,
+        "actor.lr_warmup_steps": 10, "actor.lr_scheduler": "cosine", "actor.min_lr_ratio": 0.1,
+        "trainer.total_steps": 75,
+    },
 }
 # Bump when a recipe (or the SFT trainer's arithmetic) changes, so a stale cached warm start is not reused.
 WARM_START_VERSION = 2

@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -59,7 +59,7 @@ def write_hf_folder(
             shards.append(sorted(current))
             current, size = {}, 0
 
-    for name, tensor in weights:
+    for name, tensor in per_expert(weights):  # an MoE model's experts one tensor each, as checkpoints are
         if tied and name == "lm_head.weight":
             continue  # from_pretrained re-ties it to the embedding
         t = tensor.detach().to("cpu")
@@ -92,3 +92,25 @@ def write_hf_folder(
     return out
 
 
+# transformers 5 keeps a Qwen3-MoE layer's experts in memory as two fused tensors,
+# ``mlp.experts.gate_up_proj`` [E, 2I, h] (rows gate | up) and ``mlp.experts.down_proj`` [E, h, I]; its
+# checkpoints (what save_pretrained writes and released models ship), and the loaders of vLLM, SGLang and the
+# native engine, have one tensor an expert (``mlp.experts.{e}.gate_proj.weight`` ...).
+_GATE_UP, _DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
+
+
+def per_expert(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with every fused expert tensor split, as views, into its experts' checkpoint
+    names: what every Hugging Face folder spmdrl writes holds, and what the native engine loads."""
+    for name, t in named:
+        if name.endswith(_GATE_UP):  # [E, 2I, h]
+            prefix, inner = name[: -len(_GATE_UP)], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", t[e, :inner]
+                yield f"{prefix}.mlp.experts.{e}.up_proj.weight", t[e, inner:]
+        elif name.endswith(_DOWN):  # [E, h, I]
+            prefix = name[: -len(_DOWN)]
+            for e in range(t.shape[0]):
+                yield f"{prefix}.mlp.experts.{e}.down_proj.weight", t[e]
+        else:
+            yield name, t

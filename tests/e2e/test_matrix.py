@@ -1,8 +1,8 @@
 """Features where they meet: an all-pairs set of short runs on 2 ranks over the options users combine.
 
 Every pair of levels of every two factors below runs together in at least one case (``all_pairs``, a
-greedy generator: 21 cases for one 10-level factor, one 3-level and 13 two-level ones, where all
-combinations would be 245,760). Each case must take its steps (2; 3 at staleness 1) with the metrics its
+greedy generator: 24 cases for one 11-level factor, one 3-level and 13 two-level ones, where all
+combinations would be 270,336). Each case must take its steps (2; 3 at staleness 1) with the metrics its
 features promise. Combinations that cannot work (``REFUSED``) must be refused before any model is built,
 with one sentence naming the key. The cases run in one torchrun job (``matrix_driver.py``): the ranks start
 once, not once per case.
@@ -17,9 +17,13 @@ groups), so the critic meets every other factor's levels as the ppo level of the
 The placement is a factor too: colocated (both ranks generate and train), or split (``rollout.placement
 split``: rank 0 trains, rank 1 generates; ``spmdrl.split``) at ``rollout.max_staleness`` 0 or 1. Against
 the configs it counts by kind (``COARSE``: every config runs colocated and split), while each staleness
-meets every level of every other factor but SP 2: 21 cases instead of the 30 that pairing every config with
+meets every level of every other factor but SP 2: 24 cases instead of the 33 that pairing every config with
 both stalenesses takes. Split cases check the training rank's metrics, the rollout rank's under
 ``rollout_ranks/``, and each batch's staleness and weights; balancing is a no-op there (one training rank).
+
+``configs/grpo_moe.yaml`` is a level too: the Mixture-of-Experts model (``builtin:tiny-moe``) with the native
+engine's routing replayed in every forward (R3), and with the actor's own under the scripted multi-turn policy
+(R2), which records none.
 
 Sequence parallelism (``parallel.sp`` 2: both ranks train every row, each on half of its tokens) meets
 every level of every factor colocated; under split placement there is one training rank, too few for an SP
@@ -79,7 +83,7 @@ FACTORS: dict[str, list] = {
 }
 # Against the algorithm configs, placement counts by kind: every config runs colocated and split (at
 # staleness 0 or 1), and each staleness meets every level of every other factor. Pairing every config
-# with both stalenesses would take 10 x 3 = 30 rows instead of 21.
+# with both stalenesses would take 11 x 3 = 33 rows instead of 24.
 COARSE = {("config", "placement"): {"colocated": "colocated", "split0": "split", "split1": "split"}}
 # Levels that cannot meet: a split case has one training rank, and an SP group of 2 needs two (refused, as
 # ``REFUSED`` checks). Every other pair of their factors' levels still meets.
@@ -95,10 +99,10 @@ def all_pairs(factors: dict[str, list], seed: int = 399, coarse: dict | None = N
     all-second row). ``coarse`` ({(a, b): {level of b: its kind}}) asks less of a pair of factors: every
     level of a meets every kind of b's levels, while each level of b still meets every level of every
     other factor. ``excluded`` ({((f, level), (g, level))}) names pairs of levels no row may hold (each
-    factor must have a level that meets every other level). Seed 399 is the first to give at most 22 rows
+    factor must have a level that meets every other level). Seed 399 was the first to give at most 22 rows
     (21, with ``COARSE`` and ``EXCLUDED``; 21-30 over seeds 0-999) that also run ReMax x DAPO single-turn
     with rollout log-probs on, colocated (a bug that a missing-log-probs crash hid in the other rows at
-    dcef175, before split placement existed)."""
+    dcef175, before split placement existed); with the MoE config's level it gives 24."""
     rng = random.Random(seed)
     names = sorted(factors, key=lambda f: -len(factors[f]))
     coarse = coarse or {}
@@ -196,7 +200,9 @@ def _steps(case: dict) -> int:
 def case_argv(case: dict, data: dict, out: Path) -> list[str]:
     """The command line of one case: the config's own settings, then each factor's level."""
     name = case["config"]
-    argv = ["--config", f"configs/{name}.yaml", "--model.path", "builtin:tiny-arith",
+    # The MoE config's level runs on builtin:tiny-moe itself: its warm start takes two minutes to build.
+    model = "builtin:tiny-moe" if name == "grpo_moe" else "builtin:tiny-arith"
+    argv = ["--config", f"configs/{name}.yaml", "--model.path", model,
             "--data.train_batch_size", str(BATCH), "--rollout.n", "2", "--data.max_prompt_length", "192",
             "--data.max_response_length", "8", "--data.val_files", "null",
             "--trainer.total_steps", str(_steps(case)),
@@ -214,6 +220,8 @@ def case_argv(case: dict, data: dict, out: Path) -> list[str]:
                  "--rollout.multi_turn.max_assistant_turns", "3",
                  "--rollout.multi_turn.tool_num_workers", "1",
                  "--rollout.multi_turn.max_tool_response_length", "32", "--data.max_response_length", "96"]
+        if name == "grpo_moe":  # the scripted policy records no routing to replay (R3): the actor's own (R2)
+            argv += ["--actor.router_replay", "R2"]
     argv += ["--data.train_files", data[(task, case["prompts"])]]
     argv += ["--rollout.calculate_log_probs", str(case["calculate_log_probs"]).lower()]
     actor_mini, critic_mini = (BATCH, BATCH) if case["mini_batches"] == "one" else (BATCH // 2, BATCH // 4)
@@ -277,6 +285,12 @@ REFUSED = {
     "split placement with an engine not built for it": (
         {"placement": "split0"}, ["--rollout.engine", "colocated_only"],
         "rollout.engine colocated_only is not built for rollout.placement split"),
+    "rollout routing replay with an engine that records no routing": (
+        {"config": "grpo_moe", "multi_turn": True}, ["--actor.router_replay", "R3"],
+        "actor.router_replay is R3, but rollout.engine 'scripted' does not return the experts"),
+    "routing replay on a dense model": (
+        {"config": "grpo"}, ["--actor.router_replay", "R2"],
+        "actor.router_replay is R2, but model.path 'builtin:tiny-arith' is a dense model"),
 }
 
 

@@ -122,11 +122,11 @@ BACKENDS = {
     "spmdrl.engines.megatron": ("spmdrl.engines.base", "spmdrl.engines.optim", "spmdrl.engines.logprobs",
                                 "spmdrl.checkpoint.safe_load", "spmdrl.algos.registry",
                                 "spmdrl.builtin.models"),
-    # The native engine's config check reads a built-in model's architecture before it is built; experts:
-    # an MoE model's fused expert tensors split into the per-expert names its decoder loads.
+    # The native engine's config check reads a built-in model's architecture before it is built; hf_folder:
+    # an MoE model's fused expert tensors under the per-expert checkpoint names its decoder loads.
     "spmdrl.rollout.native": ("spmdrl.rollout.base", "spmdrl.rollout.sampling",
                               "spmdrl.rollout.weight_store", "spmdrl.builtin.models",
-                              "spmdrl.rollout.experts"),
+                              "spmdrl.checkpoint.hf_folder"),
     "spmdrl.rollout.hf": ("spmdrl.rollout.base", "spmdrl.rollout.sampling", "spmdrl.rollout.weight_store"),
     # vllm_worker: what runs in vLLM's worker (its extension methods), imported there by name; flat: the
     # weights' byte buckets split placement's exchange uses too.

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 import torch
 
 from spmdrl.batch import route_dtype, unrouted
+from spmdrl.checkpoint.hf_folder import per_expert
 from spmdrl.parallel import rollout_coords
 from spmdrl.precision import can_prepack, native_bf16, resolve_dtype, to_dtype
 from spmdrl.rollout.base import (
@@ -51,7 +52,6 @@ from spmdrl.rollout.base import (
     eos_ids_from_folder,
     left_pad,
 )
-from spmdrl.rollout.experts import per_expert
 from spmdrl.rollout.native.cache import KVCache, KVView
 from spmdrl.rollout.native.graphs import (
     GraphMode,
