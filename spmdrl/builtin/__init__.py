@@ -34,7 +34,7 @@ def _files(files: Union[str, list[str], None], split: str) -> Union[list[str], N
 def check_builtin_names(cfg: "Config") -> None:
     """Every ``builtin:`` model and data name of ``cfg`` is a known one (ValueError listing them); nothing is
     built, so this runs before start-up."""
-    from spmdrl.builtin.models import check_builtin_model
+    from spmdrl.builtin.models import PLAN_ONLY, check_builtin_model
     from spmdrl.builtin.tasks import check_builtin_task
 
     rm = cfg.reward_model
@@ -43,9 +43,12 @@ def check_builtin_names(cfg: "Config") -> None:
                       ("reward_model.model.path", rm.model.path)):
         if path is not None and path.startswith("builtin:"):
             try:
-                check_builtin_model(path)
+                _, size, _ = check_builtin_model(path)
             except ValueError as err:
                 raise ValueError(f"{key}: {err}") from None
+            if size in PLAN_ONLY and not cfg.trainer.plan_only:
+                raise ValueError(f"{key} is {path!r}, a model's shape that spmdrl plans for but never "
+                                 f"builds; add --trainer.plan_only true, or give a model folder")
     for key in ("train_files", "val_files"):
         files = getattr(cfg.data, key)
         for spec in [files] if isinstance(files, str) else files or []:

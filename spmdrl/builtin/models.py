@@ -71,7 +71,17 @@ SIZES: dict[str, dict] = {
                      moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                      decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64),
+    # Qwen3-30B-A3B's config.json shapes (30,532,122,624 parameters, 3.3B active a token): 48 layers of 128
+    # experts, 8 routed a token. For --trainer.plan_only alone (PLAN_ONLY): never built.
+    "qwen3-30b-a3b-shape": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                                moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                                num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                                rope_theta=1000000.0, tie_word_embeddings=False, torch_dtype="bfloat16"),
 }
+# Shapes only the memory plan reads: building one would write tens of gigabytes of random weights.
+PLAN_ONLY = ("qwen3-30b-a3b-shape",)
 # Config values of every built-in model unless its SIZES entry sets them (vocab_size: the tokenizer's).
 _CONFIG_DEFAULTS: dict[str, Any] = dict(max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
                                         tie_word_embeddings=True, torch_dtype="float32")
@@ -193,6 +203,8 @@ def build_model(out: Path, size: str = "tiny", seed: int = 0, reward: bool = Fal
     """Write the model folder ``out`` (replacing it atomically) and return it. ``reward``: a reward model,
     Qwen2ForSequenceClassification with one label (a random scalar head on the same backbone shape and
     tokenizer), as ``reward_model.model.path`` loads it."""
+    if size in PLAN_ONLY:
+        raise ValueError(f"builtin:{size} is a shape for --trainer.plan_only true and is never built")
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
 

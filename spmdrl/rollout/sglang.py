@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from spmdrl.checkpoint.hf_folder import per_expert
 from spmdrl.parallel import rollout_coords, rollout_tp_group, rollout_tp_rank
 from spmdrl.precision import to_dtype
 from spmdrl.rollout.base import (
@@ -282,6 +283,7 @@ class SGLangRollout(RolloutEngine):
         if "weights" in self._asleep:
             raise RuntimeError("sglang rollout: wake_up(('weights',)) before update_weights")
         start, sent = time.perf_counter(), 0
+        named_tensors = per_expert(named_tensors)  # SGLang loads one tensor an expert
         if self.engine is None:  # not the TP group's leader: pull the export (a collective), push nothing
             sent = drop_weights(named_tensors, self.options.bucket_bytes)
             self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent)}

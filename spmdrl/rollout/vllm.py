@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from spmdrl.checkpoint.hf_folder import per_expert
 from spmdrl.config.shape import ModelShape
 from spmdrl.parallel import rollout_coords, rollout_tp_group
 from spmdrl.precision import to_dtype
@@ -283,8 +284,16 @@ class _VLLMEngine(RolloutEngine):
         why = vllm_available()
         if why is not None:
             raise ValueError(f"rollout.engine is 'vllm' but {why}; {INSTALL_HINT}")
+        from spmdrl.parallel import resolve_device_type
+
+        cpu = resolve_device_type(cfg.trainer.device) == "cpu"
+        if ModelShape.of(cfg.model.path).experts and cpu:
+            raise ValueError(f"model.path {cfg.model.path!r} is a Mixture-of-Experts model, which vLLM "
+                             f"{_version()} on CPU samples from its folder but does not reload in place (the "
+                             f"same weights reloaded change its log-probs by 0.1); use rollout.engine "
+                             f"native or sglang on CPU")
         if cfg.model.path.startswith("builtin:"):
-            return  # the built-in models are Qwen2 with head_dim 64, which vLLM runs on CPU and GPU
+            return  # the built-in models are Qwen2 / Qwen3-MoE with head_dim 64, which vLLM runs
         config = json.loads((Path(cfg.model.path) / "config.json").read_text())
         archs = config.get("architectures") or []
         from vllm import ModelRegistry
@@ -294,9 +303,7 @@ class _VLLMEngine(RolloutEngine):
             raise ValueError(f"model.path {cfg.model.path!r} is a "
                              f"{', '.join(archs) or 'model without architectures'}, which vLLM {_version()} "
                              f"cannot run; use rollout.engine native or hf")
-        from spmdrl.parallel import resolve_device_type
-
-        if resolve_device_type(cfg.trainer.device) == "cpu":
+        if cpu:
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
             heads = config["num_attention_heads"]
@@ -460,7 +467,7 @@ class VLLMRollout(_VLLMEngine):
         drop cached prefixes."""
         if "weights" in self._asleep:
             raise RuntimeError("vllm rollout: wake_up(('weights',)) before update_weights")
-        sent = 0
+        sent, named_tensors = 0, per_expert(named_tensors)  # vLLM loads one tensor an expert
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal sent
@@ -511,6 +518,7 @@ class VLLMOwnProcessRollout(_VLLMEngine):
         one reload, then drop cached prefixes; at TP > 1 the group's other ranks take the stream in (a
         collective) and hand none on."""
         start, sent = time.perf_counter(), 0
+        named_tensors = per_expert(named_tensors)  # vLLM loads one tensor an expert
         if self.llm is None:  # not the TP group's leader
             sent = drop_weights(named_tensors, self.options.bucket_bytes)
             self.last_sync = {"seconds": time.perf_counter() - start, "bytes": float(sent)}

@@ -129,11 +129,13 @@ BACKENDS = {
                               "spmdrl.checkpoint.hf_folder"),
     "spmdrl.rollout.hf": ("spmdrl.rollout.base", "spmdrl.rollout.sampling", "spmdrl.rollout.weight_store"),
     # vllm_worker: what runs in vLLM's worker (its extension methods), imported there by name; flat: the
-    # weights' byte buckets split placement's exchange uses too.
+    # weights' byte buckets split placement's exchange uses too. The library engines, as the native one,
+    # take an MoE model's experts under the checkpoint's names (checkpoint.hf_folder.per_expert).
     "spmdrl.rollout.vllm": ("spmdrl.rollout.base", "spmdrl.rollout.sampling", "spmdrl.rollout.vllm_worker",
-                            "spmdrl.rollout.flat"),
+                            "spmdrl.rollout.flat", "spmdrl.checkpoint.hf_folder"),
     # sglang_cpu is not imported by spmdrl: .venv-sglang's .pth file loads it in every SGLang process.
-    "spmdrl.rollout.sglang": ("spmdrl.rollout.base", "spmdrl.rollout.sampling"),
+    "spmdrl.rollout.sglang": ("spmdrl.rollout.base", "spmdrl.rollout.sampling",
+                              "spmdrl.checkpoint.hf_folder"),
 }
 
 

@@ -96,10 +96,16 @@ VALUES = [
     (["--reward_model.enable", "true", "--reward_model.model.path", "builtin:large-rm"],
      "reward_model.model.path: unknown built-in model 'builtin:large-rm'"),
     (["--data.train_files", "[]"], "data.train_files is empty; give parquet files or builtin:<task>"),
-    # an architecture the native rollout engine does not implement (MoE), before any model is built
-    (["--model.path", "builtin:tiny-moe"],
-     "native rollout: model_type 'qwen3_moe' in builtin:tiny-moe is not supported; supported: llama, qwen2, "
-     "qwen3 (rollout.engine: hf runs others)"),
+    # routing replay the rollout engine cannot feed (hf records no routing), and on a dense model
+    (["--model.path", "builtin:tiny-moe", "--rollout.engine", "hf", "--actor.router_replay", "R3"],
+     "actor.router_replay is R3, but rollout.engine 'hf' does not return the experts it routed each "
+     "token to"),
+    (["--actor.router_replay", "R2"],
+     "actor.router_replay is R2, but model.path 'builtin:tiny-arith' is a dense model"),
+    # a shape the plan reads, never built (30B parameters)
+    (["--model.path", "builtin:qwen3-30b-a3b-shape"],
+     "model.path is 'builtin:qwen3-30b-a3b-shape', a model's shape that spmdrl plans for but never "
+     "builds"),
     # a LoRA rank wider than a layer it adapts (tiny: k_proj and v_proj are 256 x 128)
     (["--model.lora_rank", "129"], "model.lora_rank is 129, but k_proj of 'builtin:tiny-arith' is 256 x 128: "
                                    "a LoRA rank can be at most the narrowest side (128)"),

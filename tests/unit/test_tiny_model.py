@@ -129,8 +129,7 @@ def test_a_vocabulary_wider_than_the_tokenizer_is_padding(tmp_path, monkeypatch)
 def test_tiny_moe_is_a_qwen3_moe_model_the_plan_counts(tmp_path):
     """``builtin:tiny-moe``: Qwen3-MoE (8 experts, 2 a token) on the built-in tokenizer; the plan counts its
     parameters exactly (every expert, the routers, Qwen3's q / k norms) and its MLP width as the 2 routed
-    experts'. A model mixing dense and MoE layers is refused with one sentence; the native rollout engine
-    refuses the architecture before start-up."""
+    experts'. A model mixing dense and MoE layers is refused with one sentence."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -146,3 +145,23 @@ def test_tiny_moe_is_a_qwen3_moe_model_the_plan_counts(tmp_path):
     assert shape.intermediate == 2 * cfg.moe_intermediate_size
     with pytest.raises(ValueError, match="mixes dense and MoE layers"):
         ModelShape.from_config({**builtin_config("builtin:tiny-moe"), "decoder_sparse_step": 2})
+
+
+def test_the_qwen3_30b_a3b_shape_is_planned_and_never_built(tmp_path):
+    """``builtin:qwen3-30b-a3b-shape``: Qwen3-30B-A3B's config.json, whose 30.5B parameters the plan counts
+    exactly (a meta-device model of its config); a run on it is refused unless it only plans, and it is
+    never built."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spmdrl.builtin.models import build_model, build_tokenizer, model_config
+    from spmdrl.config.shape import ModelShape
+
+    cfg = model_config("qwen3-30b-a3b-shape", build_tokenizer(tmp_path, seed=0))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shape = ModelShape.of("builtin:qwen3-30b-a3b-shape")
+    assert sum(p.numel() for p in model.parameters()) == shape.params == 30_532_122_624
+    assert (shape.experts, shape.intermediate) == (128, 8 * 768)
+    with pytest.raises(ValueError, match="never built"):
+        build_model(tmp_path / "big", "qwen3-30b-a3b-shape")
