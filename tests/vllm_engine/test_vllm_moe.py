@@ -1,5 +1,5 @@
-"""vLLM and a Mixture-of-Experts model (``builtin:tiny-moe``, Qwen3-MoE) on CPU: vLLM's own Qwen3-MoE class loads
-the folder's one-tensor-an-expert checkpoint and samples as the native engine does, but an in-place reload
+"""vLLM and a Mixture-of-Experts model (``builtin:tiny-moe``, Qwen3-MoE) on CPU: vLLM's own Qwen3-MoE class
+loads the folder's one-tensor-an-expert checkpoint and samples as the native engine does, but an in-place reload
 of those same weights (every weight sync of a run) leaves its MoE layers wrong. So ``check_config`` refuses
 an MoE model for vLLM on CPU with one sentence; when a vLLM release reloads them right, the second test
 fails and the refusal can go.
