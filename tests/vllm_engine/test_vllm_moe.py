@@ -1,8 +1,8 @@
 """vLLM and a Mixture-of-Experts model (``builtin:tiny-moe``, Qwen3-MoE) on CPU: vLLM's own Qwen3-MoE class
-loads the folder's one-tensor-an-expert checkpoint and samples as the native engine does, but an in-place reload
-of those same weights (every weight sync of a run) leaves its MoE layers wrong. So ``check_config`` refuses
-an MoE model for vLLM on CPU with one sentence; when a vLLM release reloads them right, the second test
-fails and the refusal can go.
+loads the folder's one-tensor-an-expert checkpoint and samples as the native engine does, but an in-place
+reload of those same weights (every weight sync of a run) leaves its MoE layers wrong. So ``check_config``
+refuses an MoE model for vLLM on CPU with one sentence; when a vLLM release reloads them right, the second
+test fails and the refusal can go.
 
     .venv-vllm/bin/python -m pytest tests/vllm_engine/test_vllm_moe.py
 """
