@@ -83,8 +83,9 @@ def write_hf_folder(
             weight_map.update({n: file for n in names})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    for f in model_files.iterdir():
-        if f.is_file() and f.name != "config.json":
+    for f in model_files.iterdir():  # config, tokenizer, generation config; never another set of weights
+        weights = f.name.endswith((".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json"))
+        if f.is_file() and f.name != "config.json" and not weights:
             shutil.copyfile(f, out / f.name)
     if dtype is not None:
         config["torch_dtype" if "torch_dtype" in config else "dtype"] = str(dtype).removeprefix("torch.")

@@ -109,6 +109,7 @@ def _check_ranges(cfg: Config) -> None:
         _check(value == -1 or value >= 1, f"trainer.{key} is {value}; it must be -1 (never) or >= 1")
     _check(a.entropy_coeff >= 0, f"actor.entropy_coeff is {a.entropy_coeff}; it must be >= 0")
     _check(a.kl_loss_coef >= 0, f"actor.kl_loss_coef is {a.kl_loss_coef}; it must be >= 0")
+    _check(a.moe_aux_loss_coef >= 0, f"actor.moe_aux_loss_coef is {a.moe_aux_loss_coef}; it must be >= 0")
     _check(0 <= alg.gamma <= 1, f"algorithm.gamma is {alg.gamma}; it must be in [0, 1]")
     _check(0 <= alg.lam <= 1, f"algorithm.lam is {alg.lam}; it must be in [0, 1]")
     _check(r.gpu_memory_utilization is None or 0 < r.gpu_memory_utilization <= 1,
@@ -501,6 +502,9 @@ def _check_moe(cfg: Config) -> None:
         _check(a.router_replay == "disabled",
                f"actor.router_replay is {a.router_replay}, but model.path {path!r} is a dense model; routing "
                f"replay needs a Mixture-of-Experts model: set it to disabled")
+        _check(a.moe_aux_loss_coef == 0,
+               f"actor.moe_aux_loss_coef is {a.moe_aux_loss_coef}, but model.path {path!r} is a dense model, "
+               f"which has no router to balance: set it to 0")
         return
     _check(a.strategy == "fsdp2", f"model.path {path!r} is a Mixture-of-Experts model, which actor.strategy "
                                   f"{a.strategy!r} does not train yet; set actor.strategy: fsdp2")

@@ -205,6 +205,10 @@ class ActorConfig:
     router. R3: the rollout engine's routing, replayed in the old-log-prob, reference and update forwards
     (rollout.engine native records it); R2: the old-log-prob pass's routing, replayed in the update.
     disabled: every forward routes by itself."""
+    moe_aux_loss_coef: float = 0.0
+    """Weight of a Mixture-of-Experts model's load-balancing loss in the actor's update (the Switch
+    Transformer's, as transformers computes it, over each micro-batch's tokens). 0, as NeMo-RL's GRPO recipes:
+    it pulls the router toward an even load at the cost of moving its choices between rollout and update."""
 
 
 @dataclass

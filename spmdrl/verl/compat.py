@@ -133,6 +133,14 @@ TABLE: list[Rule] = [
     m(f"{ACT}.entropy_coeff", "actor.entropy_coeff"),
     m(f"{ACT}.use_kl_loss", "actor.use_kl_loss"),
     m(f"{ACT}.kl_loss_coef", "actor.kl_loss_coef"),
+    # MoE: routing replay (verl's router_replay.mode; R3 asks the rollout to return its routing, which the
+    # native engine always does), and the load-balancing loss of Megatron's transformer config
+    m(f"{AR}.rollout.enable_rollout_routing_replay", "actor.router_replay", lambda v: "R3" if v else SKIP,
+      "true: actor.router_replay R3 (router_replay.mode, when given, decides)"),
+    m(f"{ACT}.router_replay.mode", "actor.router_replay", note="disabled, R2 or R3; fsdp2"),
+    m(f"{ACT}.megatron.router_replay.mode", "actor.router_replay",
+      note="disabled, R2 or R3; MoE models train on fsdp2"),
+    m(f"{ACT}.megatron.override_transformer_config.moe_aux_loss_coeff", "actor.moe_aux_loss_coef"),
     m(f"{ACT}.kl_loss_type", "actor.kl_loss_type"),
     *(Rule(k, "parallel.sp", _sp, "Ulysses over the training mesh's sp axis") for k in SP_KEYS),
     ignore(f"{ACT}.use_torch_compile", PERF),

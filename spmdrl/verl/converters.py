@@ -89,8 +89,10 @@ def _megatron_rows(prefix: str) -> list["Rule"]:
              "megatron-core's context parallelism needs Transformer Engine's attention, which is not "
              "installed; sequence parallelism is the FSDP2 engine's Ulysses (ulysses_sequence_parallel_"
              "size)"),
-        only(f"{prefix}.expert_model_parallel_size", (1,), "dense models only"),
-        only(f"{prefix}.expert_tensor_parallel_size", (None, 1), "dense models only"),
+        only(f"{prefix}.expert_model_parallel_size", (1,),
+             "no expert parallelism yet: an MoE model's experts are sharded by FSDP2 with the rest"),
+        only(f"{prefix}.expert_tensor_parallel_size", (None, 1),
+             "no expert or tensor parallelism for MoE yet"),
         only(f"{prefix}.param_offload", (False,), "the Megatron engine keeps its parameters on the device"),
         *([m(f"{prefix}.optimizer_offload", "trainer.offload", _offload, OFFLOAD_NOTE)]
           if prefix == f"{ACT}.megatron" else

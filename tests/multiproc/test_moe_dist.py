@@ -50,9 +50,13 @@ def _routes(batch) -> torch.Tensor:
     return routes
 
 
-def _run(rank: int, world: int, models: dict[str, str], sp: int = 1) -> dict:
+def _run(rank: int, world: int, models: dict[str, str], sp: int = 1, export: str | None = None) -> dict:
     """Log-probs, one update's metrics and the weights after it, for each model, on this rank's rows; then
-    routing replay on the MoE model: R3 packed and padded, R2's record and its update."""
+    routing replay on the MoE model: R3 packed and padded, R2's record and its update. ``export``: where the
+    MoE model after its update goes as a Hugging Face folder, and its log-probs then."""
+    from pathlib import Path
+
+    from spmdrl.checkpoint.hf_folder import write_hf_folder
     from spmdrl.parallel import ParallelDims
 
     dims = ParallelDims(world, sp=sp).build()
@@ -66,11 +70,23 @@ def _run(rank: int, world: int, models: dict[str, str], sp: int = 1) -> dict:
         out[name] = {k: v.numpy() for k, v in eng.forward_no_grad(mine, MICRO, with_entropy=True).items()}
         out[f"{name}_metrics"] = eng.train_step(mine, _loss(), mini_batch_size=n, micro_batch_size=MICRO)
         out[f"{name}_weights"] = {k: v.clone().numpy() for k, v in eng.export_weights()}
+        if name == "moe" and export is not None:
+            weights = eng.export_weights()  # every rank gathers; rank 0 writes
+            if rank == 0:
+                write_hf_folder(weights, Path(export), Path(path))
+            else:
+                for _ in weights:
+                    pass
+            out["moe_updated"] = eng.forward_no_grad(mine, MICRO)["logp"].numpy()
         del eng
     for packed in (True, False) if sp == 1 else (True,):
         eng = fsdp2_engine(models["moe"], dims=dims, lr=LR, remove_padding=packed, router_replay="R3")
         out[f"r3_{packed}"] = eng.forward_no_grad(mine, MICRO)["logp"].numpy()
         out[f"r3_{packed}_metrics"] = eng.train_step(mine, _loss(), mini_batch_size=n, micro_batch_size=MICRO)
+    if sp == 1:  # the load-balancing loss (actor.moe_aux_loss_coef), per micro-batch of the same rows
+        eng = fsdp2_engine(models["moe"], dims=dims, lr=LR, remove_padding=True, moe_aux_loss_coef=0.5)
+        out["aux_metrics"] = eng.train_step(mine, _loss(), mini_batch_size=n, micro_batch_size=MICRO)
+        out["aux_router"] = dict(eng.export_weights())["model.layers.0.mlp.gate.weight"].numpy()
     eng = fsdp2_engine(models["moe"], dims=dims, lr=LR, remove_padding=True, router_replay="R2")
     old = eng.forward_no_grad(mine, MICRO)
     out["r2_routes"] = old["routed_experts"].numpy()
@@ -117,8 +133,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         layer.mlp.gate.weight.data.zero_()
     skewed.save_pretrained(tmp / "skewed")
     models = {"moe": str(moe), "skewed": str(tmp / "skewed")}
-    return {"models": models, "one": spawn(_run, 1, models)[0], "two": spawn(_run, 2, models),
-            "sp2": spawn(_run, 2, models, 2)}
+    export = str(tmp / "exported")
+    return {"models": models, "one": spawn(_run, 1, models)[0], "two": spawn(_run, 2, models, 1, export),
+            "sp2": spawn(_run, 2, models, 2), "export": export}
 
 
 def test_the_built_in_model_is_qwen3_moe_with_fused_experts(runs):
@@ -203,3 +220,35 @@ def test_r2_records_the_routers_own_choice(runs):
     logp = _forced_logp(runs["models"]["moe"], unforced, own)  # replaying its own routing changes nothing
     plain = torch.as_tensor(runs["one"]["moe"]["logp"])
     assert float(((logp - plain) * batch["response_mask"]).abs().max()) < TOL
+
+
+def test_an_exported_moe_run_loads_in_transformers_with_its_log_probs(runs):
+    """The MoE model after its update on 2 ranks, exported: one tensor an expert (the checkpoint layout),
+    and transformers' log-probs of it equal the engine's after the update."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    folder = Path(runs["export"])
+    names = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            names |= set(st.keys())
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in names
+    assert not any(n.endswith("experts.gate_up_proj") for n in names)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen3_moe"
+    batch = _batch()
+    loaded = _forced_logp(str(folder), batch, torch.full_like(_routes(batch), 255))  # its own routing
+    engine = torch.cat([torch.as_tensor(r["moe_updated"]) for r in runs["two"]])
+    assert float(((loaded - engine) * batch["response_mask"]).abs().max()) < TOL
+
+
+def test_the_load_balancing_loss_trains_the_router_the_same_on_one_and_two_ranks(runs):
+    one, two = runs["one"], runs["two"]
+    for r in two:
+        assert_metrics_close(one["aux_metrics"], r["aux_metrics"], TOL, NORM_TOL)
+    assert one["aux_metrics"]["actor/moe/aux_loss"] > 1  # 1 is an even load; tiny-moe's is not
+    plain = one["moe_weights"]["model.layers.0.mlp.gate.weight"]
+    assert float(abs(one["aux_router"] - plain).max()) > 1e-6  # the loss moved the router
+    assert float(abs(two[0]["aux_router"] - one["aux_router"]).max()) < TOL

@@ -149,6 +149,7 @@ class FSDP2Engine(TrainEngine):
             ``routed_experts`` (the rollout's) in every actor and reference forward; "R2" records them in
             the actor's no-grad forward (``forward_no_grad`` returns them) and replays them in its update;
             "disabled" routes every forward by its own router.
+        moe_aux_loss_coef: weight of an MoE model's load-balancing loss in the update (``moe.py``).
     """
 
     strategy = "fsdp2"
@@ -185,6 +186,7 @@ class FSDP2Engine(TrainEngine):
         seed: int = 0,
         lora: LoraSpec | None = None,
         router_replay: Literal["disabled", "R2", "R3"] = "disabled",
+        moe_aux_loss_coef: float = 0.0,
     ):
         if role not in ("actor", "ref", "critic", "reward"):
             raise ValueError(f"engine role {role!r} is not valid; valid: actor, ref, critic, reward")
@@ -206,6 +208,7 @@ class FSDP2Engine(TrainEngine):
         self.param_dtype = mp_param or dtype
         self.model = self._load(model_path, role, dtype, seed, attn_implementation, max_position_embeddings)
         self.routing, self.router_replay = install_routing(self.model), router_replay  # None: dense
+        self.moe_aux_loss_coef = moe_aux_loss_coef
         if self.sp_group is not None:
             shard_attention(self.model, self.sp_group, f"the {role} model {model_path!r}")
         if role in FROZEN:
@@ -354,6 +357,7 @@ class FSDP2Engine(TrainEngine):
             max_grad_norm=a.max_grad_norm,
             remove_padding=m.use_remove_padding,
             lora=lora_spec(m),
+            moe_aux_loss_coef=a.moe_aux_loss_coef,
             **common,
         )
 
@@ -412,8 +416,9 @@ class FSDP2Engine(TrainEngine):
         routes, fill = micro.get("routed_experts"), unrouted(self.routing.num_experts)  # [n, P+R, L, k]
         if routes is not None:
             routes = token_order(routes, valid, packed, self.sp_group, fill)
+        balance = training and self.moe_aux_loss_coef > 0
         self.routing.begin(routes, token_order(valid, valid, packed, self.sp_group, False), force, observe,
-                           record)
+                           record, balance)
         out = self._forward_model(micro, with_entropy, entropy_grad)
         self.routing.end()  # a recompute in the backward routes as this forward did, counting nothing
         if record:
@@ -513,6 +518,11 @@ class FSDP2Engine(TrainEngine):
             outputs = self._forward(micro, with_entropy, entropy_grad, training=True,
                                     observe=loss_fn is not zero_loss)
             loss, m = loss_fn(outputs, micro, scale)
+            if self.routing is not None and self.routing.aux_loss is not None:  # moe_aux_loss_coef > 0
+                share = float(micro["response_mask"].sum()) / scale.global_tokens
+                aux = self.routing.weighted_aux_loss(share, int(micro["attention_mask"].sum()))
+                loss = loss + self.moe_aux_loss_coef * aux
+                m = {**m, "actor/moe/aux_loss": float(self.routing.aux_loss.detach())}
             # FSDP averages gradients over its mesh; loss_fn already divided by global counts. Under SP the
             # mesh is dp x sp and each SP rank's gradient is its tokens' share: a sum over the mesh too.
             (loss * self.fsdp_mesh.size()).backward()

@@ -51,6 +51,8 @@ class Routing:
         self.force = False
         self.observing = False
         self.recording = False
+        self.balancing = False  # add up the load-balancing loss (``aux_loss``) in this forward
+        self.aux_loss: Optional[torch.Tensor] = None
         self._record: list[Optional[torch.Tensor]] = [None] * num_layers
         self.reset_stats()
 
@@ -59,17 +61,19 @@ class Routing:
         self.agree = torch.zeros(2, dtype=torch.float64)  # slots the router agrees on, slots compared
 
     def begin(self, rollout: Optional[torch.Tensor], valid: Optional[torch.Tensor], force: bool,
-              observe: bool, record: bool) -> None:
+              observe: bool, record: bool, balance: bool = False) -> None:
         """Set what the next forward's routers read: ``rollout`` [T, L, k] in the forward's token order, and
-        whether they count their routing (``observe``) and keep it for ``recorded`` (``record``)."""
+        whether they count their routing (``observe``), keep it for ``recorded`` (``record``) and add up the
+        load-balancing loss (``balance``)."""
         self.rollout = None if rollout is None else rollout.long()
         self.valid = valid
         self.force = force and rollout is not None
-        self.observing, self.recording = observe, record
+        self.observing, self.recording, self.balancing = observe, record, balance
         self._record = [None] * self.num_layers
+        self.aux_loss = None
 
     def end(self) -> None:
-        self.observing = self.recording = False
+        self.observing = self.recording = self.balancing = False
 
     def recorded(self) -> torch.Tensor:
         """[T, L, k] the experts of every token of the last forward (``route_dtype``)."""
@@ -91,12 +95,34 @@ class Routing:
                 top_p = probs.gather(-1, used)
         if self.norm_topk_prob:
             top_p = top_p / top_p.sum(-1, keepdim=True)
+        if self.balancing:
+            self._balance(probs, used)
         if self.recording:
             self._record[layer] = used.detach()
         if self.observing:
             counted = used if self.valid is None else used[self.valid]
             self.load[layer] += torch.bincount(counted.flatten(), minlength=self.num_experts).double().cpu()
         return top_p, used
+
+    def _balance(self, probs: torch.Tensor, used: torch.Tensor) -> None:
+        """Add one layer's share of the load-balancing loss (Switch Transformer's, as transformers computes
+        it): E x sum over experts of (the fraction of token slots sent to it) x (its mean probability), over
+        this forward's real tokens, averaged over layers; 1 when both are uniform."""
+        if self.valid is not None:
+            probs, used = probs[self.valid], used[self.valid]
+        if len(probs) == 0:  # an SP slice of padding alone
+            return
+        E = self.num_experts
+        share = torch.bincount(used.flatten(), minlength=E).to(probs.dtype) / max(used.numel(), 1)  # [E]
+        loss = E * (share.detach() * probs.mean(0)).sum() / self.num_layers
+        self.aux_loss = loss if self.aux_loss is None else self.aux_loss + loss
+
+    def weighted_aux_loss(self, share: float, tokens: int) -> torch.Tensor:
+        """The forward's load-balancing loss weighted as a token-mean loss: by ``share``, its micro-batch's
+        share of the mini-batch's response tokens, and by its share of the micro-batch's ``tokens`` (under SP
+        each rank balances its own slice, and their gradients add up)."""
+        local = tokens if self.valid is None else int(self.valid.sum())
+        return self.aux_loss * share * local / tokens
 
     def metrics(self, groups: list[dist.ProcessGroup], prefix: str) -> dict[str, float]:
         """Load and agreement of the observed forwards since ``reset_stats``, summed over ``groups`` (the
