@@ -160,6 +160,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    ep: int = 1
     rollout_tp: int = 1
     device_type: str = "cpu"
     rollout_ranks: int = 0  # split placement: the last this many ranks only generate (0: colocated)
@@ -173,7 +174,7 @@ class ParallelDims:
         return cls(world_size, **vars(cfg.parallel), rollout_ranks=split_ranks(cfg), **extra)
 
     def __post_init__(self) -> None:
-        for key in ("dp_replicate", "tp", "pp", "sp", "rollout_tp"):
+        for key in ("dp_replicate", "tp", "pp", "sp", "ep", "rollout_tp"):
             value = getattr(self, key)
             if value < 1:
                 raise ValueError(f"parallel.{key} is {value}; it must be an integer >= 1")
@@ -188,6 +189,20 @@ class ParallelDims:
         else:
             self._check_degrees(self.world_size, "world size")
             self._check_rollout(self.world_size, "world size")
+        self._check_ep()
+
+    def _check_ep(self) -> None:
+        """Expert parallelism splits the FSDP ranks alone (no HSDP, TP, PP or SP beside it yet)."""
+        if self.ep == 1:
+            return
+        others = {k: getattr(self, k) for k in ("dp_replicate", "tp", "pp", "sp") if getattr(self, k) > 1}
+        if others:
+            shown = ", ".join(f"parallel.{k}={v}" for k, v in others.items())
+            raise ValueError(f"parallel.ep is {self.ep} with {shown}; expert parallelism combines with plain "
+                             f"FSDP only (parallel.dp_shard) for now: set those to 1 or parallel.ep to 1")
+        if self.dp_shard % self.ep:
+            raise ValueError(f"parallel.ep is {self.ep}, which does not divide the {self.dp_shard} FSDP "
+                             f"ranks (parallel.dp_shard); an expert-parallel group is ep of them")
 
     def _check_degrees(self, world_size: int, what: str) -> None:
         if self.dp_shard == -1:
@@ -279,10 +294,13 @@ class ParallelDims:
         return self._flatten_sp()
 
     def _flatten_sp(self) -> "ParallelDims":
-        """The (dp_shard, sp) axes as one, FSDP's under sequence parallelism (``fsdp_mesh``); made here, where
-        every rank takes part, as a mesh's new groups need."""
+        """The (dp_shard, sp) axes as one, FSDP's under sequence parallelism (``fsdp_mesh``), and the expert
+        mesh (``expert_mesh``); made here, where every rank takes part, as a mesh's new groups need."""
         if self.sp > 1:
             self._meshes["train"]["dp_shard", "sp"]._flatten("dp_shard_sp")
+        if self.ep > 1:
+            ranks = torch.arange(self.train_ranks).view(self.dp_shard // self.ep, self.ep)
+            self._meshes["expert"] = DeviceMesh(self.device_type, ranks, mesh_dim_names=("efsdp", "ep"))
         return self
 
     def group(self, name: str) -> dist.ProcessGroup:
@@ -317,6 +335,13 @@ class ParallelDims:
             return self.dp_mesh
         mesh = self.train_mesh
         return mesh["dp_replicate", "dp_shard_sp"] if self.dp_replicate > 1 else mesh["dp_shard_sp"]
+
+    @property
+    def expert_mesh(self) -> Optional[DeviceMesh]:
+        """Expert parallelism's 2-D mesh of the FSDP ranks (``parallel.ep``): ``ep`` (consecutive ranks that
+        split a layer's experts) x ``efsdp`` (the ranks owning the same experts, which FSDP shards them over);
+        None without EP (engines/fsdp2/expert_parallel.py)."""
+        return self._meshes["expert"] if self.ep > 1 else None
 
     @property
     def sp_mesh(self) -> Optional[DeviceMesh]:

@@ -53,5 +53,6 @@ def fsdp2_engine(model_dir: Path | str, role: str = "actor", *, dims: ParallelDi
     if dims is None and "dp_mesh" not in kw:
         dims = ParallelDims(1).build()
     meshes = {} if dims is None else {"dp_mesh": dims.dp_mesh, "tp_mesh": dims.tp_mesh,
-                                      "sp_mesh": dims.sp_mesh, "fsdp_mesh": dims.fsdp_mesh}
+                                      "sp_mesh": dims.sp_mesh, "fsdp_mesh": dims.fsdp_mesh,
+                                      "expert_mesh": dims.expert_mesh}
     return FSDP2Engine(str(model_dir), role=role, **{"device": "cpu", "lr": 1e-4, "seed": 0, **meshes, **kw})

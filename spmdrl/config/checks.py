@@ -497,8 +497,11 @@ def _check_moe(cfg: Config) -> None:
     from spmdrl.rollout import rollout_engine_class
 
     a, r, rc = cfg.actor, cfg.rollout, cfg.algorithm.rollout_correction
-    path = cfg.model.path
-    if ModelShape.of(path).experts == 0:
+    path, ep = cfg.model.path, cfg.parallel.ep
+    experts = ModelShape.of(path).experts
+    if experts == 0:
+        _check(ep == 1, f"parallel.ep is {ep}, but model.path {path!r} is a dense model, which has no "
+                        f"experts to split: set parallel.ep: 1")
         _check(a.router_replay == "disabled",
                f"actor.router_replay is {a.router_replay}, but model.path {path!r} is a dense model; routing "
                f"replay needs a Mixture-of-Experts model: set it to disabled")
@@ -508,6 +511,8 @@ def _check_moe(cfg: Config) -> None:
         return
     _check(a.strategy == "fsdp2", f"model.path {path!r} is a Mixture-of-Experts model, which actor.strategy "
                                   f"{a.strategy!r} does not train yet; set actor.strategy: fsdp2")
+    _check(experts % ep == 0, f"parallel.ep is {ep}, which does not divide the {experts} experts of "
+                              f"model.path {path!r}")
     tp = cfg.parallel.tp
     _check(tp == 1, f"model.path {path!r} is a Mixture-of-Experts model with parallel.tp={tp}; its experts "
                     f"are not tensor-parallel yet: set parallel.tp: 1")

@@ -127,6 +127,11 @@ class ParallelConfig:
     SP group train the same rows, each a contiguous 1/sp slice of every packed sequence, and attention
     swaps sequence slices for head slices with an all-to-all. Packs sequences whatever
     model.use_remove_padding says; sp must divide the attention heads (docs/configuration.md)."""
+    ep: int = 1
+    """Expert-parallel degree of a Mixture-of-Experts model (actor.strategy fsdp2; verl's
+    expert_model_parallel_size): ep consecutive FSDP ranks split every layer's experts, and each token's
+    slots go to the ranks owning its experts and back by all-to-all. Plain FSDP only beside it
+    (dp_replicate, tp, sp 1); ep must divide the FSDP ranks and the experts."""
     rollout_tp: int = 1
     """Tensor-parallel degree of the rollout mesh; rollout DP is world_size / rollout_tp."""
 

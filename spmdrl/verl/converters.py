@@ -89,8 +89,11 @@ def _megatron_rows(prefix: str) -> list["Rule"]:
              "megatron-core's context parallelism needs Transformer Engine's attention, which is not "
              "installed; sequence parallelism is the FSDP2 engine's Ulysses (ulysses_sequence_parallel_"
              "size)"),
-        only(f"{prefix}.expert_model_parallel_size", (1,),
-             "no expert parallelism yet: an MoE model's experts are sharded by FSDP2 with the rest"),
+        *([m(f"{prefix}.expert_model_parallel_size", "parallel.ep",
+             note="expert parallelism of an MoE model, on the fsdp2 engine")]
+          if prefix == f"{ACT}.megatron" else
+          [ignore(f"{prefix}.expert_model_parallel_size",
+                  "parallel.ep (the actor's key) covers every model")]),
         only(f"{prefix}.expert_tensor_parallel_size", (None, 1),
              "no expert or tensor parallelism for MoE yet"),
         only(f"{prefix}.param_offload", (False,), "the Megatron engine keeps its parameters on the device"),

@@ -13,8 +13,9 @@ The updates agree too, with several mini-batches and epochs (each global mini-ba
 prompts at any world size: spmdrl/placement.py), with a critic (configs/ppo.yaml) and with DAPO's dynamic
 sampling (configs/dapo.yaml: the first kept groups in global prompt order, whatever rank drew them): in
 float32, every logged metric but timings and memory within 1e-5 (relative for gradient norms and
-other large values), counts included; and so do runs under sequence parallelism (parallel.sp 2). The runs
-are in the shared jobs (tests/e2e/shared_runs.py).
+other large values), counts included; and so do runs under sequence parallelism (parallel.sp 2), and the
+MoE config with routing replay on 1 rank, 2 ranks and 2 ranks under expert parallelism (parallel.ep 2).
+The runs are in the shared jobs (tests/e2e/shared_runs.py).
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ BUDGETS = ["--trainer.balance_batch", "true", "--actor.use_dynamic_bsz", "true",
                                                               ("critic.forward", 500))]]
 declare("world_size/ppo_sp2", ["--config", "configs/ppo.yaml", *F32, "--parallel.sp", "2", *BUDGETS,
                                "--trainer.output_dir", "{base}/world_size/ppo_sp2"])
+# The MoE config (rollout routing replay, R3) on builtin:tiny-moe: 1 rank, 2 ranks, and 2 ranks splitting each
+# layer's experts (parallel.ep 2), with four mini-batches; 8 prompts x 4 samples.
+MOE = ["--config", "configs/grpo_moe.yaml", *F32, "--model.path", "builtin:tiny-moe",
+       "--data.train_batch_size", "8", "--rollout.n", "4", "--actor.ppo_mini_batch_size", "2",
+       "--data.max_response_length", "8"]
+for _name, _n, _extra in (("moe1", 1, []), ("moe2", 2, []), ("moe_ep2", 2, ["--parallel.ep", "2"])):
+    declare(f"world_size/{_name}", [*MOE, *_extra, "--trainer.output_dir", f"{{base}}/world_size/{_name}"],
+            nproc=_n)
 
 
 def _differences(rows: list[list[dict]], step: int) -> list[str]:
@@ -166,3 +175,12 @@ def test_the_shipped_critic_and_dapo_configs_train_the_same_on_one_two_and_four_
     assert _differences(rows, 1) == []
     if config == "dapo":  # the same groups kept, however many rounds each rank needed
         assert rows[0][0]["dapo/kept_groups"] >= 16 and rows[0][0]["batch/responses"] == 16 * 8
+
+
+def test_an_moe_run_with_replay_trains_the_same_on_one_and_two_ranks_and_with_expert_parallelism(shared):
+    rows = [read_metrics(shared.path(f"world_size/{name}")) for name in ("moe1", "moe2", "moe_ep2")]
+    first = next(r for r in rows[0] if "reward/mean" in r)
+    # The rollout's experts that the router still picks over the step's 4 optimizer steps: all of them before
+    # the first, fewer as the router moves (R3 replays them all the same).
+    assert 0.5 < first["actor/moe/router_agreement"] < 1
+    assert _differences(rows, 1) == []

@@ -23,6 +23,10 @@ PROMPT = [5, 3, 4, 2, 2, 6, 3, 1]
 RESP = [6, 5, 3, 4, 3, 2, 6, 2]
 MICRO, LR, TOL = 4, 1e-3, 1e-5
 NORM_TOL = 2e-5  # relative: the grad norm's squares are summed shard by shard (test_sp_dist.py)
+# Weights after one update under EP, which sums a token's expert outputs in another order: AdamW's first
+# step moves a weight by lr g / (|g| + eps), so the last-bit rounding of a near-zero gradient moves it by up
+# to a few percent of lr (1e-3); measured 1.6e-5 on attention weights, log-probs and losses within 1e-5.
+STEP_TOL = 5e-5
 
 
 def _loss():
@@ -50,7 +54,8 @@ def _routes(batch) -> torch.Tensor:
     return routes
 
 
-def _run(rank: int, world: int, models: dict[str, str], sp: int = 1, export: str | None = None) -> dict:
+def _run(rank: int, world: int, models: dict[str, str], sp: int = 1, export: str | None = None,
+         ep: int = 1) -> dict:
     """Log-probs, one update's metrics and the weights after it, for each model, on this rank's rows; then
     routing replay on the MoE model: R3 packed and padded, R2's record and its update. ``export``: where the
     MoE model after its update goes as a Hugging Face folder, and its log-probs then."""
@@ -59,7 +64,7 @@ def _run(rank: int, world: int, models: dict[str, str], sp: int = 1, export: str
     from spmdrl.checkpoint.hf_folder import write_hf_folder
     from spmdrl.parallel import ParallelDims
 
-    dims = ParallelDims(world, sp=sp).build()
+    dims = ParallelDims(world, sp=sp, ep=ep).build()
     batch = _batch()
     batch["routed_experts"] = _routes(batch)
     n = len(batch) // dims.dp_mesh.size()
@@ -135,7 +140,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     models = {"moe": str(moe), "skewed": str(tmp / "skewed")}
     export = str(tmp / "exported")
     return {"models": models, "one": spawn(_run, 1, models)[0], "two": spawn(_run, 2, models, 1, export),
-            "sp2": spawn(_run, 2, models, 2), "export": export}
+            "sp2": spawn(_run, 2, models, 2), "ep2": spawn(_run, 2, models, 1, None, 2), "export": export}
 
 
 def test_the_built_in_model_is_qwen3_moe_with_fused_experts(runs):
@@ -252,3 +257,22 @@ def test_the_load_balancing_loss_trains_the_router_the_same_on_one_and_two_ranks
     plain = one["moe_weights"]["model.layers.0.mlp.gate.weight"]
     assert float(abs(one["aux_router"] - plain).max()) > 1e-6  # the loss moved the router
     assert float(abs(two[0]["aux_router"] - one["aux_router"]).max()) < TOL
+
+
+@pytest.mark.parametrize("model", ["moe", "skewed"])
+def test_expert_parallel_equals_fsdp_alone(runs, model):
+    """parallel.ep 2 on 2 ranks (each rank owns 4 experts, tokens go to them by all-to-all) against FSDP
+    alone on 2 ranks: the same log-probs and update metrics within 1e-5, the weights after the update within
+    STEP_TOL; with the skewed routing one rank's experts get no token at all, and nothing hangs."""
+    for name in (model, f"{model}_metrics", f"{model}_weights"):
+        for ep, plain in zip(runs["ep2"], runs["two"]):
+            if name.endswith("_metrics"):
+                assert_metrics_close(plain[name], ep[name], TOL, NORM_TOL)
+            elif name.endswith("_weights"):  # Adam's first step is lr g / (|g| + eps): see STEP_TOL
+                assert max(float(abs(plain[name][k] - ep[name][k]).max()) for k in plain[name]) < STEP_TOL
+            else:
+                for k in plain[name]:
+                    assert float(abs(plain[name][k] - ep[name][k]).max()) < TOL, k
+    for key in ("r3_True_metrics", "r2_metrics", "aux_metrics"):  # replay and balancing under EP
+        for ep, plain in zip(runs["ep2"], runs["two"]):
+            assert_metrics_close(plain[key], ep[key], TOL, NORM_TOL)

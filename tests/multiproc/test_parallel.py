@@ -65,6 +65,9 @@ def test_four_ranks_tp_hsdp_and_rollout_tp_blocks():
         (2, dict(rollout_tp=4), "parallel.rollout_tp is 4, which does not divide the world size 2"),
         (2, dict(tp=0), "parallel.tp is 0; it must be an integer >= 1"),
         (2, dict(dp_shard=0), "parallel.dp_shard is 0"),
+        (4, dict(ep=3), "parallel.ep is 3, which does not divide the 4 FSDP ranks"),
+        (4, dict(ep=2, sp=2), "parallel.ep is 2 with parallel.sp=2; expert parallelism combines with plain"),
+        (4, dict(ep=2, tp=2), "parallel.ep is 2 with parallel.tp=2"),
     ],
 )
 def test_invalid_degrees(world_size, kw, fragment):

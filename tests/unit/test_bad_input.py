@@ -102,6 +102,9 @@ VALUES = [
      "token to"),
     (["--actor.router_replay", "R2"],
      "actor.router_replay is R2, but model.path 'builtin:tiny-arith' is a dense model"),
+    # expert parallelism wider than the FSDP ranks
+    (["--model.path", "builtin:tiny-moe", "--parallel.ep", "2"],
+     "parallel.ep is 2, which does not divide the 1 FSDP ranks (parallel.dp_shard)"),
     # a shape the plan reads, never built (30B parameters)
     (["--model.path", "builtin:qwen3-30b-a3b-shape"],
      "model.path is 'builtin:qwen3-30b-a3b-shape', a model's shape that spmdrl plans for but never "

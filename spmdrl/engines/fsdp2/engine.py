@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from spmdrl.batch import Batch, unrouted
 from spmdrl.engines.base import LossFn, LossScale, ModelRole, TrainEngine, zero_loss
+from spmdrl.engines.fsdp2.expert_parallel import apply_ep
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
 from spmdrl.engines.fsdp2.lm_head import install_fused_head
 from spmdrl.engines.fsdp2.lora import (
@@ -128,6 +129,7 @@ class FSDP2Engine(TrainEngine):
         sp_mesh: SP mesh (Ulysses, ``ulysses.py``), or None: its ranks gather their rows, as a TP group's,
             and each runs 1/sp of every packed row (packing whatever ``remove_padding`` says).
         fsdp_mesh: what FSDP shards over (``dp_mesh`` when None; ``ParallelDims.fsdp_mesh``: dp x sp).
+        expert_mesh: an MoE model's expert parallelism (``ParallelDims.expert_mesh``, expert_parallel.py).
         device: where micro-batches and compute live (cpu, or this rank's cuda device).
         dtype: master weight dtype (the loaded weights and optimizer state).
         param_dtype / reduce_dtype: FSDP2 MixedPrecisionPolicy (compute / grad-reduction dtypes).
@@ -163,6 +165,7 @@ class FSDP2Engine(TrainEngine):
         tp_mesh: DeviceMesh | None = None,
         sp_mesh: DeviceMesh | None = None,
         fsdp_mesh: DeviceMesh | None = None,
+        expert_mesh: DeviceMesh | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str = torch.float32,
         param_dtype: torch.dtype | str | None = None,
@@ -219,6 +222,9 @@ class FSDP2Engine(TrainEngine):
             self.lora_scaling = add_adapters(self.model, lora, seed, ("score.",) if role == "critic" else ())
         if role in ("actor", "ref"):  # the forward ends in log-probs, never in [tokens x vocab] logits
             install_fused_head(self.model)
+        self.expert_mesh = expert_mesh if self.routing is not None else None
+        if self.expert_mesh is not None:
+            apply_ep(self.model, self.expert_mesh)
         if self.tp_mesh is not None:
             apply_tp(self.model, self.tp_mesh)
         if gradient_checkpointing and role not in FROZEN:
@@ -227,7 +233,7 @@ class FSDP2Engine(TrainEngine):
             apply_fused_kernels(self.model)
         if compile:
             apply_compile(self.model)
-        apply_fsdp(self.model, self.fsdp_mesh, mp_param, mp_reduce, cpu_offload)
+        apply_fsdp(self.model, self.fsdp_mesh, mp_param, mp_reduce, cpu_offload, self.expert_mesh)
 
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -305,6 +311,7 @@ class FSDP2Engine(TrainEngine):
             tp_mesh=tp_mesh,
             sp_mesh=dims.sp_mesh,
             fsdp_mesh=dims.fsdp_mesh,
+            expert_mesh=dims.expert_mesh,
             device=device,
             dtype=m.dtype,
             param_dtype=resolve_dtype(a.param_dtype, torch.device(device).type),
@@ -550,7 +557,8 @@ class FSDP2Engine(TrainEngine):
         (each tensor is an all-gather over the training mesh).
         """
         self.model.reshard()
-        if self.tp_mesh is None and dtype is not None and dtype == self.param_dtype:
+        whole_units = self.tp_mesh is None and self.expert_mesh is None  # no DTensor left after an unshard
+        if whole_units and dtype is not None and dtype == self.param_dtype:
             # FSDP gathers whole units in the compute dtype: the cast the consumer asked for.
             weights = iter_unsharded_state(self.model)
         else:

@@ -99,6 +99,7 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     cpu_offload: bool,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, heads).
 
@@ -106,12 +107,18 @@ def apply_fsdp(
     ("dp_replicate", "dp_shard") replicates over dim 0 and shards over dim 1
     (HSDP). Each layer is its own all-gather / reduce-scatter unit, so at most
     one or two layers are unsharded at a time; the root keeps its parameters
-    after forward (backward needs the LM head first).
+    after forward (backward needs the LM head first). With expert parallelism (``expert_mesh``,
+    expert_parallel.py) each layer's experts are a unit of their own over its ``efsdp`` axis, their
+    gradients divided by the whole data-parallel size as every other parameter's.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory speeds up H2D copies on CUDA; on a CPU (gloo) mesh only pin_memory=False works.
     pin = dp_mesh.device_type == "cuda"
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     for layer in decoder_of(model).layers:
+        if expert_mesh is not None:
+            experts = layer.mlp.experts
+            fully_shard(experts, mesh=expert_mesh["efsdp"], mp_policy=mp, offload_policy=offload)
+            experts.set_gradient_divide_factor(float(dp_mesh.size()))
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
