@@ -137,6 +137,15 @@ def gathered(shape: ModelShape, s: Sizes, tp: int, prefetch: int = 2) -> float:
     return (shape.root_params + prefetch * shape.layer_params) * s.compute / tp
 
 
+def routing_record(shape: ModelShape, rows: int, seq: int) -> float:
+    """An MoE model's routing record (batch.py's ``routed_experts``) of ``rows`` rows of ``seq`` tokens: k
+    expert ids a token in each layer, one byte each below 255 experts, else four."""
+    if not shape.experts:
+        return 0.0
+    k = shape.intermediate // shape.expert_intermediate  # a token's MLP is its k routed experts'
+    return float(rows * seq * shape.layers * k * (1 if shape.experts < 255 else 4))
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -21,6 +21,7 @@ from spmdrl.plan.estimate import (
     gathered,
     logprob_temporaries,
     micro_tokens,
+    routing_record,
     trained_state,
 )
 
@@ -107,6 +108,9 @@ def step_phases(models: list[Model], engine: "EngineMemory", cfg: "Config", s: S
         return forward(m, s, rows, budget, train=train, checkpointing=checkpointing)
 
     base = {"runtime": runtime}
+    record = routing_record(by_role["actor"].shape, held, s.seq)  # 0 for a dense model
+    if record and _records_routes(cfg):  # an MoE model's experts per token, kept from rollout to update
+        base["routing record"] = record
     awake = {**base, **resident(models, s, offload), "engine weights": engine.weights}
     training = {**base, **resident(models, s, False), "engine asleep": engine.asleep}
     phases = {
@@ -154,10 +158,18 @@ def rollout_phases(engine: "EngineMemory", runtime: float, received: float) -> d
 
 def _old_logp_pass(cfg: "Config", mini: int, held: int) -> bool:
     """Whether the actor scores the batch before the update (the loop's rule: not for one on-policy pass
-    that nothing before the update needs, nor in bypass mode)."""
+    that nothing before the update needs, nor in bypass mode; always for R2's routing record)."""
     rc = cfg.algorithm.rollout_correction
     one_pass = cfg.actor.ppo_epochs == 1 and mini >= held
-    return not rc.bypass_mode and (not one_pass or cfg.algorithm.use_kl_in_reward or rc.corrects)
+    return not rc.bypass_mode and (not one_pass or cfg.algorithm.use_kl_in_reward or rc.corrects
+                                   or cfg.actor.router_replay == "R2")
+
+
+def _records_routes(cfg: "Config") -> bool:
+    """Whether the batch carries an MoE model's routing: the rollout engine records it, or R2's pass does."""
+    from spmdrl.rollout import rollout_engine_class
+
+    return cfg.actor.router_replay == "R2" or rollout_engine_class(cfg.rollout.engine).records_routes
 
 
 def _budget(on: bool, tokens: int) -> Optional[int]:

@@ -323,3 +323,17 @@ def test_a_position_override_is_refused_where_rope_reads_it(tiny_model_dir, tmp_
     main(["--config", GRPO, "--model.path", str(tiny_model_dir), "--model.max_position_embeddings", "32768",
           "--trainer.plan_only", "true"])
     assert "error" not in capsys.readouterr().err
+
+
+def test_the_plan_of_qwen3_30b_a3b_counts_every_expert_and_the_routing_record(capsys):
+    """``--trainer.plan_only`` on Qwen3-30B-A3B's shape: float32 master weights of all 30.5B parameters
+    (every expert), and the routing record the native engine keeps for routing replay: 64 prompts x 8
+    responses of 64 + 8,192 tokens, 48 layers x 8 experts, one byte each."""
+    main(["--config", "configs/grpo_moe.yaml", "--model.path", "builtin:qwen3-30b-a3b-shape",
+          "--trainer.plan_only", "true", "--data.train_batch_size", "64", "--data.max_response_length", "8192"])
+    import re
+
+    rows = {re.split(r"\s{2,}", line.strip())[0]: line.split()[-1]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert float(rows["actor weights"]) * 1024**3 == pytest.approx(30_532_122_624 * 4, rel=1e-3)
+    assert float(rows["routing record"]) * 1024**3 == pytest.approx(64 * 8 * (64 + 8192) * 48 * 8, rel=1e-3)
