@@ -330,7 +330,8 @@ def test_the_plan_of_qwen3_30b_a3b_counts_every_expert_and_the_routing_record(ca
     (every expert), and the routing record the native engine keeps for routing replay: 64 prompts x 8
     responses of 64 + 8,192 tokens, 48 layers x 8 experts, one byte each."""
     main(["--config", "configs/grpo_moe.yaml", "--model.path", "builtin:qwen3-30b-a3b-shape",
-          "--trainer.plan_only", "true", "--data.train_batch_size", "64", "--data.max_response_length", "8192"])
+          "--trainer.plan_only", "true", "--data.train_batch_size", "64",
+          "--data.max_response_length", "8192"])
     import re
 
     rows = {re.split(r"\s{2,}", line.strip())[0]: line.split()[-1]
