@@ -93,6 +93,29 @@ class Trajectory:
     tool_errors: int = 0
     tool_timeouts: int = 0
     finish: Optional[str] = None  # "stop" or "length" once finished
+    # An MoE model's experts of every token so far [len(prompt) + len(ids), L, k], from the engine's turns
+    # (GenerationOutput.routed_experts); None when the engine records none.
+    routes: Optional[torch.Tensor] = None
+
+
+def _unrouted_like(routes: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, L, k] of the routing record's "no experts recorded" mark (batch.py's ``unrouted``)."""
+    return routes.new_full((n, *routes.shape[1:]), 255 if routes.dtype == torch.uint8 else -1)
+
+
+def _add_routes(t: Trajectory, turn: torch.Tensor, width: int, new: int) -> None:
+    """Merge one turn's routing ``turn`` [width + budget, L, k] (the turn's context right-aligned at
+    ``width``, then its response) into ``t.routes``: a context token keeps the first routing recorded for it
+    (what its log-prob was computed with) and takes this turn's where it had none (a tool's output, run in
+    this turn's prefill); the turn's ``new`` generated tokens are appended."""
+    context = len(t.prompt) + len(t.ids)
+    ran = turn[width - context:width]  # [context, L, k]
+    if t.routes is None:
+        t.routes = ran.clone()
+    else:
+        missing = t.routes[:, 0, 0] == _unrouted_like(t.routes, 1)[0, 0, 0]
+        t.routes[missing] = ran[missing]
+    t.routes = torch.cat([t.routes, turn[width:width + new]])
 
 
 class ToolAgent:
@@ -169,6 +192,8 @@ class ToolAgent:
             m = out.response_mask[row].bool()  # [budget]
             room = R - len(t.ids)
             new = out.response_ids[row][m].tolist()[:room]
+            if out.routed_experts is not None:
+                _add_routes(t, out.routed_experts[row], out.prompt_ids.shape[1], len(new))
             lp = [0.0] * len(new) if out.logprobs is None else out.logprobs[row][m].tolist()[:room]
             cut = int(m.sum()) > room
             t.ids += new
@@ -222,6 +247,8 @@ class ToolAgent:
                 t.finish = "length"
                 continue
             t.messages += [{"role": "tool", "content": c} for c in replies[i]]
+            if t.routes is not None:  # run by the next turn's prefill, which records it
+                t.routes = torch.cat([t.routes, _unrouted_like(t.routes, len(turn))])
             t.ids += turn
             t.gen_mask += [0] * len(turn)
             t.logp += [0.0] * len(turn)
@@ -242,10 +269,16 @@ class ToolAgent:
             gen_mask[k, :L] = torch.tensor(t.gen_mask, dtype=torch.bool)
             attn[k, :L] = True
             logp[k, :L] = torch.tensor(t.logp, dtype=torch.float32)
+        routes = None
+        if all(t.routes is not None for t in trajs):  # [N, P+R, L, k], each row's prompt ending at P
+            P = prompt_ids.shape[1]
+            routes = _unrouted_like(trajs[0].routes, P + R).unsqueeze(0).repeat(N, 1, 1, 1)
+            for k, t in enumerate(trajs):
+                routes[k, P - len(t.prompt):P + len(t.ids)] = t.routes
         return GenerationOutput(prompt_ids, prompt_mask, ids, gen_mask, logp,
                                 [t.finish or "stop" for t in trajs],
                                 torch.tensor([t.source for t in trajs], dtype=torch.long),
-                                response_attention=attn)
+                                response_attention=attn, routed_experts=routes)
 
 
 def _turn_keys(sampling: SamplingParams, active: Sequence[int], turn: int) -> Optional[tuple[int, ...]]:

@@ -519,9 +519,6 @@ def _check_moe(cfg: Config) -> None:
     _check(a.router_replay != "R3" or rollout_engine_class(r.engine).records_routes,
            f"actor.router_replay is R3, but rollout.engine {r.engine!r} does not return the experts it "
            f"routed each token to; use rollout.engine native, or R2 (the old-log-prob pass's routing)")
-    _check(a.router_replay != "R3" or not r.multi_turn.enable,
-           "actor.router_replay is R3 with rollout.multi_turn.enable true, but the multi-turn rollout does "
-           "not carry each turn's routing into the batch yet; use R2 (the old-log-prob pass's routing)")
     split_bypass = (r.placement == "split" and r.max_staleness > 0 and not rc.corrects
                     and r.calculate_log_probs)
     _check(a.router_replay != "R2" or not (rc.bypass_mode or split_bypass),

@@ -308,3 +308,43 @@ def test_parser_is_linear_and_never_raises():
     bad_utf = '<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>'
     a, b, c = parse_hermes(huge_int + nested_args + bad_utf)
     assert "not usable JSON" in a.error and "must be a JSON object" in b.error and c.name == "\ud800"
+
+
+def test_an_moe_rollout_keeps_each_tokens_routing_across_turns(tokenizer):
+    """The routing an engine records (GenerationOutput.routed_experts) follows each token through the turns:
+    a token keeps the routing of the call that first ran it, a tool's output takes the next turn's (its
+    prefill ran it), and a prefix the engine restored from its cache (recorded unrouted) keeps the earlier
+    call's. Here each call marks every token it ran with its own number, and a restored prefix with 255."""
+    engine = scripted.ScriptedRollout(tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    kept: list[tuple[int, ...]] = []  # what the last call ran: each row's context and response
+
+    def generate(prompts, sampling):
+        out = engine.generate(prompts, sampling)
+        P, n = out.prompt_ids.shape[1], len(out) // len(prompts)
+        routes = torch.full((len(out), P + out.response_ids.shape[1], 4, 2), engine.calls, dtype=torch.uint8)
+        for row, p in enumerate(q for q in prompts for _ in range(n)):
+            restored = max([len(s) for s in kept if tuple(p[:len(s)]) == s] or [0])
+            routes[row, P - len(p):P - len(p) + restored] = 255
+        kept[:] = [tuple(p) + tuple(out.response_ids[row][out.response_mask[row]].tolist())
+                   for row, p in enumerate(q for q in prompts for _ in range(n))]
+        out.routed_experts = routes
+        return out
+
+    agent = _agent(tokenizer)
+    try:
+        gen, trajs = agent.generate(generate, [_prompt(tokenizer)], SamplingParams(n=4, max_tokens=160))
+    finally:
+        agent.close()
+    P = gen.prompt_ids.shape[1]
+    assert [t.turns for t in trajs] == [2, 1, 2, 2]
+    for k, t in enumerate(trajs):
+        routes = gen.routed_experts[k, :, 0, 0]  # [P+R]
+        assert (routes[P - len(t.prompt):P] == 1).all()  # the prompt: run by the first call
+        generated = gen.response_mask[k].nonzero().squeeze(-1)  # the model's tokens, both turns
+        if t.turns == 1:
+            assert (routes[P + generated] == 1).all() and (routes[P + len(t.ids):] == 255).all()
+            continue
+        tool = (gen.response_attention[k] & ~gen.response_mask[k]).nonzero().squeeze(-1)  # the tool turn
+        assert (routes[P + tool] == 2).all()  # run by the second call's prefill
+        first, second = generated[generated < tool.min()], generated[generated > tool.max()]
+        assert (routes[P + first] == 1).all() and (routes[P + second] == 2).all()
