@@ -6,6 +6,8 @@
     python bench/step.py --sglang-python .venv-sglang/bin/python  # adds rollout.engine sglang at TP 1 and 2
     python bench/step.py --megatron --no-trl   # instead: 2-rank fp32 rows of fsdp2 and megatron
                                                # (tp 1, tp 2, pp 2)
+    python bench/step.py --model tiny-moe      # instead: the MoE model against its dense twin of the same
+                                               # active parameters (builtin:tiny-moe-dense), 2 ranks
 
 Every spmdrl row is a real ``python -m spmdrl.train`` (torchrun for 2 ranks)
 run of configs/grpo.yaml at the same global batch; the figure is the median
@@ -105,7 +107,7 @@ def trl_run(model_dir: str, data: str, dtype: str, a: argparse.Namespace,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--model", default="tiny", choices=["tiny", "small", "tiny-moe"])
     p.add_argument("--steps", type=int, default=6, help="steps per run; the first is warm-up")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=8)
@@ -152,6 +154,8 @@ def main() -> None:
         runs += [(2, True, main_dtype, "sglang", 1, "fsdp2"), (2, True, main_dtype, "sglang", 2, "fsdp2")]
     if a.megatron:  # the Megatron engine computes in float32: against FSDP2 in float32 on the same work
         runs = [(2, True, "fp32", "native", 1, t) for t in TRAIN_ENGINES]
+    if a.model == "tiny-moe":
+        return moe_vs_dense(a, main_dtype)
     trl_dtypes = ("fp32", main_dtype) if not a.no_trl and importlib.util.find_spec("trl") else ()
     trl_dtypes = tuple(dict.fromkeys(trl_dtypes))
     trl_steps: dict[str, dict[str, list[float]]] = {d: {"step_s": [], "length": []} for d in trl_dtypes}
@@ -188,6 +192,30 @@ def main() -> None:
               f"{r['length']:.1f} | {r['step_s']:.2f} | {tokens / r['step_s']:.0f} | {r['rollout_s']:.2f} | "
               f"{r['sync_s']:.3f} | {r['update_s']:.2f} | {r['offload_s']:.3f} | {r['other_s']:.3f} | "
               f"{r['peak_gb']:.2f} | {r['max_phase_gb']:.2f} | {ratio} |")
+
+
+def moe_vs_dense(a: argparse.Namespace, dtype: str) -> None:
+    """builtin:tiny-moe against builtin:tiny-moe-dense (the same attention, an MLP as wide as a token's 2
+    experts) on the same work, 2 ranks colocated, interleaved rounds: seconds per step and per phase, and the
+    MoE model's ratio to the dense one in each."""
+    run = (2, True, dtype, "native", 1, "fsdp2")
+    steps: dict[str, list[dict]] = {"tiny-moe": [], "tiny-moe-dense": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(a.rounds):
+            for model in steps:
+                steps[model] += spmdrl_run(model, run, a, Path(tmp) / model)
+    phases = ("step", "rollout", "old_logp", "ref", "update", "weight_sync")
+    med = {m: {k: statistics.median(r[f"timing/{k}"] for r in rows) for k in phases}
+           for m, rows in steps.items()}
+    print(f"\nGRPO step, MoE vs dense of the same active parameters, {a.prompts} prompts x {a.n} responses x "
+          f"{a.new_tokens} new tokens, 2 ranks, {dtype}; medians of {a.rounds} x {a.steps - 1} steps after "
+          f"warm-up (rounds interleaved), seconds\n")
+    print("| model | " + " | ".join(phases) + " |")
+    print("|---|" + "---|" * len(phases))
+    for m, r in med.items():
+        print(f"| {m} | " + " | ".join(f"{r[k]:.3f}" for k in phases) + " |")
+    print("| MoE / dense | " + " | ".join(f"{med['tiny-moe'][k] / med['tiny-moe-dense'][k]:.2f}x"
+                                         for k in phases) + " |")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,10 @@ SIZES: dict[str, dict] = {
                      moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                      decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64),
+    # tiny-moe's dense twin for bench/step.py: the same attention (Qwen3's q / k norms) and an MLP as wide as
+    # the 2 experts a token runs (2 x 256), so the same active parameters but the router's 8 x 256.
+    "tiny-moe-dense": dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64),
     # Qwen3-30B-A3B's config.json shapes (30,532,122,624 parameters, 3.3B active a token): 48 layers of 128
     # experts, 8 routed a token. For --trainer.plan_only alone (PLAN_ONLY): never built.
     "qwen3-30b-a3b-shape": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
