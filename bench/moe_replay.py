@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("disabled", "R2", "R3")
 KEYS = ("training/rollout_logp_diff/max", "training/rollout_probs_diff/mean", "rollout_corr/kl",
-        "rollout_corr/log_ppl_abs_diff", "actor/moe/router_agreement")
+        "rollout_corr/log_ppl_abs_diff", "actor/moe/old_logp_router_agreement", "actor/moe/router_agreement")
 
 
 def run(mode: str, a: argparse.Namespace) -> list[dict]:

@@ -424,8 +424,9 @@ class FSDP2Engine(TrainEngine):
         if routes is not None:
             routes = token_order(routes, valid, packed, self.sp_group, fill)
         balance = training and self.moe_aux_loss_coef > 0
+        score = self.role == "actor" and not training  # the old-log-prob pass: the rollout's routing vs ours
         self.routing.begin(routes, token_order(valid, valid, packed, self.sp_group, False), force, observe,
-                           record, balance)
+                           record, balance, score)
         out = self._forward_model(micro, with_entropy, entropy_grad)
         self.routing.end()  # a recompute in the backward routes as this forward did, counting nothing
         if record:

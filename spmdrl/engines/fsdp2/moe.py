@@ -59,21 +59,23 @@ class Routing:
     def reset_stats(self) -> None:
         self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)  # token slots
         self.agree = torch.zeros(2, dtype=torch.float64)  # slots the router agrees on, slots compared
+        self.agree_scored = torch.zeros(2, dtype=torch.float64)  # the same in no-grad passes (old log-probs)
 
     def begin(self, rollout: Optional[torch.Tensor], valid: Optional[torch.Tensor], force: bool,
-              observe: bool, record: bool, balance: bool = False) -> None:
+              observe: bool, record: bool, balance: bool = False, score: bool = False) -> None:
         """Set what the next forward's routers read: ``rollout`` [T, L, k] in the forward's token order, and
-        whether they count their routing (``observe``), keep it for ``recorded`` (``record``) and add up the
-        load-balancing loss (``balance``)."""
+        whether they count their routing (``observe``: an update's), compare it with ``rollout`` alone
+        (``score``: a no-grad pass's), keep it for ``recorded`` (``record``) and add up the load-balancing
+        loss (``balance``)."""
         self.rollout = None if rollout is None else rollout.long()
         self.valid = valid
         self.force = force and rollout is not None
-        self.observing, self.recording, self.balancing = observe, record, balance
+        self.observing, self.recording, self.balancing, self.scoring = observe, record, balance, score
         self._record = [None] * self.num_layers
         self.aux_loss = None
 
     def end(self) -> None:
-        self.observing = self.recording = self.balancing = False
+        self.observing = self.recording = self.balancing = self.scoring = False
 
     def recorded(self) -> torch.Tensor:
         """[T, L, k] the experts of every token of the last forward (``route_dtype``)."""
@@ -86,10 +88,14 @@ class Routing:
         if self.rollout is not None:
             theirs = self.rollout[:, layer]  # [T, k]
             known = theirs[:, 0] != unrouted(self.num_experts)  # [T]
-            if self.observing:
+            if self.observing or self.scoring:
                 mask = known if self.valid is None else known & self.valid
                 same = (top_i[:, :, None] == theirs[:, None, :]).any(1)  # [T, k] their expert is in ours
-                self.agree += torch.stack([same[mask].sum(), mask.sum() * self.top_k]).double().cpu()
+                counts = torch.stack([same[mask].sum(), mask.sum() * self.top_k]).double().cpu()
+                if self.observing:
+                    self.agree += counts
+                else:
+                    self.agree_scored += counts
             if self.force:
                 used = torch.where(known[:, None], theirs, top_i)
                 top_p = probs.gather(-1, used)
@@ -126,11 +132,14 @@ class Routing:
 
     def metrics(self, groups: list[dist.ProcessGroup], prefix: str) -> dict[str, float]:
         """Load and agreement of the observed forwards since ``reset_stats``, summed over ``groups`` (the
-        ranks that held other tokens), so that 1 and k ranks report the same numbers."""
-        stats = torch.cat([self.load.flatten(), self.agree])
+        ranks that held other tokens), so that 1 and k ranks report the same numbers: ``router_agreement``,
+        the share of the recorded experts (R3: the rollout's, R2: the old pass's) that the router still picks
+        in the update, and ``old_logp_router_agreement``, the share of the batch's recorded experts (the
+        rollout's) that it picks in the no-grad passes before the update."""
+        stats = torch.cat([self.load.flatten(), self.agree_scored, self.agree])
         for group in groups:
             dist.all_reduce(stats, group=group)
-        load = stats[:-2].view(self.num_layers, self.num_experts)  # [L, E]
+        load = stats[:-4].view(self.num_layers, self.num_experts)  # [L, E]
         out: dict[str, float] = {}
         if float(load.sum()) > 0:
             ratio = load.max(1).values / load.mean(1).clamp(min=1e-12)  # [L] 1 = perfectly balanced
@@ -139,6 +148,8 @@ class Routing:
             out[f"{prefix}/experts_unused"] = float((load == 0).sum()) / self.num_layers
         if float(stats[-1]) > 0:
             out[f"{prefix}/router_agreement"] = float(stats[-2] / stats[-1])
+        if float(stats[-3]) > 0:  # before the update moved the router: what the engines differ by alone
+            out[f"{prefix}/old_logp_router_agreement"] = float(stats[-4] / stats[-3])
         self.reset_stats()
         return out
 
