@@ -227,8 +227,8 @@ def case_argv(case: dict, data: dict, out: Path) -> list[str]:
     actor_mini, critic_mini = (BATCH, BATCH) if case["mini_batches"] == "one" else (BATCH // 2, BATCH // 4)
     argv += ["--actor.ppo_mini_batch_size", str(actor_mini), "--critic.ppo_mini_batch_size", str(critic_mini)]
     argv += ["--actor.ppo_epochs", str(case["ppo_epochs"]), "--critic.ppo_epochs", str(case["ppo_epochs"])]
-    if case["packing"]:
-        argv += ["--model.use_remove_padding", "true", "--critic.use_remove_padding", "true"]
+    packing = str(case["packing"]).lower()  # explicit: configs/grpo.yaml packs
+    argv += ["--model.use_remove_padding", packing, "--critic.use_remove_padding", packing]
     if case["token_budget"]:  # ~2 rows of arith per micro-batch; a long-tailed prompt alone
         argv += ["--actor.use_dynamic_bsz", "true", "--actor.ppo_max_token_len_per_gpu", "64",
                  "--actor.log_prob_use_dynamic_bsz", "true", "--actor.log_prob_max_token_len_per_gpu", "64",
