@@ -93,9 +93,10 @@ class ModelConfig:
     use_remove_padding: bool = False
     """Actor and reference forwards run packed sequences (verl's use_remove_padding): the valid
     tokens of a micro-batch's rows in one row, attention kept within each sequence, so no projection,
-    MLP or LM head runs on padding. Same results as padded rows (float32: 1e-5). fsdp2 only. Off by
-    default: on a 2-core CPU it wins ~2x when rows average a quarter of the longest, and loses ~15%
-    when every row is full (bench/packing.py)."""
+    MLP or LM head runs on padding. Same results as padded rows (float32: 1e-5). The fsdp2 engine packs;
+    the megatron engine runs the rows padded (the same results, without the saving). Off by default: on a
+    2-core CPU it wins ~2x when rows average a quarter of the longest, and loses ~15% when every row is
+    full (bench/packing.py)."""
     lora_rank: int = 0
     """LoRA rank of the actor (0: full fine-tuning). Adapters come from peft on the FSDP2 actor; only they
     are trained, get optimizer state and are checkpointed; the reference policy is the same model with its

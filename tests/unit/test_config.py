@@ -210,8 +210,6 @@ def test_sequence_parallel_refusals(extra, world, fragment, monkeypatch, capsys)
     (["--actor.param_dtype", "float16"], "computes in float32 or bfloat16"),
     (["--parallel.pp", "3"], "parallel.pp=3 does not divide the model's num_hidden_layers (4)"),
     (["--actor.cpu_offload", "true"], "actor.cpu_offload / ref.offload is true"),
-    (["--model.use_remove_padding", "true"],
-     "model.use_remove_padding is true but actor.strategy 'megatron'"),
     (["--actor.use_dynamic_bsz", "true"], "actor.use_dynamic_bsz is true but actor.strategy 'megatron'"),
 ])
 def test_megatron_checks_its_options(extra, fragment, monkeypatch, capsys):

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from spmdrl.batch import Batch, unrouted
 from spmdrl.engines.base import LossFn, LossScale, ModelRole, TrainEngine, zero_loss
@@ -203,15 +204,13 @@ class FSDP2Engine(TrainEngine):
         # SP slices the packed row: it packs whatever the config says (the padded path's results, 1e-5).
         if (remove_padding := remove_padding or self.sp_group is not None):
             attn_implementation = packed_attention(attn_implementation)
-        self.remove_padding = remove_padding
-        self.max_grad_norm = max_grad_norm
-        self.global_step = 0
+        self.remove_padding, self.max_grad_norm, self.global_step = remove_padding, max_grad_norm, 0
         dtype, mp_param, mp_reduce = _mixed_precision(role, to_dtype(dtype), param_dtype, reduce_dtype)
         # The dtype of the unsharded parameters in forward (what an all-gather produces).
         self.param_dtype = mp_param or dtype
         self.model = self._load(model_path, role, dtype, seed, attn_implementation, max_position_embeddings)
-        self.routing, self.router_replay = install_routing(self.model), router_replay  # None: dense
-        self.moe_aux_loss_coef = moe_aux_loss_coef
+        self.routing = install_routing(self.model)  # an MoE model's routers (None for a dense model)
+        self.router_replay, self.moe_aux_loss_coef = router_replay, moe_aux_loss_coef
         if self.sp_group is not None:
             shard_attention(self.model, self.sp_group, f"the {role} model {model_path!r}")
         if role in FROZEN:
@@ -223,25 +222,31 @@ class FSDP2Engine(TrainEngine):
         if role in ("actor", "ref"):  # the forward ends in log-probs, never in [tokens x vocab] logits
             install_fused_head(self.model)
         self.expert_mesh = expert_mesh if self.routing is not None else None
-        if self.expert_mesh is not None:
-            apply_ep(self.model, self.expert_mesh)
-        if self.tp_mesh is not None:
-            apply_tp(self.model, self.tp_mesh)
-        if gradient_checkpointing and role not in FROZEN:
-            apply_activation_checkpointing(self.model)
-        if fused_kernels:
-            apply_fused_kernels(self.model)
-        if compile:
-            apply_compile(self.model)
-        apply_fsdp(self.model, self.fsdp_mesh, mp_param, mp_reduce, cpu_offload, self.expert_mesh)
+        self._parallelize(gradient_checkpointing and role not in FROZEN, fused_kernels, compile,
+                          MixedPrecisionPolicy(param_dtype=mp_param, reduce_dtype=mp_reduce), cpu_offload)
 
         self.optimizer: torch.optim.AdamW | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if role not in FROZEN:
             self.optimizer = build_optimizer(self.model, lr, weight_decay, betas)
-            self.scheduler = build_scheduler(
-                self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio, total_steps
-            )
+            self.scheduler = build_scheduler(self.optimizer, lr_warmup_steps, lr_scheduler, min_lr_ratio,
+                                             total_steps)
+
+    def _parallelize(self, checkpointing: bool, fused_kernels: bool, compile: bool, mp: MixedPrecisionPolicy,
+                     cpu_offload: bool) -> None:
+        """Expert and tensor parallelism, activation checkpointing, fused kernels, compile, then FSDP: the
+        order parallelize.py gives."""
+        if self.expert_mesh is not None:
+            apply_ep(self.model, self.expert_mesh)
+        if self.tp_mesh is not None:
+            apply_tp(self.model, self.tp_mesh)
+        if checkpointing:
+            apply_activation_checkpointing(self.model)
+        if fused_kernels:
+            apply_fused_kernels(self.model)
+        if compile:
+            apply_compile(self.model)
+        apply_fsdp(self.model, self.fsdp_mesh, mp.param_dtype, mp.reduce_dtype, cpu_offload, self.expert_mesh)
 
     @staticmethod
     def _load(model_path: str, role: ModelRole, dtype: torch.dtype, seed: int, attn: str,

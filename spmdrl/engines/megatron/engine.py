@@ -231,9 +231,9 @@ class MegatronEngine(TrainEngine):
                 raise ValueError(f"{key} asks for LoRA but actor.strategy 'megatron' trains full weights "
                                  f"(megatron-core's LoRA lives in NeMo, not in megatron-core); set "
                                  f"actor.strategy: fsdp2 for LoRA")
-        for key, on in (("model.use_remove_padding", cfg.model.use_remove_padding),
-                        ("critic.use_remove_padding", c.use_remove_padding),
-                        ("actor.use_dynamic_bsz", cfg.actor.use_dynamic_bsz),
+        # model.use_remove_padding / critic.use_remove_padding pass: packing changes what is computed on, not
+        # the results (1e-5), so the Megatron engine runs the same rows padded (configs/grpo.yaml packs).
+        for key, on in (("actor.use_dynamic_bsz", cfg.actor.use_dynamic_bsz),
                         ("actor.log_prob_use_dynamic_bsz", cfg.actor.log_prob_use_dynamic_bsz),
                         ("ref.log_prob_use_dynamic_bsz", cfg.ref.log_prob_use_dynamic_bsz),
                         ("critic.use_dynamic_bsz", c.use_dynamic_bsz)):
