@@ -92,22 +92,16 @@ _CONFIG_DEFAULTS: dict[str, Any] = dict(max_position_embeddings=2048, rope_theta
 # name -> the spmdrl.sft keys that train it. The schedule is configs/sft.yaml's, cut to 75 steps: the model
 # answers with a bare number, right ~35% of the time when sampled at temperature 1, so GRPO has room to show
 # what it adds (from 100 SFT steps it starts near 0.45 and gains less; from 50 it ends below 0.6 at seed 2).
+_ARITH_SFT: dict[str, Any] = {
+    "data.train_files": "builtin:arith_sft", "data.val_files": "builtin:arith_sft",
+    "data.train_batch_size": 32, "data.micro_batch_size_per_gpu": 32, "data.max_length": 64, "actor.lr": 1e-3,
+    "actor.lr_warmup_steps": 10, "actor.lr_scheduler": "cosine", "actor.min_lr_ratio": 0.1,
+    "trainer.total_steps": 75,
+}
 WARM_STARTS: dict[str, dict[str, Any]] = {
-    "tiny-arith": {
-        "model.path": "builtin:tiny", "data.train_files": "builtin:arith_sft",
-        "data.val_files": "builtin:arith_sft", "data.train_batch_size": 32,
-        "data.micro_batch_size_per_gpu": 32, "data.max_length": 64, "actor.lr": 1e-3,
-        "actor.lr_warmup_steps": 10, "actor.lr_scheduler": "cosine", "actor.min_lr_ratio": 0.1,
-        "trainer.total_steps": 75,
-    },
+    "tiny-arith": {"model.path": "builtin:tiny", **_ARITH_SFT},
     # The MoE main job's (configs/grpo_moe.yaml) warm start: tiny-moe after the same SFT recipe.
-    "tiny-moe-arith": {
-        "model.path": "builtin:tiny-moe", "data.train_files": "builtin:arith_sft",
-        "data.val_files": "builtin:arith_sft", "data.train_batch_size": 32,
-        "data.micro_batch_size_per_gpu": 32, "data.max_length": 64, "actor.lr": 1e-3,
-        "actor.lr_warmup_steps": 10, "actor.lr_scheduler": "cosine", "actor.min_lr_ratio": 0.1,
-        "trainer.total_steps": 75,
-    },
+    "tiny-moe-arith": {"model.path": "builtin:tiny-moe", **_ARITH_SFT},
 }
 # Bump when a recipe (or the SFT trainer's arithmetic) changes, so a stale cached warm start is not reused.
 WARM_START_VERSION = 2
