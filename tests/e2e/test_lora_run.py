@@ -20,7 +20,8 @@ pytestmark = pytest.mark.e2e
 LORA = ["--config", "configs/grpo.yaml", *TINY, "--model.path", "builtin:tiny", "--model.lora_rank", "8",
         "--model.lora_alpha", "16", "--actor.lr", "1e-3", "--actor.param_dtype", "float32",
         "--rollout.dtype", "float32", "--model.fused_kernels", "off", "--trainer.save_freq", "2",
-        "--trainer.export_hf_on_save", "true"]
+        "--trainer.export_hf_on_save", "true",
+        "--actor.ppo_epochs", "1"]  # one update a step: step 1's KL loss is the base's own (0)
 
 
 declare("lora/run", [*LORA, "--trainer.total_steps", "2", "--trainer.output_dir", "{base}/lora/run"])
