@@ -21,7 +21,8 @@ def check_grpo_through_loop(engine: str, tp: int, out_dir: Path, split: bool = F
     # ppo_mini_batch_size 4 of 8 prompts: two optimizer steps, so the actor recomputes old log-probs and the
     # loop reports training/rollout_logp_diff (the rollout against the actor, after the step's weight sync).
     args = ["--config", "configs/grpo.yaml", "--rollout.engine", engine, "--trainer.total_steps", "3",
-            "--data.train_batch_size", "8", "--actor.ppo_mini_batch_size", "4", "--trainer.progress_bar",
+            "--data.train_batch_size", "8", "--actor.ppo_mini_batch_size", "4", "--actor.ppo_epochs", "1",
+            "--trainer.progress_bar",
             "false", "--trainer.resume", "off",
             # float32 on both sides whatever auto picks on this CPU (the tolerance below is a float32 one)
             "--rollout.dtype", "float32", "--actor.param_dtype", "float32",
