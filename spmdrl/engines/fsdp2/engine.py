@@ -550,7 +550,7 @@ class FSDP2Engine(TrainEngine):
         if self.routing is None:
             return {}
         groups = self.dp_groups + ([self.sp_group] if self.sp_group is not None else [])
-        return self.routing.metrics(groups, f"{prefix}/moe")
+        return self.routing.metrics(groups, f"{prefix}/moe", self._comm_device())
 
     # ------------------------------------------------------------------ weights, memory, checkpoints
 

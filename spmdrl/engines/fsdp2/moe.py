@@ -52,14 +52,17 @@ class Routing:
         self.observing = False
         self.recording = False
         self.balancing = False  # add up the load-balancing loss (``aux_loss``) in this forward
+        self.scoring = False
         self.aux_loss: Optional[torch.Tensor] = None
         self._record: list[Optional[torch.Tensor]] = [None] * num_layers
         self.reset_stats()
 
-    def reset_stats(self) -> None:
-        self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)  # token slots
-        self.agree = torch.zeros(2, dtype=torch.float64)  # slots the router agrees on, slots compared
-        self.agree_scored = torch.zeros(2, dtype=torch.float64)  # the same in no-grad passes (old log-probs)
+    def reset_stats(self, device: torch.device | str = "cpu") -> None:
+        """Zero the counts, kept on the routers' device (no host sync per layer; ``metrics`` reduces them
+        there, as the process group's backend wants)."""
+        self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64, device=device)
+        self.agree = torch.zeros(2, dtype=torch.float64, device=device)  # slots agreed on, slots compared
+        self.agree_scored = torch.zeros(2, dtype=torch.float64, device=device)  # no-grad passes (old logp)
 
     def begin(self, rollout: Optional[torch.Tensor], valid: Optional[torch.Tensor], force: bool,
               observe: bool, record: bool, balance: bool = False, score: bool = False) -> None:
@@ -85,13 +88,15 @@ class Routing:
         """(weights [T, k] fp32, experts [T, k]) of one layer's tokens from its router's probs [T, E]."""
         top_p, top_i = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         used = top_i
+        if self.load.device != probs.device:  # the first forward on this device
+            self.reset_stats(probs.device)
         if self.rollout is not None:
             theirs = self.rollout[:, layer]  # [T, k]
             known = theirs[:, 0] != unrouted(self.num_experts)  # [T]
             if self.observing or self.scoring:
                 mask = known if self.valid is None else known & self.valid
                 same = (top_i[:, :, None] == theirs[:, None, :]).any(1)  # [T, k] their expert is in ours
-                counts = torch.stack([same[mask].sum(), mask.sum() * self.top_k]).double().cpu()
+                counts = torch.stack([same[mask].sum(), mask.sum() * self.top_k]).double()
                 if self.observing:
                     self.agree += counts
                 else:
@@ -107,7 +112,7 @@ class Routing:
             self._record[layer] = used.detach()
         if self.observing:
             counted = used if self.valid is None else used[self.valid]
-            self.load[layer] += torch.bincount(counted.flatten(), minlength=self.num_experts).double().cpu()
+            self.load[layer] += torch.bincount(counted.flatten(), minlength=self.num_experts).double()
         return top_p, used
 
     def _balance(self, probs: torch.Tensor, used: torch.Tensor) -> None:
@@ -130,15 +135,17 @@ class Routing:
         local = tokens if self.valid is None else int(self.valid.sum())
         return self.aux_loss * share * local / tokens
 
-    def metrics(self, groups: list[dist.ProcessGroup], prefix: str) -> dict[str, float]:
+    def metrics(self, groups: list[dist.ProcessGroup], prefix: str, device: torch.device) -> dict[str, float]:
         """Load and agreement of the observed forwards since ``reset_stats``, summed over ``groups`` (the
         ranks that held other tokens), so that 1 and k ranks report the same numbers: ``router_agreement``,
         the share of the recorded experts (R3: the rollout's, R2: the old pass's) that the router still picks
         in the update, and ``old_logp_router_agreement``, the share of the batch's recorded experts (the
         rollout's) that it picks in the no-grad passes before the update."""
-        stats = torch.cat([self.load.flatten(), self.agree_scored, self.agree])
+        stats = torch.cat([self.load.flatten(), self.agree_scored, self.agree]).to(device)  # the groups'
+
         for group in groups:
             dist.all_reduce(stats, group=group)
+        stats = stats.cpu()
         load = stats[:-4].view(self.num_layers, self.num_experts)  # [L, E]
         out: dict[str, float] = {}
         if float(load.sum()) > 0:
@@ -150,7 +157,7 @@ class Routing:
             out[f"{prefix}/router_agreement"] = float(stats[-2] / stats[-1])
         if float(stats[-3]) > 0:  # before the update moved the router: what the engines differ by alone
             out[f"{prefix}/old_logp_router_agreement"] = float(stats[-4] / stats[-3])
-        self.reset_stats()
+        self.reset_stats(self.load.device)
         return out
 
 
