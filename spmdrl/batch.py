@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from spmdrl.rollout.base import GenerationOutput
 
 
+# The ``routed_experts`` value of a token no engine routed, by the record's dtype.
+_UNROUTED = {torch.uint8: 255, torch.int32: -1}
+
+
 def route_dtype(num_experts: int) -> torch.dtype:
     """The dtype of ``routed_experts``: uint8 while the expert ids and the ``unrouted`` mark fit (gloo has
     no int16), else int32."""
@@ -36,7 +40,12 @@ def route_dtype(num_experts: int) -> torch.dtype:
 
 def unrouted(num_experts: int) -> int:
     """The ``routed_experts`` value of a token no engine routed."""
-    return 255 if num_experts < 255 else -1
+    return _UNROUTED[route_dtype(num_experts)]
+
+
+def unrouted_in(record: torch.Tensor) -> int:
+    """The "no engine routed it" value of a ``routed_experts`` record (by its dtype)."""
+    return _UNROUTED[record.dtype]
 
 
 class Batch:

@@ -34,6 +34,7 @@ import torch
 from spmdrl.agent.chat import PARSERS, ChatTokens, ParsedCall
 from spmdrl.agent.runner import ToolCall, ToolRunner
 from spmdrl.agent.tools import Tool, ToolSpec, load_tool_config
+from spmdrl.batch import unrouted_in
 from spmdrl.rollout.base import GenerationOutput, SamplingParams, left_pad
 from spmdrl.rollout.sampling import response_key
 from spmdrl.sandbox.confine import LEVELS, probe_level
@@ -100,7 +101,7 @@ class Trajectory:
 
 def _unrouted_like(routes: torch.Tensor, n: int) -> torch.Tensor:
     """[n, L, k] of the routing record's "no experts recorded" mark (batch.py's ``unrouted``)."""
-    return routes.new_full((n, *routes.shape[1:]), 255 if routes.dtype == torch.uint8 else -1)
+    return routes.new_full((n, *routes.shape[1:]), unrouted_in(routes))
 
 
 def _add_routes(t: Trajectory, turn: torch.Tensor, width: int, new: int) -> None:
@@ -113,7 +114,7 @@ def _add_routes(t: Trajectory, turn: torch.Tensor, width: int, new: int) -> None
     if t.routes is None:
         t.routes = ran.clone()
     else:
-        missing = t.routes[:, 0, 0] == _unrouted_like(t.routes, 1)[0, 0, 0]
+        missing = t.routes[:, 0, 0] == unrouted_in(t.routes)
         t.routes[missing] = ran[missing]
     t.routes = torch.cat([t.routes, turn[width:width + new]])
 

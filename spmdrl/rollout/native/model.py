@@ -325,7 +325,7 @@ class Decoder:
                       g("mlp.down_proj.weight"), g("mlp.down_proj.bias"), router=g("mlp.gate.weight"),
                       experts_gu=g("mlp.experts.gate_up"), experts_down=g("mlp.experts.down"))
             self.layers.append(L)
-            if c.moe:  # HF checkpoint names, one tensor an expert (moe_weights.per_expert splits fused ones)
+            if c.moe:  # checkpoint names, one tensor an expert (hf_folder.per_expert splits fused ones)
                 im = c.moe_intermediate_size
                 for e in range(c.num_experts):
                     q = p + f"mlp.experts.{e}."
