@@ -62,7 +62,8 @@ from spmdrl.rollout.native.graphs import (
 )
 from spmdrl.rollout.native.kernels import KernelMode, resolve_kernels
 from spmdrl.rollout.native.kernels import ops as kernel_ops
-from spmdrl.rollout.native.model import Decoder, DecoderConfig
+from spmdrl.rollout.native.config import DecoderConfig
+from spmdrl.rollout.native.model import Decoder
 from spmdrl.rollout.sampling import keyed_uniform, row_keys, sample, stop_id_tensor, validate_sampling
 
 if TYPE_CHECKING:
