@@ -219,7 +219,7 @@ def gemm_times(config_path: Path, rows: int, repeats: int, dtype: str) -> tuple[
     import torch.nn.functional as F
 
     sys.path.insert(0, str(REPO))
-    from spmdrl.rollout.native.model import DecoderConfig
+    from spmdrl.rollout.native.config import DecoderConfig
 
     c = DecoderConfig.from_folder(config_path)
     h, d, i = c.hidden_size, c.head_dim, c.intermediate_size
@@ -246,7 +246,7 @@ def gemm_times(config_path: Path, rows: int, repeats: int, dtype: str) -> tuple[
 def gemm_limit(config_path: Path, flop: int, times: list[float]) -> tuple[float, float]:
     """(GFLOP/s, GEMM-bound tok/s) from the median of the timed passes."""
     sys.path.insert(0, str(REPO))
-    from spmdrl.rollout.native.model import DecoderConfig
+    from spmdrl.rollout.native.config import DecoderConfig
 
     rate = flop / statistics.median(times)
     return rate / 1e9, rate / (2 * DecoderConfig.from_folder(config_path).num_params())

@@ -45,8 +45,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runnable from a checkout
 
 from spmdrl.rollout.base import GenerationOutput, SamplingParams  # noqa: E402
+from spmdrl.rollout.native.config import DecoderConfig  # noqa: E402
 from spmdrl.rollout.native.engine import NativeRollout  # noqa: E402
-from spmdrl.rollout.native.model import Decoder, DecoderConfig  # noqa: E402
+from spmdrl.rollout.native.model import Decoder  # noqa: E402
 from spmdrl.rollout.sampling import response_key  # noqa: E402
 
 Stream = Callable[[], Iterator[tuple[str, torch.Tensor]]]

@@ -13,9 +13,9 @@ import torch
 
 from spmdrl.rollout import build_rollout
 from spmdrl.rollout.base import SamplingParams
-from spmdrl.rollout.native.config import rope_inv_freq
+from spmdrl.rollout.native.config import DecoderConfig, rope_inv_freq
 from spmdrl.rollout.native.engine import NativeRollout, left_pad
-from spmdrl.rollout.native.model import Decoder, DecoderConfig
+from spmdrl.rollout.native.model import Decoder
 
 EOS, PAD = 2, 0
 

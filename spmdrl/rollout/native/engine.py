@@ -53,6 +53,7 @@ from spmdrl.rollout.base import (
     left_pad,
 )
 from spmdrl.rollout.native.cache import KVCache, KVView
+from spmdrl.rollout.native.config import DecoderConfig
 from spmdrl.rollout.native.graphs import (
     GraphMode,
     StaticDecode,
@@ -62,7 +63,6 @@ from spmdrl.rollout.native.graphs import (
 )
 from spmdrl.rollout.native.kernels import KernelMode, resolve_kernels
 from spmdrl.rollout.native.kernels import ops as kernel_ops
-from spmdrl.rollout.native.config import DecoderConfig
 from spmdrl.rollout.native.model import Decoder
 from spmdrl.rollout.sampling import keyed_uniform, row_keys, sample, stop_id_tensor, validate_sampling
 
