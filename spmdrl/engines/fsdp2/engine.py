@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from spmdrl.batch import Batch, unrouted
+from spmdrl.batch import Batch
 from spmdrl.engines.base import LossFn, LossScale, ModelRole, TrainEngine, zero_loss
 from spmdrl.engines.fsdp2.expert_parallel import apply_ep
 from spmdrl.engines.fsdp2.fused import apply_fused_kernels, resolve_fused_kernels
@@ -64,7 +64,7 @@ from spmdrl.engines.fsdp2.lora import (
     read_adapter_config,
 )
 from spmdrl.engines.fsdp2.models import RewardModel, ValueModel
-from spmdrl.engines.fsdp2.moe import install_routing, row_order, token_order
+from spmdrl.engines.fsdp2.moe import install_routing
 from spmdrl.engines.fsdp2.packing import Packed, pack, packed_attention, shard_packed
 from spmdrl.engines.fsdp2.parallelize import (
     apply_activation_checkpointing,
@@ -421,21 +421,13 @@ class FSDP2Engine(TrainEngine):
         """
         if self.routing is None:
             return self._forward_model(micro, with_entropy, entropy_grad)
-        replay, force = self.router_replay, self.role in ("actor", "ref")
-        force &= replay == "R3" or (training and replay == "R2")
-        record = self.role == "actor" and not training and replay == "R2"
-        valid, packed = micro["attention_mask"].bool(), self.remove_padding
-        routes, fill = micro.get("routed_experts"), unrouted(self.routing.num_experts)  # [n, P+R, L, k]
-        if routes is not None:
-            routes = token_order(routes, valid, packed, self.sp_group, fill)
-        balance = training and self.moe_aux_loss_coef > 0
-        score = self.role == "actor" and not training  # the old-log-prob pass: the rollout's routing vs ours
-        self.routing.begin(routes, token_order(valid, valid, packed, self.sp_group, False), force, observe,
-                           record, balance, score)
+        record = self.routing.begin_micro(micro, self.remove_padding, self.sp_group, role=self.role,
+                                          replay=self.router_replay, training=training, observe=observe,
+                                          balance=training and self.moe_aux_loss_coef > 0)
         out = self._forward_model(micro, with_entropy, entropy_grad)
         self.routing.end()  # a recompute in the backward routes as this forward did, counting nothing
         if record:
-            out["routed_experts"] = row_order(self.routing.recorded(), valid, packed, self.sp_group, fill)
+            out["routed_experts"] = self.routing.recorded_rows(micro, self.remove_padding, self.sp_group)
         return out
 
     def _forward_model(self, micro: Batch, with_entropy: bool, entropy_grad: bool) -> dict[str, torch.Tensor]:

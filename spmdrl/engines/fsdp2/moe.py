@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from spmdrl.batch import route_dtype, unrouted
+from spmdrl.batch import Batch, route_dtype, unrouted
 from spmdrl.engines.fsdp2.parallelize import decoder_of
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
@@ -76,6 +76,28 @@ class Routing:
         self.observing, self.recording, self.balancing, self.scoring = observe, record, balance, score
         self._record = [None] * self.num_layers
         self.aux_loss = None
+
+    def begin_micro(self, micro: Batch, packed: bool, sp_group: Optional[dist.ProcessGroup], *, role: str,
+                    replay: str, training: bool, observe: bool, balance: bool) -> bool:
+        """``begin`` for one micro-batch of the FSDP2 engine, in its forward's token order (padded, packed, or
+        an SP slice of packed): the actor and the reference replay its ``routed_experts`` under R3, the
+        actor's update under R2 too; the actor's no-grad pass compares them with its own routing, and under
+        R2 records it (returns whether it records: ``recorded_rows`` then)."""
+        force = role in ("actor", "ref") and (replay == "R3" or (training and replay == "R2"))
+        record = role == "actor" and not training and replay == "R2"
+        valid = micro["attention_mask"].bool()  # [n, P+R]
+        routes = micro.get("routed_experts")  # [n, P+R, L, k]
+        if routes is not None:
+            routes = token_order(routes, valid, packed, sp_group, unrouted(self.num_experts))
+        mask = token_order(valid, valid, packed, sp_group, False)
+        self.begin(routes, mask, force, observe, record, balance, score=role == "actor" and not training)
+        return record
+
+    def recorded_rows(self, micro: Batch, packed: bool, sp_group: Optional[dist.ProcessGroup]
+                      ) -> torch.Tensor:
+        """What ``begin_micro``'s forward recorded, in the micro-batch's rows: [n, P+R, L, k]."""
+        valid = micro["attention_mask"].bool()
+        return row_order(self.recorded(), valid, packed, sp_group, unrouted(self.num_experts))
 
     def end(self) -> None:
         self.observing = self.recording = self.balancing = self.scoring = False
