@@ -9,9 +9,11 @@ prints (``--dry-run`` or ``SPMDRL_DRY_RUN=1``) or execs the command:
     srun --ntasks-per-node=1 python -m spmdrl.launch slurm -- --config configs/grpo.yaml
 
 ``launch/local.sh``, ``launch/multinode.sh`` and ``slurm/*.sbatch`` call this
-module, so the rules live in one tested place. Nothing here imports torch at
-module level: the Slurm path execs torchrun straight away, and the CPU-only
-test suite renders commands without touching a device. See docs/launch.md.
+module, so the rules live in one tested place. Before it execs torchrun, the
+launcher runs the trainer's checks of the arguments once (``preflight``), so
+bad input ends there with one line instead of in torchrun's restart loop.
+Nothing here imports torch at module level: rendering a command (the dry run,
+the CPU-only tests) needs no device. See docs/launch.md.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from collections.abc import Mapping, Sequence
 from typing import Optional
 
 TRAIN_MODULE = "spmdrl.train"
+
+# torchrun as a module of the interpreter this runs under, not the `torchrun` script on PATH: the sbatch
+# scripts' PYTHON=/path/to/venv/bin/python alone then starts that environment's torchrun and trainers.
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 
 # torchrun only forwards the signals it handles to its workers; SIGUSR1 is the
 # one slurm/*.sbatch sends ahead of the time limit, and without it in this list
@@ -291,7 +297,7 @@ def slurm_torchrun_command(
         raise LaunchError(f"--shutdown-timeout={shutdown_timeout} must be 0 or more.")
 
     cmd = [
-        "torchrun",
+        *TORCHRUN,
         "--nnodes", str(nnodes),
         "--nproc-per-node", str(nproc_per_node),
         "--rdzv-backend", "c10d",
@@ -350,7 +356,7 @@ def local_torchrun_command(
         nproc_per_node = default_nproc_per_node()
     if nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node={nproc_per_node} must be at least 1.")
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(nproc_per_node)]
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", str(nproc_per_node)]
     restarts = _resolve_max_restarts(env, max_restarts, None)
     if restarts is not None:
         cmd += ["--max-restarts", str(restarts)]
@@ -386,7 +392,7 @@ def multinode_torchrun_command(
     rdzv_id = env.get("RDZV_ID", "").strip() or "spmdrl"
 
     cmd = [
-        "torchrun",
+        *TORCHRUN,
         "--nnodes", str(nnodes),
         "--nproc-per-node", str(nproc_per_node),
         "--rdzv-backend", "c10d",
@@ -471,8 +477,27 @@ def build_command(
     raise LaunchError(f"unknown launch mode {mode!r}; expected one of local, multinode, slurm.")
 
 
+def preflight(cmd: Sequence[str]) -> None:
+    """The trainer's own checks of its arguments (``spmdrl.train.checked``) at the world size ``cmd`` starts,
+    run here once: bad input exits 2 with one error line before torchrun starts, instead of a line per rank
+    repeated at each of torchrun's restarts (and ``--help`` prints once, exiting 0)."""
+    from torch.distributed.run import get_args_parser
+
+    from spmdrl.config.parse import exit_with
+    from spmdrl.errors import ConfigError
+    from spmdrl.train import checked
+
+    args = get_args_parser().parse_args(list(cmd[len(TORCHRUN):]))
+    nproc, nnodes = int(args.nproc_per_node), int(str(args.nnodes).split(":")[-1])
+    try:
+        checked(args.training_script_args, nnodes * nproc, nproc)
+    except ConfigError as err:
+        exit_with(err, debug="--debug" in args.training_script_args)
+
+
 def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] = None) -> int:
-    """CLI entry: returns 2 on a bad environment; execs torchrun (never returns) otherwise."""
+    """CLI entry: returns 2 on a bad environment, exits 2 on a bad config; execs torchrun (never returns)
+    otherwise."""
     argv = list(sys.argv[1:] if argv is None else argv)
     env = os.environ if env is None else env
     # Split by hand: argparse would try to read trainer flags such as --config
@@ -498,19 +523,12 @@ def main(argv: Optional[Sequence[str]] = None, env: Optional[Mapping[str, str]] 
     if args.dry_run or env.get("SPMDRL_DRY_RUN", "") not in ("", "0"):
         print(shlex.join(cmd), flush=True)
         return 0
+    preflight(cmd)
     print(f"spmdrl.launch: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     # torchrun 2.13 keeps one TCPStore across restarts; keys of a killed attempt can point the
     # restarted group at dead peers (pytorch#135712). A fresh store per attempt avoids that.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    try:
-        os.execvp(cmd[0], cmd)
-    except FileNotFoundError:
-        print(
-            "spmdrl.launch: error: torchrun is not on PATH; "
-            "activate the environment where torch is installed.",
-            file=sys.stderr,
-        )
-        return 127
+    os.execv(cmd[0], cmd)
 
 
 if __name__ == "__main__":

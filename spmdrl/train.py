@@ -24,31 +24,25 @@ import torch.distributed as dist
 
 from spmdrl.checkpoint.run_folder import OutputLock
 from spmdrl.checkpoint.watchdog import collective_timeout_s
-from spmdrl.config import output_dir
+from spmdrl.config import Config, output_dir
 from spmdrl.config.checks import validate_config
 from spmdrl.config.parse import exit_with, parse_config
 from spmdrl.errors import ConfigError
-from spmdrl.parallel import ParallelDims, resolve_device_type
-from spmdrl.plan import heap, make_plans
+from spmdrl.parallel import ParallelDims, RankRole, resolve_device_type
+from spmdrl.plan import Plan, heap, make_plans
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:
-        cfg, debug = parse_config(argv)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        validate_config(cfg, world_size)
-        # One plan per role (split placement: training and rollout ranks hold different things).
-        plans = make_plans(cfg, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                           resolve_device_type(cfg.trainer.device))
+        cfg, debug, plans = checked(argv, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         rank0 = os.environ.get("RANK", "0") == "0"
         if rank0:  # with plan_only, each plan's verdict under it, whether or not the run would fit here
             print("\n".join(p.table() + ("\n" + p.verdict() if cfg.trainer.plan_only else "")
                             for p in plans.values()), flush=True)
         if cfg.trainer.plan_only:
             return 0
-        for p in plans.values():
-            p.check()  # a phase that cannot fit stops the run before any work
         plan = plans[ParallelDims.of(cfg, world_size).role(int(os.environ.get("RANK", "0")))]
         # Rank 0 (the one writer of metrics and config) claims the folder before any model loads.
         lock = OutputLock.acquire(output_dir(cfg)) if os.environ.get("RANK", "0") == "0" else None
@@ -80,6 +74,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             lock.release()
         teardown(finished, code, world_size)
     return 0
+
+
+def checked(argv: Optional[Sequence[str]], world_size: int, local_world_size: int
+            ) -> tuple[Config, bool, dict[RankRole, Plan]]:
+    """The config of ``argv`` checked for ``world_size`` ranks, whether ``--debug`` was given, and its memory
+    plans, one per role (split placement: training and rollout ranks hold different things); a run that
+    cannot fit raises ConfigError unless it only asks for the plan. Every rank does this first, and
+    spmdrl.launch once before torchrun starts them: bad input is one line there, not a restart loop."""
+    cfg, debug = parse_config(argv)
+    validate_config(cfg, world_size)
+    plans = make_plans(cfg, world_size, local_world_size, resolve_device_type(cfg.trainer.device))
+    if not cfg.trainer.plan_only:
+        for p in plans.values():
+            p.check()  # a phase that cannot fit stops the run before any work
+    return cfg, debug, plans
 
 
 def teardown(finished: bool, code: int, world_size: int) -> None:

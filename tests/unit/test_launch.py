@@ -1,19 +1,18 @@
 """Launchers: Slurm hostlists, rendered torchrun commands, the CLI and the shell scripts.
 
 Everything runs without Slurm or a GPU: Slurm is a dict of environment
-variables, and the sbatch script runs under bash with fake ``srun`` and
-``scontrol`` executables on PATH.
+variables (an 8-GPU node's argv is what a CPU cluster cannot show). The sbatch
+scripts run under a real Slurm in tests/e2e/test_slurm.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,9 @@ from spmdrl.launch import (
     slurm_nproc_per_node,
     slurm_torchrun_command,
 )
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+PREFIX = shlex.join(TORCHRUN)
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([*REPO.glob("launch/*.sh"), *REPO.glob("slurm/*.sbatch")])
@@ -102,7 +104,7 @@ def test_expand_hostlist_rejects(spec: str, message: str) -> None:
 def test_slurm_command_two_nodes_four_gpus() -> None:
     cmd = slurm_torchrun_command(_slurm_env(), ["--config", "configs/grpo.yaml"])
     assert cmd == [
-        "torchrun",
+        *TORCHRUN,
         "--nnodes", "2",
         "--nproc-per-node", "4",
         "--rdzv-backend", "c10d",
@@ -122,8 +124,8 @@ def test_slurm_command_cpu_only_uses_tasks_per_node() -> None:
         "SLURM_NNODES": "3", "SLURM_NTASKS_PER_NODE": "2",
     }
     cmd = slurm_torchrun_command(env, ["--config", "x.yaml"], max_restarts=0)
-    assert cmd[:13] == [
-        "torchrun", "--nnodes", "3", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+    assert cmd[:15] == [
+        *TORCHRUN, "--nnodes", "3", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "cpu1:20007", "--rdzv-id", "7", "--max-restarts", "0",
     ]
     assert cmd[-4:] == ["-m", "spmdrl.train", "--config", "x.yaml"]
@@ -194,9 +196,9 @@ def test_rendered_commands_parse_as_torchrun() -> None:
         local_torchrun_command({"NPROC": "2", "MAX_RESTARTS": "1"}, ["--config", "c.yaml"]),
     ]
     for cmd in commands:
-        args = get_args_parser().parse_args(cmd[1:])
+        args = get_args_parser().parse_args(cmd[len(TORCHRUN):])
         assert args.module and args.training_script == "spmdrl.train"
-    slurm_args = get_args_parser().parse_args(commands[0][1:])
+    slurm_args = get_args_parser().parse_args(commands[0][len(TORCHRUN):])
     assert slurm_args.signals_to_handle == SLURM_SIGNALS and slurm_args.rdzv_conf == "is_host=true"
 
 
@@ -205,7 +207,7 @@ def test_rendered_commands_parse_as_torchrun() -> None:
 
 def test_local_command() -> None:
     assert local_torchrun_command({"NPROC": "2"}, ["--config", "a.yaml"]) == [
-        "torchrun", "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train", "--config", "a.yaml",
+        *TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "spmdrl.train", "--config", "a.yaml",
     ]
     with pytest.raises(LaunchError, match="NPROC='0' .* at least 1"):
         local_torchrun_command({"NPROC": "0"}, [])
@@ -217,7 +219,7 @@ def test_multinode_command() -> None:
         "NNODES": "2", "NODE_RANK": "0", "NPROC_PER_NODE": "8",
     }
     assert multinode_torchrun_command(env, ["--config", "a.yaml"]) == [
-        "torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
+        *TORCHRUN, "--nnodes", "2", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", "10.0.0.1:6000", "--rdzv-id", "spmdrl", "--max-restarts", "3",
         "--rdzv-conf", "is_host=true", "-m", "spmdrl.train", "--config", "a.yaml",
     ]
@@ -245,10 +247,22 @@ def test_cli_dry_run_subprocess() -> None:
         env=env, capture_output=True, text=True, timeout=30, check=True,
     ).stdout
     assert out == (
-        "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint gpu01:23456 "
+        f"{PREFIX} --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint gpu01:23456 "
         f"--rdzv-id 123456 --max-restarts 3 --signals-to-handle {SLURM_SIGNALS} --shutdown-timeout 100 "
         "-m spmdrl.train --config x.yaml --trainer.note 'a b'\n"
     )
+
+
+def test_cli_bad_config_is_one_line_before_torchrun(tmp_path: Path) -> None:
+    # The trainer's checks run once in the launcher: one line and exit 2, no torchrun (whose restarts would
+    # repeat the error on every rank of every attempt).
+    proc = subprocess.run(
+        [sys.executable, "-m", "spmdrl.launch", "local", "--nproc-per-node", "2", "--", "--config",
+         str(REPO / "configs/grpo.yaml"), "--actor.lr", "fast"],
+        env=_clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == 'spmdrl.train: error: config key "actor.lr": Expected a float. Got value: fast\n'
 
 
 def test_cli_subprocess_error_exit_code() -> None:
@@ -277,91 +291,22 @@ def test_script_syntax(script: Path) -> None:
 
 
 def test_local_sh_dry_run(tmp_path: Path) -> None:
-    env = _clean_env(NPROC="2", SPMDRL_DRY_RUN="1")
+    env = _clean_env(NPROC="2", SPMDRL_DRY_RUN="1", PYTHON=sys.executable)
     out = subprocess.run(
         ["bash", str(REPO / "launch/local.sh"), "--config", "configs/grpo.yaml"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True,
     ).stdout
-    assert out == "torchrun --standalone --nproc-per-node 2 -m spmdrl.train --config configs/grpo.yaml\n"
+    assert out == f"{PREFIX} --standalone --nproc-per-node 2 -m spmdrl.train --config configs/grpo.yaml\n"
 
 
 def test_multinode_sh_dry_run(tmp_path: Path) -> None:
-    env = _clean_env(MASTER_ADDR="node0", NNODES="2", NODE_RANK="1", NPROC_PER_NODE="4", SPMDRL_DRY_RUN="1")
+    env = _clean_env(MASTER_ADDR="node0", NNODES="2", NODE_RANK="1", NPROC_PER_NODE="4", SPMDRL_DRY_RUN="1",
+                     PYTHON=sys.executable)
     out = subprocess.run(
         ["bash", str(REPO / "launch/multinode.sh"), "--config", "c.yaml"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True,
     ).stdout
     assert out == (
-        "torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint node0:29500 "
+        f"{PREFIX} --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint node0:29500 "
         "--rdzv-id spmdrl --max-restarts 3 --rdzv-conf is_host=false -m spmdrl.train --config c.yaml\n"
     )
-
-
-FAKE_SRUN = """#!/usr/bin/env bash
-printf '%s\\n' "$@" > "$FAKE_DIR/srun_args"
-if [[ -n "${FAKE_SRUN_EXIT:-}" ]]; then exit "$FAKE_SRUN_EXIT"; fi
-got=0
-trap 'got=$((got + 1)); echo USR1 >> "$FAKE_DIR/srun_signals"' USR1
-touch "$FAKE_DIR/srun_ready"
-while (( got == 0 )); do sleep 0.05; done
-sleep 0.3
-exit 0
-"""
-
-FAKE_SCONTROL = """#!/usr/bin/env bash
-echo "$*" >> "$FAKE_DIR/scontrol_calls"
-"""
-
-
-def _fake_slurm(tmp_path: Path, **extra: str) -> dict[str, str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(body)
-        (bin_dir / name).chmod(0o755)
-    env = _clean_env(
-        FAKE_DIR=str(tmp_path),
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_NODELIST="gpu[1-2]",
-        SLURM_SUBMIT_DIR=str(tmp_path),
-        **extra,
-    )
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    return env
-
-
-def test_sbatch_forwards_signal_once_and_requeues(tmp_path: Path) -> None:
-    env = _fake_slurm(tmp_path)
-    proc = subprocess.Popen(
-        ["bash", str(REPO / "slurm/grpo.sbatch"), "--trainer.total_steps", "5"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while not (tmp_path / "srun_ready").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "fake srun never started"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGUSR1)  # Slurm's --signal=B:USR1@120
-        time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)  # a later preemption must not signal the step again
-        out, _ = proc.communicate(timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out
-    assert (tmp_path / "srun_args").read_text().split("\n")[:-1] == [
-        "--kill-on-bad-exit=1", "--cpu-bind=none", "python", "-m", "spmdrl.launch", "slurm", "--",
-        "--config", "configs/grpo.yaml", "--trainer.total_steps", "5",
-    ]
-    assert (tmp_path / "srun_signals").read_text() == "USR1\n"
-    assert (tmp_path / "scontrol_calls").read_text() == "requeue 4242\n"
-
-
-def test_sbatch_without_signal_passes_exit_code_and_does_not_requeue(tmp_path: Path) -> None:
-    env = _fake_slurm(tmp_path, FAKE_SRUN_EXIT="3")
-    proc = subprocess.run(
-        ["bash", str(REPO / "slurm/ppo.sbatch")], env=env, capture_output=True, text=True, timeout=30,
-    )
-    assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert "configs/ppo.yaml" in (tmp_path / "srun_args").read_text()
-    assert not (tmp_path / "scontrol_calls").exists()
