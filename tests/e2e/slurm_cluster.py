@@ -100,7 +100,8 @@ class SlurmCluster:
         self.nodes = tuple(Node(f"n{i}", f"spmdrl-{tag}-n{i}", f"10.77.0.{i}") for i in (1, 2))
         self.conf = root / "slurm.conf"
         self.hosts = root / "hosts"  # /etc/hosts inside the namespaces (a private bind mount)
-        self.daemons: list[subprocess.Popen] = []
+        self.daemons: list[subprocess.Popen] = []  # running
+        self.started: list[subprocess.Popen] = []  # every daemon ever started, for the tests' last check
         self._namespaces: list[str] = []
 
     # -- processes inside a node ------------------------------------------------------------------------
@@ -180,6 +181,7 @@ class SlurmCluster:
 
     def _daemon(self, node: Node, argv: Sequence[str], name: str) -> None:
         self.daemons.append(self.popen(node, argv, log=self.root / f"{name}.out"))
+        self.started.append(self.daemons[-1])
 
     def _wait_idle(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
