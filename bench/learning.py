@@ -4,6 +4,7 @@
     python bench/learning.py --configs grpo ppo --seeds 1 2 3 --steps 100 --out /tmp/learning
     python bench/learning.py --extra --actor.param_dtype float32 --rollout.dtype float32
     python bench/learning.py --configs grpo --seeds 1 2 3 4 5  # the main job's seed sweep: a row per seed
+    python bench/learning.py --configs grpo_moe --seeds 1 2 3 [--extra --actor.router_replay disabled]
 
 Each config runs as the README's main job does (``torchrun --standalone --nproc-per-node N -m
 spmdrl.train --config configs/NAME.yaml``) from the config's own model path, so every row starts from
@@ -114,7 +115,9 @@ def print_seeds(results: dict[str, list[dict]], seeds: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    # Any shipped RL config may be named (grpo_moe: the MoE main job); the default is the nine algorithms.
+    shipped = sorted(c.stem for c in (REPO / "configs").glob("*.yaml") if c.stem != "sft")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=shipped)
     p.add_argument("--seeds", nargs="+", type=int, default=[1])
     p.add_argument("--steps", type=int, default=None, help="trainer.total_steps (default: the config's)")
     p.add_argument("--nproc", type=int, default=2)
