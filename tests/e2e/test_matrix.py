@@ -249,6 +249,8 @@ def case_argv(case: dict, data: dict, out: Path) -> list[str]:
     if case["schedule"] == "cosine":
         argv += ["--actor.lr_scheduler", "cosine", "--actor.lr_warmup_steps", "1",
                  "--actor.min_lr_ratio", "0.1", "--critic.lr_warmup_steps", "1"]
+    else:  # the level, whatever the config says (grpo.yaml decays along a cosine)
+        argv += ["--actor.lr_scheduler", "constant"]
     argv += ["--parallel.sp", str(case["sp"])]
     if _staleness(case) is not None:  # rank 0 trains, rank 1 generates
         argv += ["--rollout.placement", "split", "--rollout.nnodes", "1", "--rollout.n_gpus_per_node", "1",

@@ -31,6 +31,9 @@ ARGS = [
     "--rollout.n", "2", "--actor.ppo_mini_batch_size", "2", "--data.max_response_length", "8",
     "--trainer.save_freq", "2", "--trainer.progress_bar", "false",
     "--rollout.placement", "split", "--rollout.nnodes", "1", "--rollout.n_gpus_per_node", "1",
+    # A constant rate: a resume applies the configured schedule's length (docs/checkpoints.md), so under
+    # grpo.yaml's cosine another total_steps would change the rate of the steps both runs take.
+    "--actor.lr_scheduler", "constant",
 ]
 VOLATILE = ("timing/", "memory/", "perf/", "rollout_ranks/")
 
