@@ -94,10 +94,10 @@ def slurm_conf(root: Path, nodes: Sequence[Node], cpus: int) -> str:
 class SlurmCluster:
     """Two Slurm nodes in two network namespaces; see the module's docstring."""
 
-    def __init__(self, root: Path, tag: str | None = None) -> None:
+    def __init__(self, root: Path) -> None:
         self.root = root
-        tag = tag or str(os.getpid())
-        self.nodes = tuple(Node(f"n{i}", f"spmdrl-{tag}-n{i}", f"10.77.0.{i}") for i in (1, 2))
+        # Namespace names by this process's id: two test sessions on one machine never share one.
+        self.nodes = tuple(Node(f"n{i}", f"spmdrl-{os.getpid()}-n{i}", f"10.77.0.{i}") for i in (1, 2))
         self.conf = root / "slurm.conf"
         self.hosts = root / "hosts"  # /etc/hosts inside the namespaces (a private bind mount)
         self.daemons: list[subprocess.Popen] = []  # running

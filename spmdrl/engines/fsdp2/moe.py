@@ -163,8 +163,8 @@ class Routing:
         the share of the recorded experts (R3: the rollout's, R2: the old pass's) that the router still picks
         in the update, and ``old_logp_router_agreement``, the share of the batch's recorded experts (the
         rollout's) that it picks in the no-grad passes before the update."""
-        stats = torch.cat([self.load.flatten(), self.agree_scored, self.agree]).to(device)  # the groups'
-
+        # On the device the groups' backend reduces on (gloo: CPU, NCCL: the GPU).
+        stats = torch.cat([self.load.flatten(), self.agree_scored, self.agree]).to(device)
         for group in groups:
             dist.all_reduce(stats, group=group)
         stats = stats.cpu()
